@@ -1,0 +1,50 @@
+"""tierd: a tiered KV-cache store for LLM inference (GPU HBM, shared host RAM, NVMe).
+
+Public surface: `connect(url)`, `TieredStore`, `Namespace`, `tierd.keys.block_keys`.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qsl, urlsplit
+
+from .config import StoreConfig
+from .errors import ConfigError, TierdError
+from .namespace import Namespace
+from .store import Lease, Reservation, TieredStore
+
+__version__ = "0.1.0"
+__all__ = ["connect", "TieredStore", "Namespace", "StoreConfig", "Lease", "Reservation",
+           "TierdError", "__version__"]
+
+# embedded:// query parameters -> StoreConfig fields
+_URL_PARAMS = {
+    "host": "host_bytes", "host_bytes": "host_bytes", "host_slab": "host_slab_bytes",
+    "disk": "disk_path", "disk_path": "disk_path", "disk_bytes": "disk_bytes",
+    "disk_slab": "disk_slab_bytes", "disk_file": "disk_file_bytes", "codec": "disk_codec",
+    "policy": "eviction_policy", "admit_min_hits": "disk_admit_min_hits",
+    "direct_io": "disk_direct_io",
+}
+
+
+def connect(url: str = "embedded://") -> TieredStore:
+    """A Store for `url`.
+
+    `embedded://?host=8GiB&disk=/var/cache/tierd&disk_bytes=100GiB&policy=s3fifo&codec=zstd`
+    opens a TieredStore in this process.
+    """
+    parts = urlsplit(url)
+    if parts.scheme == "embedded":
+        cfg = StoreConfig()
+        for k, v in parse_qsl(parts.query, keep_blank_values=True):
+            if k not in _URL_PARAMS:
+                raise ConfigError(f"{url}: unknown parameter {k!r}; known: {', '.join(sorted(_URL_PARAMS))}")
+            field = _URL_PARAMS[k]
+            if field == "disk_admit_min_hits":
+                v = int(v)
+            elif field == "disk_direct_io":
+                v = v.lower() not in ("0", "false", "no", "off")
+            setattr(cfg, field, v)
+        return TieredStore(cfg)
+    if parts.scheme == "unix":
+        raise ConfigError(f"{url}: the daemon client is not part of this build yet; use embedded://")
+    raise ConfigError(f"{url}: unknown scheme {parts.scheme!r}; use embedded:// or unix://")

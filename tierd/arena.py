@@ -1,0 +1,225 @@
+"""Arenas and the slab allocator that carves them.
+
+`SlabAllocator` divides an arena into equal slabs and each slab into equal slots of one slot
+size (a slab class, memcached-style): no per-block allocation, no external fragmentation; the
+waste is the slab tails, slab headers and the arena tail, and it is reported. `SharedArena` is
+the host tier's memory: one shared-memory file (memfd or /dev/shm) mapped once.
+Neither class knows about blocks, keys or policy.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import ALIGN, align_up
+from .errors import CapacityError, ConfigError
+
+_SLOT_BITS = 24  # slot id = slab << 24 | index within slab
+
+
+@dataclass(slots=True)
+class _SlabClass:
+    slot_bytes: int
+    slots_per_slab: int
+    slabs: list[int]
+    free: list[int]  # free slot ids, popped from the end (lowest offsets first)
+
+
+class SlabAllocator:
+    """Slots of 4096-aligned sizes in `num_slabs` slabs of `slab_bytes`.
+
+    Invariant: a slab is either free (in `free_slabs`, class 0) or belongs to exactly one
+    class, and each of its slots is either in that class's free list or in use.
+    """
+
+    def __init__(self, num_slabs: int, slab_bytes: int, *, slab_header_bytes: int = 0,
+                 capacity_bytes: int | None = None):
+        if num_slabs < 1:
+            raise CapacityError("an arena needs at least one slab")
+        self.num_slabs = num_slabs
+        self.slab_bytes = slab_bytes
+        self.slab_header_bytes = slab_header_bytes
+        self.capacity_bytes = capacity_bytes if capacity_bytes is not None else num_slabs * slab_bytes
+        self.slab_class = [0] * num_slabs      # slot_bytes of each slab, 0 = free
+        self.slab_used = [0] * num_slabs       # slots in use per slab
+        self.free_slabs = list(range(num_slabs - 1, -1, -1))
+        self.classes: dict[int, _SlabClass] = {}
+        self.used_bytes = 0
+
+    @property
+    def usable_slab_bytes(self) -> int:
+        return self.slab_bytes - self.slab_header_bytes
+
+    def check_slot_bytes(self, slot_bytes: int, what: str) -> None:
+        if slot_bytes % ALIGN or slot_bytes <= 0:
+            raise ConfigError(f"{what}: slot size {slot_bytes} is not a positive multiple of 4096")
+        if slot_bytes > self.usable_slab_bytes:
+            raise CapacityError(
+                f"{what}: a slot of {slot_bytes} bytes does not fit in a slab of "
+                f"{self.usable_slab_bytes} usable bytes; raise the tier's slab_bytes (and capacity)")
+
+    def _class(self, slot_bytes: int) -> _SlabClass:
+        c = self.classes.get(slot_bytes)
+        if c is None:
+            c = _SlabClass(slot_bytes, self.usable_slab_bytes // slot_bytes, [], [])
+            self.classes[slot_bytes] = c
+        return c
+
+    # -- slot ids --------------------------------------------------------------------------
+    @staticmethod
+    def slab_of(slot_id: int) -> int:
+        return slot_id >> _SLOT_BITS
+
+    def offset(self, slot_id: int) -> int:
+        slab, idx = slot_id >> _SLOT_BITS, slot_id & ((1 << _SLOT_BITS) - 1)
+        return slab * self.slab_bytes + self.slab_header_bytes + idx * self.slab_class[slab]
+
+    def slot_bytes_of(self, slot_id: int) -> int:
+        return self.slab_class[slot_id >> _SLOT_BITS]
+
+    def slots_of_slab(self, slab: int) -> range:
+        n = self.usable_slab_bytes // self.slab_class[slab] if self.slab_class[slab] else 0
+        return range(slab << _SLOT_BITS, (slab << _SLOT_BITS) + n)
+
+    # -- allocation ------------------------------------------------------------------------
+    def assign_slab(self, slab: int, slot_bytes: int) -> None:
+        """Give free slab `slab` to class `slot_bytes`; all its slots become free."""
+        if self.slab_class[slab]:
+            raise RuntimeError(f"slab {slab} is already assigned")
+        self.free_slabs.remove(slab)
+        c = self._class(slot_bytes)
+        self.slab_class[slab] = slot_bytes
+        c.slabs.append(slab)
+        base = slab << _SLOT_BITS
+        c.free.extend(range(base + c.slots_per_slab - 1, base - 1, -1))
+
+    def alloc(self, slot_bytes: int) -> int | None:
+        """A free slot of `slot_bytes`, taking a free slab if the class is full; None if neither."""
+        c = self._class(slot_bytes)
+        if not c.free:
+            if not self.free_slabs:
+                return None
+            self.assign_slab(self.free_slabs[-1], slot_bytes)
+        slot = c.free.pop()
+        self._mark(slot, +1)
+        return slot
+
+    def take(self, slot_id: int) -> None:
+        """Mark a specific free slot used (recovery)."""
+        c = self.classes[self.slab_class[slot_id >> _SLOT_BITS]]
+        c.free.remove(slot_id)
+        self._mark(slot_id, +1)
+
+    def free(self, slot_id: int) -> None:
+        slab = slot_id >> _SLOT_BITS
+        c = self.classes[self.slab_class[slab]]
+        c.free.append(slot_id)
+        self._mark(slot_id, -1)
+
+    def _mark(self, slot_id: int, delta: int) -> None:
+        slab = slot_id >> _SLOT_BITS
+        self.slab_used[slab] += delta
+        self.used_bytes += delta * self.slab_class[slab]
+
+    def release_slab(self, slab: int) -> None:
+        """Return an empty slab to the free pool (slab reassignment)."""
+        if self.slab_used[slab]:
+            raise RuntimeError(f"slab {slab} still has {self.slab_used[slab]} slots in use")
+        c = self.classes[self.slab_class[slab]]
+        c.slabs.remove(slab)
+        lo, hi = slab << _SLOT_BITS, (slab + 1) << _SLOT_BITS
+        c.free = [s for s in c.free if not lo <= s < hi]
+        self.slab_class[slab] = 0
+        self.free_slabs.append(slab)
+
+    def empty_slab_elsewhere(self, slot_bytes: int) -> int | None:
+        """An assigned slab of another class with no slot in use, or None."""
+        for slot_b, c in self.classes.items():
+            if slot_b == slot_bytes:
+                continue
+            for slab in c.slabs:
+                if self.slab_used[slab] == 0:
+                    return slab
+        return None
+
+    # -- accounting ------------------------------------------------------------------------
+    def free_slot_count(self, slot_bytes: int) -> int:
+        c = self.classes.get(slot_bytes)
+        per_slab = self.usable_slab_bytes // slot_bytes
+        return (len(c.free) if c else 0) + len(self.free_slabs) * per_slab
+
+    def waste_bytes(self) -> int:
+        """Bytes that can never hold a slot: slab tails and headers of assigned slabs, the
+        headers of free slabs, and the arena tail that forms no slab."""
+        waste = self.capacity_bytes - self.num_slabs * self.slab_bytes
+        waste += self.num_slabs * self.slab_header_bytes
+        for c in self.classes.values():
+            waste += len(c.slabs) * (self.usable_slab_bytes - c.slots_per_slab * c.slot_bytes)
+        return waste
+
+
+def plan_slabs(capacity_bytes: int, slab_bytes: int, what: str) -> tuple[int, int]:
+    """(num_slabs, slab_bytes) for an arena of `capacity_bytes`; a slab larger than the whole
+    arena shrinks to it."""
+    if capacity_bytes < 2 * ALIGN:
+        raise CapacityError(f"{what}: capacity of {capacity_bytes} bytes is smaller than the 8 KiB minimum")
+    slab_bytes = min(slab_bytes, capacity_bytes // ALIGN * ALIGN)
+    return capacity_bytes // slab_bytes, slab_bytes
+
+
+class SharedArena:
+    """A shared-memory file of exactly `capacity_bytes`, mapped read-write.
+
+    Backed by a memfd (anonymous, gone when the last user closes it) or by a file under a
+    directory such as /dev/shm (mode 0600) that other processes can map by path. Pages are
+    allocated by the kernel on first touch, so a large, mostly empty arena costs nothing.
+    """
+
+    def __init__(self, capacity_bytes: int, *, path: str | None = None, name: str = "tierd-host"):
+        if capacity_bytes <= 0 or capacity_bytes % ALIGN:
+            raise CapacityError(f"host arena size {capacity_bytes} must be a positive multiple of 4096")
+        self.capacity_bytes = capacity_bytes
+        self.path = path
+        if path is None:
+            self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        else:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(self.fd, capacity_bytes)
+            self._mmap = mmap.mmap(self.fd, capacity_bytes, mmap.MAP_SHARED,
+                                   mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            if path is not None:
+                os.unlink(path)
+            raise
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8)  # (capacity_bytes,)
+
+    def view(self, offset: int, length: int) -> np.ndarray:
+        """A writable (length,) uint8 view of the arena at `offset`."""
+        return self.array[offset:offset + length]
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        self.array = None
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes when the last view does
+        os.close(self.fd)
+        self.fd = -1
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def slot_bytes_for(block_bytes: int) -> int:
+    """Host slot size of a block: its byte size rounded up to 4096."""
+    return align_up(block_bytes)

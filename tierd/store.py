@@ -1,0 +1,936 @@
+"""`TieredStore`: the embedded block store — index, tiers, policy and the Store interface.
+
+Owns which block lives where, who pins it, and when it moves: blocks enter host RAM (the hub),
+are demoted to disk past the host's high watermark, promoted back to host on a hit (the disk
+copy stays valid), and evicted in policy order, descendants of a prefix chain before their
+ancestors. It must never serve a byte that failed verification, never evict or move a leased
+slot, and never hold its lock across disk I/O.
+
+Thread safety: one lock (`_cond`) guards every field below; copies and disk I/O run outside
+it on slots pinned by `host_pins`/`disk_pins`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .arena import slot_bytes_for
+from .config import StoreConfig
+from .errors import (CapacityError, LeaseError, StoreClosedError, TierdError,
+                     UnknownNamespaceError)
+from .keys import check_keys
+from .namespace import Namespace
+from .policy import AdmissionFilter, make_policy
+from .tiers.disk import CorruptBlockError, DiskEntry, DiskTier
+from .tiers.host import HostTier
+from .transfer import as_u8, copy_block
+
+log = logging.getLogger("tierd.store")
+
+# host_state of a block
+ABSENT, RESERVED, LOADING, READY = 0, 1, 2, 3
+TIERS = ("host", "disk")
+
+
+@dataclass(slots=True)
+class _NsState:
+    """A namespace as the store knows it; `ns` is None for one known only from disk."""
+
+    ns_id: bytes
+    ns: Namespace | None
+    block_bytes: int
+    dtype_bytes: int
+    host_slot_bytes: int
+    disk_slot_bytes: int
+    desc: dict
+    counters: dict = field(default_factory=lambda: dict.fromkeys(
+        ("puts", "put_bytes", "put_dropped", "hits", "hit_bytes", "misses", "lookups",
+         "host_blocks", "disk_blocks"), 0))
+
+    @property
+    def name(self) -> str:
+        return self.ns_id.hex()[:16]
+
+
+@dataclass(slots=True, eq=False)
+class _Block:
+    """One block known to the store. Invariant: present in `_blocks` iff it has a host slot
+    (any state) or a disk copy or a disk write in flight."""
+
+    ikey: bytes                 # ns_id + key: the index key
+    st: _NsState
+    key: bytes
+    parent: bytes | None = None  # ikey of the previous block of its chain, if known
+    host_slot: int = -1
+    host_state: int = ABSENT
+    host_pins: int = 0           # leases + copies/writes in flight from the host slot
+    owner_res: int = 0           # reservation id while RESERVED
+    disk: DiskEntry | None = None
+    disk_writing: bool = False
+    disk_pins: int = 0           # reads in flight from the disk slot
+    host_children: int = 0       # resident descendants (one level) per tier: evict those first
+    disk_children: int = 0
+    hits: int = 0
+
+
+class Reservation:
+    """Slots handed to a writer; a block becomes visible at `commit`.
+
+    `status[i]` is "reserved" (write `buffers[i]`), "present" (already stored: skip) or
+    "full" (no room: the store dropped it).
+    """
+
+    def __init__(self, rid: int, ns: Namespace, keys: list[bytes], status: list[str],
+                 buffers: list[np.ndarray | None], blocks: list[_Block | None], owner):
+        self.id = rid
+        self.namespace = ns
+        self.keys = keys
+        self.status = status
+        self.buffers = buffers
+        self._blocks = blocks
+        self.owner = owner
+
+    @property
+    def num_reserved(self) -> int:
+        return sum(s == "reserved" for s in self.status)
+
+
+class Lease:
+    """Read pins on the slots of the leading present blocks of a request.
+
+    `buffers[i]` is a read-only (block_bytes,) uint8 view of block `keys[i]`, valid until
+    `release`. Use as a context manager to release on exit.
+    """
+
+    def __init__(self, lid: int, ns: Namespace, keys: list[bytes], buffers: list[np.ndarray],
+                 blocks: list[_Block], tiers: list[str], owner, store: "TieredStore"):
+        self.id = lid
+        self.namespace = ns
+        self.keys = keys
+        self.buffers = buffers
+        self.tiers = tiers  # where each block was found: "host" or "disk" (promoted)
+        self._blocks = blocks
+        self.owner = owner
+        self._store = store
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._blocks is not None:
+            self._store.release(self)
+
+
+class TieredStore:
+    """Embedded tiered block store (host RAM + optional disk). Thread-safe."""
+
+    def __init__(self, config: StoreConfig | None = None, **overrides):
+        cfg = config or StoreConfig()
+        for k, v in overrides.items():
+            if not hasattr(cfg, k):
+                raise TierdError(f"unknown store setting {k!r}")
+            setattr(cfg, k, v)
+        self.config = cfg = cfg.resolved()
+        self._cond = threading.Condition(threading.Lock())
+        self._blocks: dict[bytes, _Block] = {}
+        self._namespaces: dict[bytes, _NsState] = {}
+        self._reservations: dict[int, Reservation] = {}
+        self._leases: dict[int, Lease] = {}
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._writes_in_flight = 0
+        self.host = HostTier(cfg.host_bytes, cfg.host_slab_bytes)
+        self._host_owner: dict[int, _Block] = {}
+        self._host_policy = make_policy(cfg.eviction_policy)
+        self._pad_bytes = 0  # slot padding of host blocks (slot size - block size), for waste
+        self.disk: DiskTier | None = None
+        self._disk_owner: dict[int, _Block] = {}
+        self._disk_policy = make_policy(cfg.eviction_policy)
+        self._admission = AdmissionFilter(cfg.disk_admit_min_hits)
+        self._tier_counters = {t: dict.fromkeys(
+            ("evictions", "demotions", "promotions", "bytes_in", "bytes_out", "corrupt_dropped",
+             "admission_rejected", "io_errors"), 0) for t in TIERS}
+        try:
+            if cfg.disk_path:
+                self.disk = DiskTier(cfg.disk_path, cfg.disk_bytes, cfg.disk_slab_bytes,
+                                     cfg.disk_file_bytes, direct_io=cfg.disk_direct_io,
+                                     codec=cfg.disk_codec, zstd_level=cfg.disk_zstd_level,
+                                     io_threads=cfg.disk_io_threads)
+                self._tier_counters["disk"]["corrupt_dropped"] = self.disk.corrupt_at_open
+                self._adopt_recovered()
+        except BaseException:
+            self.host.close()
+            raise
+        self._maintainer = threading.Thread(target=self._maintain, name="tierd-demoter", daemon=True)
+        self._maintainer.start()
+
+    # -- namespaces -------------------------------------------------------------------------
+    def register(self, ns: Namespace) -> None:
+        """Make `ns` known (done implicitly by every operation that takes a Namespace).
+        Raises CapacityError when a block of `ns` cannot fit a tier."""
+        with self._cond:
+            self._check_open()
+            self._ns(ns)
+
+    def _ns(self, ns) -> _NsState:
+        if isinstance(ns, Namespace):
+            st = self._namespaces.get(ns.id)
+            if st is not None and st.ns is not None:
+                return st
+            host_sb = slot_bytes_for(ns.block_bytes)
+            if host_sb > self.host.capacity_bytes:
+                raise CapacityError(
+                    f"host tier: capacity {self.host.capacity_bytes} bytes is smaller than one "
+                    f"block of namespace {ns.name} ({ns.block_bytes} bytes); raise host_bytes")
+            self.host.alloc.check_slot_bytes(host_sb, "host tier")
+            disk_sb = DiskTier.slot_bytes_for(ns.block_bytes)
+            if self.disk is not None:
+                self.disk.alloc.check_slot_bytes(disk_sb, "disk tier")
+            if st is None:
+                st = _NsState(ns.id, ns, ns.block_bytes, ns.dtype_bytes, host_sb, disk_sb, ns.to_dict())
+                self._namespaces[ns.id] = st
+            else:  # known from disk: attach the description
+                st.ns, st.desc = ns, ns.to_dict()
+            return st
+        if isinstance(ns, (bytes, str)):
+            for st in self._namespaces.values():
+                if ns in (st.ns_id, st.name, st.ns_id.hex()):
+                    if st.ns is None:
+                        raise UnknownNamespaceError(
+                            f"namespace {st.name} is known only from disk; register it with its Namespace first")
+                    return st
+            raise UnknownNamespaceError(
+                f"unknown namespace {ns if isinstance(ns, str) else ns.hex()!r}; pass a tierd.Namespace "
+                "or the name of a registered one (see stats)")
+        raise TypeError(f"expected a tierd.Namespace, got {type(ns).__name__}")
+
+    def namespace(self, name: str) -> Namespace:
+        """The registered Namespace whose name (or hex id) is `name`."""
+        with self._cond:
+            return self._ns(name).ns
+
+    def _adopt_recovered(self) -> None:
+        """Index the blocks the disk tier found at open (oldest first in eviction order)."""
+        disk = self.disk
+        for e in sorted(disk.recovered, key=lambda e: e.seq):
+            st = self._namespaces.get(e.ns_id)
+            if st is None:
+                desc = disk.namespaces.get(e.ns_id, {})
+                dtype_bytes = 2
+                if desc:
+                    try:
+                        dtype_bytes = Namespace.from_dict(desc).dtype_bytes
+                    except TierdError:
+                        desc = {}
+                st = _NsState(e.ns_id, None, e.raw_len, dtype_bytes, slot_bytes_for(e.raw_len),
+                              DiskTier.slot_bytes_for(e.raw_len), desc)
+                self._namespaces[e.ns_id] = st
+            b = _Block(e.ns_id + e.key, st, e.key, parent=(e.ns_id + e.parent) if e.parent else None)
+            b.disk = e
+            self._blocks[b.ikey] = b
+            self._disk_owner[e.slot] = b
+            self._disk_policy.insert(b.ikey)
+            st.counters["disk_blocks"] += 1
+        for b in self._blocks.values():
+            p = self._blocks.get(b.parent) if b.parent else None
+            if p is not None:
+                p.disk_children += 1
+        disk.recovered = []
+
+    # -- chain links --------------------------------------------------------------------------
+    def _link(self, b: _Block, parent_ikey: bytes | None) -> None:
+        if parent_ikey is None or b.parent is not None or parent_ikey == b.ikey:
+            return
+        b.parent = parent_ikey
+        p = self._blocks.get(parent_ikey)
+        if p is not None:
+            p.host_children += b.host_state == READY
+            p.disk_children += b.disk is not None
+
+    def _enter(self, b: _Block, tier: str) -> None:
+        p = self._blocks.get(b.parent) if b.parent else None
+        if tier == "host":
+            b.st.counters["host_blocks"] += 1
+            self._pad_bytes += b.st.host_slot_bytes - b.st.block_bytes
+            if p is not None:
+                p.host_children += 1
+        else:
+            b.st.counters["disk_blocks"] += 1
+            if p is not None:
+                p.disk_children += 1
+
+    def _leave(self, b: _Block, tier: str) -> None:
+        # Counts may under-estimate after a parent is re-created, never over-estimate: a
+        # wrong count can reorder eviction but never pin a block forever.
+        p = self._blocks.get(b.parent) if b.parent else None
+        if tier == "host":
+            b.st.counters["host_blocks"] -= 1
+            self._pad_bytes -= b.st.host_slot_bytes - b.st.block_bytes
+            if p is not None and p.host_children > 0:
+                p.host_children -= 1
+        else:
+            b.st.counters["disk_blocks"] -= 1
+            if p is not None and p.disk_children > 0:
+                p.disk_children -= 1
+
+    def _forget_if_gone(self, b: _Block) -> None:
+        if b.host_state == ABSENT and b.disk is None and not b.disk_writing:
+            if self._blocks.get(b.ikey) is b:
+                del self._blocks[b.ikey]
+
+    # -- eviction predicates ----------------------------------------------------------------
+    def _host_evictable(self, b: _Block) -> bool:
+        return b.host_state == READY and b.host_pins == 0 and not b.disk_writing
+
+    def _disk_evictable(self, b: _Block) -> bool:
+        return b.disk is not None and b.disk_pins == 0
+
+    # -- host slots -------------------------------------------------------------------------
+    def _drop_host(self, b: _Block, *, evicted: bool) -> None:
+        if b.host_state == READY:
+            self._host_policy.remove(b.ikey, evicted=evicted)
+            self._leave(b, "host")
+        self.host.alloc.free(b.host_slot)
+        del self._host_owner[b.host_slot]
+        b.host_slot, b.host_state = -1, ABSENT
+        if evicted:
+            self._tier_counters["host"]["evictions"] += 1
+        self._forget_if_gone(b)
+
+    def _host_alloc(self, st: _NsState) -> int | None:
+        """A free host slot for `st`, evicting (demoting) in policy order if needed.
+        Lock held; may release it during disk writes."""
+        sb = st.host_slot_bytes
+        alloc = self.host.alloc
+        for _ in range(64 + 2 * len(self._host_owner)):
+            slot = alloc.alloc(sb)
+            if slot is not None:
+                return slot
+            slab = alloc.empty_slab_elsewhere(sb)
+            if slab is not None:
+                alloc.release_slab(slab)
+                continue
+            victim = None
+            cls = alloc.classes.get(sb)
+            if cls is not None and cls.slabs:
+                key = self._host_policy.victim(
+                    lambda k: self._host_evictable(self._blocks[k])
+                    and self._blocks[k].host_children == 0
+                    and alloc.slot_bytes_of(self._blocks[k].host_slot) == sb)
+                victim = self._blocks[key] if key is not None else None
+            if victim is None:
+                if not self._evict_host_slab(sb):
+                    return None
+                continue
+            self._evict_host(victim)
+        return None
+
+    def _evict_host(self, b: _Block) -> bool:
+        """Remove `b` from host RAM: drop it if its disk copy is valid, else write it down
+        (if admitted) first. Returns True if the host slot was freed."""
+        if self.disk is not None and b.disk is None and not b.disk_writing:
+            if self._admission.admit(b.hits):
+                self._write_down(b)
+            else:
+                self._tier_counters["disk"]["admission_rejected"] += 1
+        if self._host_evictable(b):
+            self._drop_host(b, evicted=True)
+            return True
+        return False
+
+    def _evict_host_slab(self, slot_bytes: int) -> bool:
+        """Empty the host slab of another class that is cheapest to empty; True on success."""
+        alloc = self.host.alloc
+        best, best_used = None, None
+        for sb, c in alloc.classes.items():
+            if sb == slot_bytes:
+                continue
+            for slab in c.slabs:
+                blocks = [self._host_owner[s] for s in alloc.slots_of_slab(slab) if s in self._host_owner]
+                if all(self._host_evictable(b) for b in blocks):
+                    if best is None or len(blocks) < best_used:
+                        best, best_used = slab, len(blocks)
+        if best is None:
+            return False
+        for s in alloc.slots_of_slab(best):
+            b = self._host_owner.get(s)
+            if b is not None and self._host_evictable(b):
+                self._evict_host(b)
+        if alloc.slab_used[best] == 0 and alloc.slab_class[best]:
+            alloc.release_slab(best)
+            return True
+        return False
+
+    # -- disk slots -------------------------------------------------------------------------
+    def _drop_disk(self, b: _Block, *, evicted: bool) -> None:
+        e = b.disk
+        self._disk_policy.remove(b.ikey, evicted=evicted)
+        self._leave(b, "disk")
+        self.disk.free_slot(e.slot)
+        del self._disk_owner[e.slot]
+        b.disk = None
+        if evicted:
+            self._tier_counters["disk"]["evictions"] += 1
+        self._forget_if_gone(b)
+
+    def _disk_alloc(self, st: _NsState) -> int | None:
+        sb = st.disk_slot_bytes
+        disk = self.disk
+        for _ in range(64 + 2 * len(self._disk_owner)):
+            slot = disk.alloc_slot(sb)
+            if slot is not None:
+                return slot
+            slab = disk.alloc.empty_slab_elsewhere(sb)
+            if slab is not None:
+                disk.release_slab(slab)
+                continue
+            key = None
+            cls = disk.alloc.classes.get(sb)
+            if cls is not None and cls.slabs:
+                key = self._disk_policy.victim(
+                    lambda k: self._disk_evictable(self._blocks[k])
+                    and self._blocks[k].disk_children == 0
+                    and disk.alloc.slot_bytes_of(self._blocks[k].disk.slot) == sb)
+            if key is None:
+                if not self._evict_disk_slab(sb):
+                    return None
+                continue
+            self._drop_disk(self._blocks[key], evicted=True)
+        return None
+
+    def _evict_disk_slab(self, slot_bytes: int) -> bool:
+        alloc = self.disk.alloc
+        best, best_used = None, None
+        for sb, c in alloc.classes.items():
+            if sb == slot_bytes:
+                continue
+            for slab in c.slabs:
+                rng = alloc.slots_of_slab(slab)
+                blocks = [self._disk_owner[s] for s in rng if s in self._disk_owner]
+                busy = any(not self._disk_evictable(b) for b in blocks) or \
+                    alloc.slab_used[slab] != len(blocks)  # a write in flight holds a slot
+                if not busy and (best is None or len(blocks) < best_used):
+                    best, best_used = slab, len(blocks)
+        if best is None:
+            return False
+        for s in alloc.slots_of_slab(best):
+            b = self._disk_owner.get(s)
+            if b is not None:
+                self._drop_disk(b, evicted=True)
+        self.disk.release_slab(best)
+        return True
+
+    def _write_down(self, b: _Block) -> bool:
+        """Copy a READY host block to disk (its host copy stays). Lock held on entry and exit,
+        released during the write. True if the block now has a disk copy."""
+        st, disk = b.st, self.disk
+        slot = self._disk_alloc(st)
+        if slot is None or b.host_state != READY or b.disk is not None or b.disk_writing:
+            if slot is not None:
+                disk.free_slot(slot)
+            return b.disk is not None
+        if st.ns is not None:
+            disk.remember_namespace(st.ns_id, st.desc)
+        b.disk_writing = True
+        b.host_pins += 1
+        self._writes_in_flight += 1
+        src = self.host.view(b.host_slot, st.host_slot_bytes)
+        parent_key = b.parent[16:] if b.parent else None
+        entry, error = None, None
+        self._cond.release()
+        try:
+            entry = disk.write_block(slot, st.ns_id, b.key, parent_key, src, st.block_bytes, st.dtype_bytes)
+        except OSError as e:
+            error = e
+        finally:
+            self._cond.acquire()
+            b.disk_writing = False
+            b.host_pins -= 1
+            self._writes_in_flight -= 1
+            self._cond.notify_all()
+        if entry is None:
+            disk.free_slot(slot)
+            self._tier_counters["disk"]["io_errors"] += 1
+            log.warning("disk tier: write failed (%s); block kept in host RAM only", error)
+            return False
+        b.disk = entry
+        self._disk_owner[slot] = b
+        self._disk_policy.insert(b.ikey)
+        self._enter(b, "disk")
+        c = self._tier_counters["disk"]
+        c["demotions"] += 1
+        c["bytes_in"] += st.block_bytes
+        return True
+
+    # -- Store interface: writes -------------------------------------------------------------
+    def reserve(self, ns: Namespace, keys: Sequence[bytes], *, parent: bytes | None = None,
+                owner=None) -> Reservation:
+        """Host slots to write `keys` into (zero-copy put). Commit or abort the result."""
+        keys = check_keys(keys)
+        with self._cond:
+            self._check_open()
+            st = self._ns(ns)
+            pid = st.ns_id
+            status, buffers, blocks = [], [], []
+            rid = next(self._ids)
+            for i, k in enumerate(keys):
+                ikey = pid + k
+                b = self._blocks.get(ikey)
+                if b is None or (b.host_state == ABSENT and b.disk is None and not b.disk_writing):
+                    slot = self._host_alloc(st)
+                    b = self._blocks.get(ikey)  # the lock may have been released
+                    if b is not None and (b.host_state != ABSENT or b.disk is not None or b.disk_writing):
+                        if slot is not None:
+                            self.host.alloc.free(slot)
+                        status.append("present"); buffers.append(None); blocks.append(None)
+                        continue
+                    if slot is None:
+                        st.counters["put_dropped"] += 1
+                        status.append("full"); buffers.append(None); blocks.append(None)
+                        continue
+                    if b is None:
+                        b = self._blocks[ikey] = _Block(ikey, st, k)
+                    b.host_slot, b.host_state, b.owner_res = slot, RESERVED, rid
+                    self._host_owner[slot] = b
+                    status.append("reserved")
+                    buffers.append(self.host.view(slot, st.block_bytes))
+                    blocks.append(b)
+                else:
+                    status.append("present"); buffers.append(None); blocks.append(None)
+            res = Reservation(rid, st.ns, keys, status, buffers, blocks, owner)
+            res._parent = parent
+            self._reservations[rid] = res
+            return res
+
+    def commit(self, res: Reservation) -> int:
+        """Make the reserved blocks visible. Returns how many became visible."""
+        with self._cond:
+            self._check_open()
+            if self._reservations.pop(res.id, None) is None:
+                raise LeaseError(f"reservation {res.id} is unknown or already committed/aborted")
+            pid = res.namespace.id
+            n = 0
+            # Links first, then residency in reverse chain order so that the chain's tail is
+            # the least recent: descendants are evicted before their ancestors.
+            for i, b in enumerate(res._blocks):
+                if b is not None:
+                    self._link(b, pid + res.keys[i - 1] if i else (pid + res._parent if res._parent else None))
+            for i in range(len(res._blocks) - 1, -1, -1):
+                b = res._blocks[i]
+                if b is None or b.host_state != RESERVED or b.owner_res != res.id:
+                    continue
+                b.host_state, b.owner_res = READY, 0
+                self._host_policy.insert(b.ikey)
+                self._enter(b, "host")
+                b.st.counters["puts"] += 1
+                b.st.counters["put_bytes"] += b.st.block_bytes
+                self._tier_counters["host"]["bytes_in"] += b.st.block_bytes
+                n += 1
+            # A chain seen again later (existing blocks) is re-linked for eviction order too.
+            for i, k in enumerate(res.keys):
+                b = self._blocks.get(pid + k)
+                if b is not None and b.parent is None:
+                    self._link(b, pid + res.keys[i - 1] if i else (pid + res._parent if res._parent else None))
+            self._wake_demoter()
+            self._cond.notify_all()
+            return n
+
+    def abort(self, res: Reservation) -> None:
+        """Give back the slots of an uncommitted reservation."""
+        with self._cond:
+            if self._reservations.pop(res.id, None) is None:
+                return
+            self._abort_locked(res)
+
+    def _abort_locked(self, res: Reservation) -> None:
+        for b in res._blocks:
+            if b is not None and b.host_state == RESERVED and b.owner_res == res.id:
+                self._drop_host(b, evicted=False)
+        self._cond.notify_all()
+
+    def put(self, ns: Namespace, keys: Sequence[bytes], blocks: Sequence, *,
+            parent: bytes | None = None) -> int:
+        """Store `blocks[i]` under `keys[i]` (a prefix chain in order; `parent` is the key
+        before `keys[0]`). Already-present keys are skipped; under pressure blocks may be
+        dropped. Returns how many blocks were newly stored."""
+        keys = check_keys(keys)
+        if len(blocks) != len(keys):
+            raise TierdError(f"put: {len(keys)} keys but {len(blocks)} blocks")
+        with self._cond:
+            self._check_open()
+            st = self._ns(ns)
+        views = [as_u8(blk, st.block_bytes, st.desc.get("kv_dtype", "")) for blk in blocks]
+        res = self.reserve(ns, keys, parent=parent)
+        try:
+            for dst, src in zip(res.buffers, views):
+                if dst is not None:
+                    copy_block(dst, src)
+        except BaseException:
+            self.abort(res)
+            raise
+        return self.commit(res)
+
+    # -- Store interface: reads --------------------------------------------------------------
+    def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        """Number of leading `keys` present in any tier."""
+        keys = check_keys(keys)
+        with self._cond:
+            self._check_open()
+            st = self._ns(ns)
+            st.counters["lookups"] += 1
+            n = 0
+            for k in keys:
+                b = self._blocks.get(st.ns_id + k)
+                if b is None or not (b.host_state in (READY, LOADING) or b.disk is not None):
+                    break
+                n += 1
+            return n
+
+    def where(self, ns: Namespace, keys: Sequence[bytes]) -> list[str]:
+        """Per key: "host", "disk", "host+disk" or "" (absent)."""
+        keys = check_keys(keys)
+        with self._cond:
+            st = self._ns(ns)
+            out = []
+            for k in keys:
+                b = self._blocks.get(st.ns_id + k)
+                tiers = []
+                if b is not None and b.host_state == READY:
+                    tiers.append("host")
+                if b is not None and b.disk is not None:
+                    tiers.append("disk")
+                out.append("+".join(tiers))
+            return out
+
+    def acquire(self, ns: Namespace, keys: Sequence[bytes], *, owner=None) -> Lease:
+        """Lease the longest present prefix of `keys`, promoting disk blocks to host RAM."""
+        keys = check_keys(keys)
+        with self._cond:
+            self._check_open()
+            st = self._ns(ns)
+            plan: list[tuple[_Block, DiskEntry | None]] = []
+            for k in keys:
+                ikey = st.ns_id + k
+                b = self._blocks.get(ikey)
+                while b is not None and b.host_state == LOADING:
+                    self._cond.wait()
+                    b = self._blocks.get(ikey)
+                if b is None:
+                    break
+                if b.host_state == READY:
+                    b.host_pins += 1
+                    plan.append((b, None))
+                    continue
+                if b.disk is None:
+                    break
+                slot = self._host_alloc(st)
+                b = self._blocks.get(ikey)
+                if b is not None and b.host_state == READY:  # promoted meanwhile
+                    if slot is not None:
+                        self.host.alloc.free(slot)
+                    b.host_pins += 1
+                    plan.append((b, None))
+                    continue
+                if b is None or b.disk is None or b.host_state != ABSENT or slot is None:
+                    if slot is not None:
+                        self.host.alloc.free(slot)
+                    break
+                b.host_slot, b.host_state = slot, LOADING
+                self._host_owner[slot] = b
+                b.host_pins += 1
+                b.disk_pins += 1
+                plan.append((b, b.disk))
+        errors = self._load_from_disk([(b, e) for b, e in plan if e is not None])
+        with self._cond:
+            cut = len(plan)
+            for i, (b, e) in enumerate(plan):
+                if e is None:
+                    continue
+                b.disk_pins -= 1
+                err = errors.get(id(b))
+                if err is None:
+                    b.host_state = READY
+                    self._host_policy.insert(b.ikey)
+                    self._enter(b, "host")
+                    c = self._tier_counters["disk"]
+                    c["promotions"] += 1
+                    c["bytes_out"] += st.block_bytes
+                else:
+                    cut = min(cut, i)
+                    b.host_pins -= 1
+                    self._drop_host(b, evicted=False)
+                    if isinstance(err, CorruptBlockError):
+                        log.warning("disk tier: dropped a damaged block of %s (%s)", st.name, err)
+                        self._tier_counters["disk"]["corrupt_dropped"] += 1
+                        self._discard_disk_copy(b)
+                    else:
+                        self._tier_counters["disk"]["io_errors"] += 1
+                        log.warning("disk tier: read failed (%s)", err)
+            for b, _ in plan[cut:]:
+                if b.host_state == READY:
+                    b.host_pins -= 1
+            leased = [b for b, _ in plan[:cut]]
+            for b in reversed(leased):  # ancestors touched last: they stay the most recent
+                b.hits += 1
+                self._host_policy.hit(b.ikey)
+            st.counters["hits"] += len(leased)
+            st.counters["hit_bytes"] += len(leased) * st.block_bytes
+            st.counters["misses"] += len(keys) - len(leased)
+            self._tier_counters["host"]["bytes_out"] += len(leased) * st.block_bytes
+            lid = next(self._ids)
+            views = []
+            for b in leased:
+                v = self.host.view(b.host_slot, st.block_bytes)
+                v = v.view()
+                v.flags.writeable = False
+                views.append(v)
+            tiers = ["disk" if e is not None else "host" for _, e in plan[:cut]]
+            lease = Lease(lid, st.ns, keys[:cut], views, leased, tiers, owner, self)
+            self._leases[lid] = lease
+            self._cond.notify_all()
+            return lease
+
+    def _load_from_disk(self, loads: list[tuple[_Block, DiskEntry]]) -> dict[int, Exception]:
+        """Read pinned disk copies into their LOADING host slots in parallel (no lock)."""
+        errors: dict[int, Exception] = {}
+        if not loads:
+            return errors
+
+        def one(item):
+            b, e = item
+            try:
+                self.disk.read_block(e, self.host.view(b.host_slot, b.st.host_slot_bytes))
+            except (CorruptBlockError, OSError) as ex:
+                errors[id(b)] = ex
+
+        if len(loads) == 1:
+            one(loads[0])
+        else:
+            list(self.disk.pool.map(one, loads))
+        return errors
+
+    def _discard_disk_copy(self, b: _Block) -> None:
+        if b.disk is None:
+            return
+        slot = b.disk.slot
+        try:
+            self.disk.tombstone(slot)
+        except OSError:
+            pass
+        self._drop_disk(b, evicted=False)
+
+    def release(self, lease: Lease) -> None:
+        """End a lease; its buffers must no longer be read."""
+        with self._cond:
+            if self._leases.pop(lease.id, None) is None:
+                raise LeaseError(f"lease {lease.id} is unknown or already released")
+            self._release_locked(lease)
+
+    def _release_locked(self, lease: Lease) -> None:
+        for b in lease._blocks:
+            b.host_pins -= 1
+        lease._blocks = None
+        self._cond.notify_all()
+
+    def get(self, ns: Namespace, keys: Sequence[bytes]) -> list[np.ndarray]:
+        """Copies of the blocks of the longest present prefix of `keys`, as (block_bytes,)
+        uint8 arrays (`len(result) <= len(keys)`)."""
+        with self.acquire(ns, keys) as lease:
+            return [np.array(v, copy=True) for v in lease.buffers]
+
+    def drop_owner(self, owner) -> tuple[int, int]:
+        """Abort every reservation and release every lease held by `owner` (a disconnected
+        client). Returns (reservations aborted, leases released)."""
+        with self._cond:
+            rs = [r for r in self._reservations.values() if r.owner == owner]
+            ls = [l for l in self._leases.values() if l.owner == owner]
+            for r in rs:
+                del self._reservations[r.id]
+                self._abort_locked(r)
+            for l in ls:
+                del self._leases[l.id]
+                self._release_locked(l)
+            return len(rs), len(ls)
+
+    # -- operator actions ---------------------------------------------------------------------
+    def flush(self, tier: str = "all", namespace=None) -> int:
+        """Drop blocks from `tier` ("host", "disk" or "all"), of one namespace or all.
+        Leased or in-flight blocks are skipped. Returns the number of blocks dropped."""
+        if tier not in ("host", "disk", "all", "gpu"):
+            raise TierdError(f"flush: unknown tier {tier!r}; use host, disk or all")
+        with self._cond:
+            self._check_open()
+            ns_id = None if namespace is None else self._ns_for_flush(namespace)
+            dropped = 0
+            disk_touched = False
+            for b in list(self._blocks.values()):
+                if ns_id is not None and b.st.ns_id != ns_id:
+                    continue
+                hit = False
+                if tier in ("host", "all") and self._host_evictable(b):
+                    self._drop_host(b, evicted=False)
+                    hit = True
+                if tier in ("disk", "all") and self.disk is not None and b.disk is not None \
+                        and b.disk_pins == 0:
+                    self.disk.tombstone(b.disk.slot)
+                    self._drop_disk(b, evicted=False)
+                    hit = disk_touched = True
+                dropped += hit
+            if disk_touched:
+                self.disk.flush()
+            return dropped
+
+    def _ns_for_flush(self, namespace) -> bytes:
+        if isinstance(namespace, Namespace):
+            return namespace.id
+        for st in self._namespaces.values():
+            if namespace in (st.ns_id, st.name, st.ns_id.hex()):
+                return st.ns_id
+        raise UnknownNamespaceError(f"flush: unknown namespace {namespace!r}")
+
+    def sync(self) -> int:
+        """Write every host-only block to disk and make all disk writes durable; a reopen
+        then serves them. Returns the number of blocks written."""
+        if self.disk is None:
+            return 0
+        written = 0
+        with self._cond:
+            self._check_open()
+            todo = [b for b in self._blocks.values()
+                    if b.host_state == READY and b.disk is None and not b.disk_writing]
+            for b in todo:
+                if b.host_state == READY and b.disk is None and not b.disk_writing:
+                    written += self._write_down(b)
+            while self._writes_in_flight:
+                self._cond.wait()
+        self.disk.flush()
+        return written
+
+    # -- background demotion ----------------------------------------------------------------
+    def _wake_demoter(self) -> None:
+        if self.host.alloc.used_bytes > self.config.host_high_watermark * self.host.capacity_bytes:
+            self._demote_wanted = True
+            self._cond.notify_all()
+
+    _demote_wanted = False
+
+    def _maintain(self) -> None:
+        cfg = self.config
+        while True:
+            with self._cond:
+                if not self._closed and not self._demote_wanted:
+                    self._cond.wait(cfg.demotion_interval_s)
+                if self._closed:
+                    return
+                self._demote_wanted = False
+                wrote = self._demote_pass()
+            if wrote and self.disk is not None:
+                try:
+                    self.disk.flush()
+                except OSError as e:
+                    log.warning("disk tier: fdatasync failed: %s", e)
+
+    def _demote_pass(self) -> int:
+        """Host above its high watermark: demote coldest blocks until the low watermark;
+        disk above its high watermark: evict until its low watermark. Lock held."""
+        cfg, moved = self.config, 0
+        host_cap = self.host.capacity_bytes
+        if self.host.alloc.used_bytes > cfg.host_high_watermark * host_cap:
+            while self.host.alloc.used_bytes > cfg.host_low_watermark * host_cap and not self._closed:
+                key = self._host_policy.victim(
+                    lambda k: self._host_evictable(self._blocks[k]) and self._blocks[k].host_children == 0)
+                if key is None:
+                    break
+                had_disk = self._blocks[key].disk is not None
+                if not self._evict_host(self._blocks[key]):
+                    break
+                moved += not had_disk
+        if self.disk is not None:
+            disk_cap = self.disk.capacity_bytes
+            if self.disk.alloc.used_bytes > cfg.disk_high_watermark * disk_cap:
+                while self.disk.alloc.used_bytes > cfg.disk_low_watermark * disk_cap:
+                    key = self._disk_policy.victim(
+                        lambda k: self._disk_evictable(self._blocks[k]) and self._blocks[k].disk_children == 0)
+                    if key is None:
+                        break
+                    self._drop_disk(self._blocks[key], evicted=True)
+        return moved
+
+    # -- stats and lifecycle ----------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters and gauges per tier and per namespace (see docs/operations.md)."""
+        with self._cond:
+            h = self.host.alloc
+            host = {"capacity_bytes": self.host.capacity_bytes, "used_bytes": h.used_bytes,
+                    "free_bytes": self.host.capacity_bytes - h.used_bytes,
+                    "blocks": len(self._host_owner), "slab_bytes": h.slab_bytes,
+                    "waste_bytes": h.waste_bytes() + self._pad_bytes,
+                    **self._tier_counters["host"]}
+            host["waste_ratio"] = host["waste_bytes"] / max(1, host["capacity_bytes"])
+            tiers = {"host": host}
+            if self.disk is not None:
+                d = self.disk.alloc
+                pad = sum(st.counters["disk_blocks"] * (st.disk_slot_bytes - st.block_bytes)
+                          for st in self._namespaces.values())
+                disk = {"capacity_bytes": self.disk.capacity_bytes, "used_bytes": d.used_bytes,
+                        "free_bytes": self.disk.capacity_bytes - d.used_bytes,
+                        "blocks": len(self._disk_owner), "slab_bytes": d.slab_bytes,
+                        "waste_bytes": d.waste_bytes() + pad, "path": str(self.disk.path),
+                        "direct_io": self.disk.direct_io, "codec": self.disk.codec_name,
+                        "recovered_from": self.disk.recovered_from,
+                        **self._tier_counters["disk"]}
+                disk["waste_ratio"] = disk["waste_bytes"] / max(1, disk["capacity_bytes"])
+                tiers["disk"] = disk
+            namespaces = {}
+            for st in self._namespaces.values():
+                c = dict(st.counters)
+                asked = c["hits"] + c["misses"]
+                c["hit_rate"] = c["hits"] / asked if asked else 0.0
+                c["block_bytes"] = st.block_bytes
+                c["description"] = st.desc
+                namespaces[st.name] = c
+            return {"tiers": tiers, "namespaces": namespaces, "leases": len(self._leases),
+                    "reservations": len(self._reservations), "policy": self.config.eviction_policy,
+                    "time": time.time()}
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+
+    def close(self, *, sync: bool = False) -> None:
+        """Stop background work, flush the disk tier and write its checkpoint. Host-only blocks
+        are lost unless `sync=True` (or `sync()` was called)."""
+        if sync and not self._closed:
+            self.sync()
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._maintainer.join()
+        with self._cond:
+            while self._writes_in_flight:
+                self._cond.wait()
+            for r in list(self._reservations.values()):
+                self._abort_locked(r)
+            self._reservations.clear()
+            entries = [b.disk for b in self._blocks.values() if b.disk is not None]
+        if self.disk is not None:
+            self.disk.close(entries)
+        self.host.close()
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

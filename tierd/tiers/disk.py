@@ -1,0 +1,578 @@
+"""The disk tier: preallocated slab files with self-describing slots and a crash-safe index.
+
+Owns the files under one directory: their layout (docs/on-disk-format.md), aligned I/O,
+checksums, and rebuilding the index at open. It never serves a slot whose header or payload
+checksum fails; it never decides what to evict (the store does). All methods that touch the
+allocator run under the store's lock; `write_block`/`read_block` run outside it, on slots the
+store has pinned.
+
+File layout: `slab-NNNN.tds` = superblock (4 KiB) + slabs; slab = slab header (4 KiB) + slots;
+slot = slot header (4 KiB page, first bytes used) + payload (4 KiB-aligned).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import itertools
+import logging
+import mmap
+import os
+import struct
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import xxhash
+
+from .. import codec as _codec
+from ..arena import SlabAllocator
+from ..config import ALIGN, align_up, format_size
+from ..errors import (CapacityError, ConfigError, DirectoryLockedError, DiskTierError,
+                      NotASlabFileError, TierdError)
+
+log = logging.getLogger("tierd.disk")
+
+FORMAT_VERSION = 1
+PAGE = ALIGN
+FILE_MAGIC = b"TIERDFIL"
+SLAB_MAGIC = b"TIERDSLB"
+SLOT_MAGIC = b"TIERDSLT"
+# superblock: magic, version, file index, slabs in this file, slab bytes, store uuid, checksum
+_SUPER = struct.Struct("<8sHHIQ16s")
+# slab header: magic, version, pad, slot bytes (0: free), generation (+ checksum)
+_SLAB = struct.Struct("<8sHHQQ")
+# slot header: magic, version, codec, dtype_bytes, pad, ns id, key, parent key (zeros: none),
+# payload len, raw len, write sequence, slab generation, payload checksum (+ header checksum)
+_SLOT = struct.Struct("<8sHBBI16s16s16sQQQQQ")
+_CSUM = struct.Struct("<Q")
+LOCK_NAME = "LOCK"
+CHECKPOINT_NAME = "index.ckpt"
+NAMESPACES_NAME = "namespaces.msgpack"
+
+
+class CorruptBlockError(TierdError):
+    """A slot failed verification (internal: the store drops and counts it)."""
+
+    code = "corrupt"
+
+
+@dataclass(slots=True)
+class DiskEntry:
+    """Where one block lives on disk and how to verify it."""
+
+    slot: int
+    ns_id: bytes
+    key: bytes
+    seq: int
+    payload_len: int
+    raw_len: int
+    codec: int
+    parent: bytes = b""
+
+
+def _csum(data) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def _aligned(nbytes: int) -> mmap.mmap:
+    """Page-aligned anonymous buffer (O_DIRECT needs aligned memory)."""
+    return mmap.mmap(-1, max(PAGE, align_up(nbytes)))
+
+
+def pack_slot_header(codec: int, dtype_bytes: int, ns_id: bytes, key: bytes, parent: bytes,
+                     payload_len: int, raw_len: int, seq: int, slab_gen: int,
+                     payload_csum: int) -> bytes:
+    body = _SLOT.pack(SLOT_MAGIC, FORMAT_VERSION, codec, dtype_bytes, 0, ns_id, key,
+                      parent or b"\0" * 16, payload_len, raw_len, seq, slab_gen, payload_csum)
+    return body + _CSUM.pack(_csum(body))
+
+
+def unpack_slot_header(page) -> tuple | None:
+    """Fields of a slot header, None for an empty slot; raises CorruptBlockError if damaged."""
+    raw = bytes(page[:_SLOT.size + _CSUM.size])
+    if len(raw) < _SLOT.size + _CSUM.size:
+        return None
+    if raw[:8] != SLOT_MAGIC:
+        if raw[:8] == b"\0" * 8:
+            return None
+        raise CorruptBlockError("slot header magic is damaged")
+    (csum,) = _CSUM.unpack_from(raw, _SLOT.size)
+    if _csum(raw[:_SLOT.size]) != csum:
+        raise CorruptBlockError("slot header checksum mismatch")
+    fields = _SLOT.unpack_from(raw)
+    if fields[1] != FORMAT_VERSION:
+        raise CorruptBlockError(f"slot format version {fields[1]} is not {FORMAT_VERSION}")
+    return fields
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(self, path: str, capacity_bytes: int, slab_bytes: int, file_bytes: int, *,
+                 direct_io: bool = True, codec: str = "none", zstd_level: int = 1,
+                 io_threads: int = 4):
+        self.path = Path(path)
+        self.codec_name = codec
+        self.zstd_level = zstd_level
+        self._lock_fd = -1
+        self._fds: list[int] = []
+        self._closed = False
+        self._open_dir()
+        try:
+            self._plan(capacity_bytes, slab_bytes, file_bytes)
+            self.direct_io = direct_io and self._probe_direct()
+            self._local = threading.local()
+            self.corrupt_at_open = 0
+            self.recovered: list[DiskEntry] = []
+            self.recovered_from = "new"
+            self._open_files()
+            self.namespaces = self._load_namespaces()
+            self._recover(io_threads)
+            self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tierd-disk")
+        except BaseException:
+            self._release_fds()
+            raise
+
+    # -- opening ---------------------------------------------------------------------------
+    def _open_dir(self) -> None:
+        p = self.path
+        if p.exists() and not p.is_dir():
+            raise DiskTierError(f"disk tier: {p} exists and is not a directory; set disk_path to a directory")
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DiskTierError(
+                f"disk tier: cannot create {p} ({e.strerror}); set disk_path or fix permissions") from None
+        try:
+            self._lock_fd = os.open(p / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise DiskTierError(
+                f"disk tier: {p} is not writable (uid {os.getuid()}: {e.strerror}); "
+                "set disk_path or fix permissions") from None
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._lock_fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise DirectoryLockedError(
+                f"disk tier: {p} is in use by another tierd store (pid {holder}); "
+                "stop it or give this store another disk_path") from None
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+
+    def _plan(self, capacity_bytes: int, slab_bytes: int, file_bytes: int) -> None:
+        """Geometry: files of `slabs_per_file` slabs, `num_slabs` in all, within capacity."""
+        existing = sorted(self.path.glob("slab-*.tds"))
+        if existing:
+            slab_bytes = self._read_super(existing[0], expect_index=0)[4]
+        if capacity_bytes < 3 * PAGE:
+            raise CapacityError(f"disk tier: capacity of {capacity_bytes} bytes is too small (12 KiB minimum)")
+        slab_bytes = min(slab_bytes, (capacity_bytes - PAGE) // PAGE * PAGE)
+        spf = max(1, (file_bytes - PAGE) // slab_bytes)
+        n = capacity_bytes // slab_bytes
+        while n > 0 and n * slab_bytes + -(-n // spf) * PAGE > capacity_bytes:
+            n -= 1
+        if n == 0:
+            raise CapacityError(
+                f"disk tier: capacity {format_size(capacity_bytes)} holds no slab of {format_size(slab_bytes)}")
+        self.capacity_bytes = capacity_bytes
+        self.slab_bytes = slab_bytes
+        self.slabs_per_file = spf
+        self.num_slabs = n
+        self.num_files = -(-n // spf)
+        if existing and len(existing) > self.num_files:
+            raise ConfigError(
+                f"disk tier: {self.path} holds {len(existing)} slab files but disk_bytes "
+                f"{format_size(capacity_bytes)} allows {self.num_files}; raise disk_bytes or empty the directory")
+        self.alloc = SlabAllocator(n, slab_bytes, slab_header_bytes=PAGE, capacity_bytes=capacity_bytes)
+        # Superblocks are part of the capacity but hold no slot: count them as waste.
+        self.alloc.capacity_bytes = capacity_bytes
+        self.slab_gen = [0] * n
+
+    def _file_slabs(self, i: int) -> int:
+        return min(self.slabs_per_file, self.num_slabs - i * self.slabs_per_file)
+
+    def _file_size(self, i: int) -> int:
+        return PAGE + self._file_slabs(i) * self.slab_bytes
+
+    def _probe_direct(self) -> bool:
+        probe = self.path / ".odirect-probe"
+        try:
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        except OSError:
+            log.info("disk tier: %s does not allow O_DIRECT; using buffered I/O + fdatasync", self.path)
+            return False
+        os.close(fd)
+        os.unlink(probe)
+        return True
+
+    def _read_super(self, file: Path, expect_index: int) -> tuple:
+        try:
+            with open(file, "rb") as f:
+                raw = f.read(_SUPER.size + _CSUM.size)
+        except OSError as e:
+            raise DiskTierError(f"disk tier: cannot read {file} ({e.strerror})") from None
+        if len(raw) < _SUPER.size + _CSUM.size or raw[:8] != FILE_MAGIC:
+            raise NotASlabFileError(
+                f"disk tier: {file} is not a tierd slab file; move it away or set another disk_path")
+        (csum,) = _CSUM.unpack_from(raw, _SUPER.size)
+        fields = _SUPER.unpack_from(raw)
+        if _csum(raw[:_SUPER.size]) != csum:
+            raise NotASlabFileError(f"disk tier: {file}: superblock checksum mismatch; the file is damaged")
+        if fields[1] != FORMAT_VERSION:
+            raise NotASlabFileError(
+                f"disk tier: {file} has format version {fields[1]}, this tierd reads {FORMAT_VERSION}")
+        if fields[2] != expect_index:
+            raise NotASlabFileError(f"disk tier: {file} says it is file {fields[2]}, expected {expect_index}")
+        return fields
+
+    def _open_files(self) -> None:
+        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if self.direct_io else 0)
+        store_uuid = None
+        for i in range(self.num_files):
+            fp = self.path / f"slab-{i:04d}.tds"
+            if fp.exists():
+                sb = self._read_super(fp, expect_index=i)
+                if sb[4] != self.slab_bytes or sb[3] != self._file_slabs(i):
+                    raise ConfigError(
+                        f"disk tier: {fp} was created with {sb[3]} slabs of {format_size(sb[4])}; "
+                        "use the same disk settings or empty the directory")
+                if store_uuid is None:
+                    store_uuid = sb[5]
+                elif sb[5] != store_uuid:
+                    raise NotASlabFileError(f"disk tier: {fp} belongs to another tierd store")
+            else:
+                store_uuid = store_uuid or uuid.uuid4().bytes
+                self._create_file(fp, i, store_uuid)
+            fd = os.open(fp, flags)
+            self._fds.append(fd)
+            want = self._file_size(i)
+            if os.fstat(fd).st_size < want:  # truncated by someone: give the space back
+                self._fallocate(fd, fp, want)
+        self.store_uuid = store_uuid
+
+    def _fallocate(self, fd: int, fp: Path, size: int) -> None:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise DiskTierError(
+                    f"disk tier: not enough free space for {fp} ({format_size(size)}); lower disk_bytes") from None
+            raise DiskTierError(f"disk tier: cannot allocate {fp}: {e.strerror}") from None
+
+    def _create_file(self, fp: Path, index: int, store_uuid: bytes) -> None:
+        tmp = fp.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            self._fallocate(fd, fp, self._file_size(index))
+            body = _SUPER.pack(FILE_MAGIC, FORMAT_VERSION, index, self._file_slabs(index),
+                               self.slab_bytes, store_uuid)
+            os.pwrite(fd, body + _CSUM.pack(_csum(body)), 0)
+            os.fdatasync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        os.rename(tmp, fp)
+        self._fsync_dir()
+
+    def _fsync_dir(self) -> None:
+        dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    # -- locations -------------------------------------------------------------------------
+    def _slab_loc(self, slab: int) -> tuple[int, int]:
+        return self._fds[slab // self.slabs_per_file], PAGE + (slab % self.slabs_per_file) * self.slab_bytes
+
+    def _slot_loc(self, slot: int) -> tuple[int, int]:
+        slab = SlabAllocator.slab_of(slot)
+        fd, base = self._slab_loc(slab)
+        return fd, base + (self.alloc.offset(slot) - slab * self.slab_bytes)
+
+    @staticmethod
+    def slot_bytes_for(block_bytes: int) -> int:
+        """Disk slot of a block: header page + payload rounded up to 4 KiB."""
+        return PAGE + align_up(block_bytes)
+
+    # -- slabs -----------------------------------------------------------------------------
+    def _write_slab_header(self, slab: int, slot_bytes: int, gen: int) -> None:
+        page = self._page()
+        page[:] = b"\0" * PAGE
+        body = _SLAB.pack(SLAB_MAGIC, FORMAT_VERSION, 0, slot_bytes, gen)
+        page[:_SLAB.size + _CSUM.size] = body + _CSUM.pack(_csum(body))
+        fd, off = self._slab_loc(slab)
+        os.pwrite(fd, page, off)
+
+    def alloc_slot(self, slot_bytes: int) -> int | None:
+        """A free slot (writing a slab header first if a free slab is taken); None when full."""
+        c = self.alloc.classes.get(slot_bytes)
+        if (c is None or not c.free) and self.alloc.free_slabs:
+            slab = self.alloc.free_slabs[-1]
+            gen = self.next_seq()
+            self._write_slab_header(slab, slot_bytes, gen)
+            self.slab_gen[slab] = gen
+            self.alloc.assign_slab(slab, slot_bytes)
+        return self.alloc.alloc(slot_bytes)
+
+    def free_slot(self, slot: int) -> None:
+        self.alloc.free(slot)
+
+    def release_slab(self, slab: int) -> None:
+        self.alloc.release_slab(slab)
+        self._write_slab_header(slab, 0, self.next_seq())
+
+    def next_seq(self) -> int:
+        return next(self._seq)
+
+    # -- block I/O (outside the store lock) ---------------------------------------------------
+    def _page(self) -> mmap.mmap:
+        p = getattr(self._local, "page", None)
+        if p is None:
+            p = self._local.page = _aligned(PAGE)
+        return p
+
+    def _staging(self, nbytes: int) -> mmap.mmap:
+        s = getattr(self._local, "staging", None)
+        if s is None or len(s) < nbytes:
+            s = self._local.staging = _aligned(nbytes)
+        return s
+
+    def write_block(self, slot: int, ns_id: bytes, key: bytes, parent: bytes | None,
+                    src: np.ndarray, block_bytes: int, dtype_bytes: int) -> DiskEntry:
+        """Write one block from `src` (align_up(block_bytes),) uint8, page-aligned memory.
+        Not durable until `flush()`."""
+        codec = _codec.choose_codec(self.codec_name, dtype_bytes, block_bytes)
+        seq = self.next_seq()
+        payload = _codec.encode(codec, src[:block_bytes], self.zstd_level)
+        payload_len = len(payload) if codec else block_bytes
+        if codec and payload_len >= block_bytes:  # incompressible: store raw
+            codec, payload, payload_len = _codec.CODEC_NONE, src[:block_bytes], block_bytes
+        header = pack_slot_header(codec, dtype_bytes, ns_id, key, parent or b"", payload_len, block_bytes, seq,
+                                  self.slab_gen[SlabAllocator.slab_of(slot)], _csum(payload))
+        page = self._page()
+        page[:len(header)] = header
+        page[len(header):] = b"\0" * (PAGE - len(header))
+        fd, off = self._slot_loc(slot)
+        if codec == _codec.CODEC_NONE:
+            bufs = [page, src[:align_up(block_bytes)]]
+        else:
+            staging = self._staging(align_up(payload_len))
+            staging[:payload_len] = payload
+            bufs = [page, memoryview(staging)[:align_up(payload_len)]]
+        want = sum(len(b) if not isinstance(b, np.ndarray) else b.nbytes for b in bufs)
+        n = os.pwritev(fd, bufs, off)
+        if n != want:
+            raise OSError(errno.EIO, f"short write to disk tier ({n} of {want} bytes)")
+        return DiskEntry(slot, ns_id, key, seq, payload_len, block_bytes, codec, parent or b"")
+
+    def read_block(self, e: DiskEntry, dst: np.ndarray) -> None:
+        """Read and verify one block into `dst` (align_up(raw_len),) uint8 page-aligned memory.
+        Raises CorruptBlockError if anything does not match the index entry."""
+        fd, off = self._slot_loc(e.slot)
+        page = self._page()
+        if e.codec == _codec.CODEC_NONE:
+            want = PAGE + align_up(e.raw_len)
+            n = os.preadv(fd, [page, dst[:align_up(e.raw_len)]], off)
+            payload = dst[:e.raw_len]
+        else:
+            staging = self._staging(align_up(e.payload_len))
+            want = PAGE + align_up(e.payload_len)
+            n = os.preadv(fd, [page, memoryview(staging)[:align_up(e.payload_len)]], off)
+            payload = memoryview(staging)[:e.payload_len]
+        if n < want:
+            raise CorruptBlockError(f"slot truncated ({n} of {want} bytes readable)")
+        h = unpack_slot_header(page)
+        if h is None:
+            raise CorruptBlockError("slot header is gone")
+        _, _, codec, _, _, ns_id, key, _, payload_len, raw_len, seq, gen, pcsum = h
+        if (ns_id, key, seq, payload_len, raw_len, codec) != (
+                e.ns_id, e.key, e.seq, e.payload_len, e.raw_len, e.codec):
+            raise CorruptBlockError("slot header does not match the index (overwritten)")
+        if gen != self.slab_gen[SlabAllocator.slab_of(e.slot)]:
+            raise CorruptBlockError("slot belongs to an earlier use of its slab")
+        if _csum(payload) != pcsum:
+            raise CorruptBlockError("payload checksum mismatch")
+        if e.codec != _codec.CODEC_NONE:
+            try:
+                _codec.decode(e.codec, payload, dst[:e.raw_len])
+            except Exception as ex:  # zstd errors are not one class
+                raise CorruptBlockError(f"payload does not decode: {ex}") from None
+
+    def tombstone(self, slot: int) -> None:
+        """Zero a slot's header so a restart does not bring its block back (after flush)."""
+        page = self._page()
+        page[:] = b"\0" * PAGE
+        fd, off = self._slot_loc(slot)
+        os.pwrite(fd, page, off)
+
+    def flush(self) -> None:
+        """Make every completed write durable."""
+        for fd in self._fds:
+            os.fdatasync(fd)
+
+    # -- namespaces --------------------------------------------------------------------------
+    def _load_namespaces(self) -> dict[bytes, dict]:
+        p = self.path / NAMESPACES_NAME
+        try:
+            data = msgpack.unpackb(p.read_bytes(), raw=False, strict_map_key=False)
+            return {bytes(k): v for k, v in data.items()}
+        except FileNotFoundError:
+            return {}
+        except Exception:
+            log.warning("disk tier: %s is unreadable; namespace names are lost (blocks are not)", p)
+            return {}
+
+    def remember_namespace(self, ns_id: bytes, desc: dict) -> None:
+        """Persist a namespace description (atomic replace) the first time it reaches disk."""
+        if self.namespaces.get(ns_id) == desc:
+            return
+        self.namespaces[ns_id] = desc
+        self._atomic_write(NAMESPACES_NAME, msgpack.packb(self.namespaces, use_bin_type=True))
+
+    def _atomic_write(self, name: str, data: bytes) -> None:
+        tmp = self.path / (name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o600)
+        os.rename(tmp, self.path / name)
+        self._fsync_dir()
+
+    # -- recovery ----------------------------------------------------------------------------
+    def _recover(self, io_threads: int) -> None:
+        ckpt = self.path / CHECKPOINT_NAME
+        entries = None
+        if ckpt.exists():
+            entries = self._load_checkpoint(ckpt)
+            # From here on the files change; a stale checkpoint must never be trusted.
+            ckpt.unlink()
+            self._fsync_dir()
+        if entries is None:
+            entries = self._scan(io_threads)
+            self.recovered_from = "scan" if any(self.alloc.slab_class) or entries else "new"
+        else:
+            self.recovered_from = "checkpoint"
+        best: dict[bytes, DiskEntry] = {}
+        for e in entries:
+            k = e.ns_id + e.key
+            old = best.get(k)
+            if old is None or e.seq > old.seq:
+                best[k] = e
+        for e in best.values():
+            self.alloc.take(e.slot)
+        self.recovered = list(best.values())
+        top = max([0, *(e.seq for e in entries), *self.slab_gen])
+        self._seq = itertools.count(top + 1)
+
+    def _load_checkpoint(self, ckpt: Path) -> list[DiskEntry] | None:
+        try:
+            raw = ckpt.read_bytes()
+            body, (csum,) = raw[:-8], _CSUM.unpack(raw[-8:])
+            if _csum(body) != csum:
+                raise ValueError("checksum")
+            d = msgpack.unpackb(body, raw=False)
+            if d["version"] != FORMAT_VERSION or d["uuid"] != self.store_uuid:
+                raise ValueError("version or store")
+            for slab, slot_bytes, gen in d["slabs"]:
+                self.alloc.assign_slab(slab, slot_bytes)
+                self.slab_gen[slab] = gen
+            return [DiskEntry(*row) for row in d["entries"]]
+        except Exception as ex:
+            log.warning("disk tier: checkpoint unusable (%s); scanning slot headers", ex)
+            self.alloc = SlabAllocator(self.num_slabs, self.slab_bytes, slab_header_bytes=PAGE,
+                                       capacity_bytes=self.capacity_bytes)
+            self.slab_gen = [0] * self.num_slabs
+            return None
+
+    def _scan(self, io_threads: int) -> list[DiskEntry]:
+        """Rebuild the index from slab and slot headers (header checksums verified here,
+        payload checksums at every read)."""
+        def scan_slab(slab: int) -> tuple[int, int, int, list[DiskEntry], int]:
+            fd, base = self._slab_loc(slab)
+            buf = _aligned(PAGE)
+            if os.preadv(fd, [buf], base) < PAGE:
+                return slab, 0, 0, [], 0
+            (csum,) = _CSUM.unpack_from(buf, _SLAB.size)
+            magic, ver, _, slot_bytes, gen = _SLAB.unpack_from(buf)
+            if (magic != SLAB_MAGIC or ver != FORMAT_VERSION or _csum(bytes(buf[:_SLAB.size])) != csum
+                    or slot_bytes == 0 or slot_bytes % PAGE or slot_bytes > self.slab_bytes - PAGE):
+                return slab, 0, 0, [], 0
+            found, bad = [], 0
+            file_size = os.fstat(fd).st_size
+            for i in range((self.slab_bytes - PAGE) // slot_bytes):
+                off = base + PAGE + i * slot_bytes
+                if os.preadv(fd, [buf], off) < PAGE:
+                    break
+                try:
+                    h = unpack_slot_header(buf)
+                except CorruptBlockError:
+                    bad += 1
+                    continue
+                if h is None or h[11] != gen:
+                    continue  # empty, or left over from an earlier use of this slab
+                _, _, codec, _, _, ns_id, key, parent, payload_len, raw_len, seq, _, _ = h
+                if payload_len > slot_bytes - PAGE or raw_len > slot_bytes - PAGE or \
+                        off + PAGE + payload_len > file_size:
+                    bad += 1
+                    continue
+                slot = (slab << 24) | i
+                parent = b"" if parent == b"\0" * 16 else parent
+                found.append(DiskEntry(slot, ns_id, key, seq, payload_len, raw_len, codec, parent))
+            return slab, slot_bytes, gen, found, bad
+
+        entries: list[DiskEntry] = []
+        with ThreadPoolExecutor(io_threads) as pool:
+            for slab, slot_bytes, gen, found, bad in pool.map(scan_slab, range(self.num_slabs)):
+                self.corrupt_at_open += bad
+                if slot_bytes:
+                    self.alloc.assign_slab(slab, slot_bytes)
+                    self.slab_gen[slab] = gen
+                    entries.extend(found)
+        if self.corrupt_at_open:
+            log.warning("disk tier: %d damaged slots dropped at open", self.corrupt_at_open)
+        return entries
+
+    # -- closing -----------------------------------------------------------------------------
+    def close(self, entries: list[DiskEntry] | None) -> None:
+        """Flush, and if `entries` (the complete index) is given write a checkpoint so the
+        next open skips the scan."""
+        if self._closed:
+            return
+        self._closed = True
+        self.pool.shutdown(wait=True)
+        try:
+            self.flush()
+            if entries is not None:
+                slabs = [(s, self.alloc.slab_class[s], self.slab_gen[s])
+                         for s in range(self.num_slabs) if self.alloc.slab_class[s]]
+                body = msgpack.packb({
+                    "version": FORMAT_VERSION, "uuid": self.store_uuid, "slabs": slabs,
+                    "entries": [(e.slot, e.ns_id, e.key, e.seq, e.payload_len, e.raw_len, e.codec,
+                                 e.parent) for e in entries]}, use_bin_type=True)
+                self._atomic_write(CHECKPOINT_NAME, body + _CSUM.pack(_csum(body)))
+        finally:
+            self._release_fds()
+
+    def _release_fds(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # closing releases the flock
+            self._lock_fd = -1
+
+    def usage(self) -> dict:
+        return {"capacity_bytes": self.capacity_bytes, "used_bytes": self.alloc.used_bytes,
+                "waste_bytes": self.alloc.waste_bytes(), "direct_io": self.direct_io,
+                "files": self.num_files, "slab_bytes": self.slab_bytes}

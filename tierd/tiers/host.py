@@ -1,0 +1,35 @@
+"""The host tier: a shared-memory arena carved into slab-class slots.
+
+Owns the arena's memory and its slot allocator; never decides what to evict (the store does)
+and never copies a block on its own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..arena import SharedArena, SlabAllocator, plan_slabs
+from ..config import ALIGN
+
+
+class HostTier:
+    name = "host"
+
+    def __init__(self, capacity_bytes: int, slab_bytes: int, *, shm_path: str | None = None):
+        capacity_bytes = capacity_bytes // ALIGN * ALIGN
+        num_slabs, slab_bytes = plan_slabs(capacity_bytes, slab_bytes, "host tier")
+        self.capacity_bytes = capacity_bytes
+        self.arena = SharedArena(capacity_bytes, path=shm_path)
+        self.alloc = SlabAllocator(num_slabs, slab_bytes, capacity_bytes=capacity_bytes)
+
+    def view(self, slot: int, nbytes: int) -> np.ndarray:
+        """(nbytes,) uint8 view of a slot; nbytes <= the slot's size."""
+        return self.arena.view(self.alloc.offset(slot), nbytes)
+
+    def descriptor(self) -> dict:
+        """What another process needs to map this arena."""
+        return {"tier": "host", "path": self.arena.path, "capacity_bytes": self.capacity_bytes,
+                "slab_bytes": self.alloc.slab_bytes}
+
+    def close(self) -> None:
+        self.arena.close()

@@ -1,0 +1,53 @@
+"""Moving block bytes between callers' buffers and tier slots.
+
+On CPU hosts a transfer is a memcpy (numpy's copy releases the GIL, so copies of different
+blocks run in parallel with the store's bookkeeping). This module owns the conversion of
+whatever a caller hands us (bytes, numpy arrays, CPU torch tensors) into a flat uint8 view
+and the checks that it matches the namespace; it never allocates slots.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import BlockError
+
+# dtype names (numpy's and torch's str()) that are acceptable raw-byte carriers for any block.
+_RAW_DTYPES = {"uint8", "int8", "torch.uint8", "torch.int8"}
+
+
+def _dtype_name(obj) -> str | None:
+    dt = getattr(obj, "dtype", None)
+    return None if dt is None else str(dt)
+
+
+def as_u8(block, block_bytes: int, kv_dtype: str) -> np.ndarray:
+    """A flat (block_bytes,) uint8 view of `block` (no copy when it is contiguous).
+
+    Raises BlockError when the size is not `block_bytes` or the element type is neither the
+    namespace's KV dtype nor raw bytes.
+    """
+    dt = _dtype_name(block)
+    if dt is not None and dt not in _RAW_DTYPES and dt.removeprefix("torch.") != kv_dtype:
+        raise BlockError(f"block dtype {dt} does not match the namespace KV dtype {kv_dtype}")
+    if type(block).__module__.startswith("torch"):
+        if block.device.type != "cpu":
+            raise BlockError(f"block is on {block.device}; the CPU path takes host tensors")
+        t = block.detach().contiguous().reshape(-1)
+        arr = t.view(__import__("torch").uint8).numpy()
+    elif isinstance(block, np.ndarray):
+        arr = np.ascontiguousarray(block).reshape(-1).view(np.uint8)
+    else:
+        try:
+            arr = np.frombuffer(memoryview(block).cast("B"), dtype=np.uint8)
+        except TypeError:
+            raise BlockError(f"a block must be bytes-like, a numpy array or a CPU tensor, "
+                             f"not {type(block).__name__}") from None
+    if arr.nbytes != block_bytes:
+        raise BlockError(f"block is {arr.nbytes} bytes; this namespace's blocks are {block_bytes} bytes")
+    return arr
+
+
+def copy_block(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[:] = src for (n,) uint8 arrays."""
+    np.copyto(dst, src, casting="no")
