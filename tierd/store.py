@@ -633,7 +633,9 @@ class TieredStore:
                     continue
                 if b.disk is None:
                     break
+                b.disk_pins += 1  # making room may evict from disk: not this block
                 slot = self._host_alloc(st)
+                b.disk_pins -= 1
                 b = self._blocks.get(ikey)
                 if b is not None and b.host_state == READY:  # promoted meanwhile
                     if slot is not None:

@@ -141,10 +141,12 @@ class DiskTier:
     # -- opening ---------------------------------------------------------------------------
     def _open_dir(self) -> None:
         p = self.path
-        if p.exists() and not p.is_dir():
-            raise DiskTierError(f"disk tier: {p} exists and is not a directory; set disk_path to a directory")
         try:
+            if p.exists() and not p.is_dir():
+                raise DiskTierError(f"disk tier: {p} exists and is not a directory; set disk_path to a directory")
             p.mkdir(parents=True, exist_ok=True)
+        except DiskTierError:
+            raise
         except OSError as e:
             raise DiskTierError(
                 f"disk tier: cannot create {p} ({e.strerror}); set disk_path or fix permissions") from None

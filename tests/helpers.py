@@ -1,0 +1,35 @@
+"""Shared builders for tests: namespaces, deterministic block contents, store configs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tierd import Namespace, StoreConfig
+
+
+def make_ns(*, model: str = "test-model", kv_dtype: str = "float16", num_layers: int = 2,
+            num_kv_heads: int = 2, head_dim: int = 64, block_tokens: int = 16, **kw) -> Namespace:
+    return Namespace(model=model, kv_dtype=kv_dtype, num_layers=num_layers,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim, block_tokens=block_tokens, **kw)
+
+
+def block_for(ns: Namespace, key: bytes) -> np.ndarray:
+    """Deterministic (block_bytes,) uint8 content of the block named `key`: anyone who knows
+    the key can check a block bit-exact, also in another process."""
+    rng = np.random.default_rng(int.from_bytes(key[:8], "little") ^ int.from_bytes(ns.id[:8], "little"))
+    return rng.integers(0, 256, ns.block_bytes, dtype=np.uint8)
+
+
+def chain(ns: Namespace, seed: int, n_blocks: int) -> list[bytes]:
+    """Keys of one prompt of `n_blocks` full blocks with token ids drawn from `seed`."""
+    toks = np.random.default_rng(seed).integers(0, 32000, n_blocks * ns.block_tokens)
+    return ns.block_keys(toks)
+
+
+def small_config(tmp_path=None, **kw) -> StoreConfig:
+    base = dict(host_bytes="1MiB", host_slab_bytes="256KiB", disk_bytes="8MiB",
+                disk_slab_bytes="1MiB", disk_file_bytes="4MiB", demotion_interval_s=0.05)
+    if tmp_path is not None:
+        base["disk_path"] = str(tmp_path / "disk")
+    base.update(kw)
+    return StoreConfig(**base)

@@ -1,0 +1,451 @@
+"""TieredStore behaviour: round trips, zero-copy forms, policy under pressure, bad input."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import tierd
+from tierd import TieredStore
+from tierd.errors import (BlockError, CapacityError, ConfigError, DirectoryLockedError,
+                          DiskTierError, KeyFormatError, LeaseError, NotASlabFileError,
+                          StoreClosedError, UnknownNamespaceError)
+
+from .helpers import block_for, chain, make_ns, small_config
+
+
+def put_chain(store, ns, keys, **kw):
+    return store.put(ns, keys, [block_for(ns, k) for k in keys], **kw)
+
+
+def assert_exact(store, ns, keys):
+    got = store.get(ns, keys)
+    assert len(got) == len(keys)
+    for k, g in zip(keys, got):
+        assert np.array_equal(g, block_for(ns, k))
+
+
+# -- round trips ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("with_disk", [False, True])
+def test_round_trip_bit_exact_for_several_namespaces(tmp_path, with_disk):
+    spaces = [make_ns(), make_ns(kv_dtype="bfloat16", num_layers=3, model="other"),
+              make_ns(kv_dtype="float32", head_dim=24, num_kv_heads=1)]  # 6144 B: not 4 KiB-aligned
+    with TieredStore(small_config(tmp_path if with_disk else None, host_bytes="4MiB")) as s:
+        chains = {ns: chain(ns, seed=i, n_blocks=12) for i, ns in enumerate(spaces)}
+        for ns, keys in chains.items():
+            assert put_chain(s, ns, keys) == len(keys)
+        for ns, keys in chains.items():
+            assert s.lookup(ns, keys) == len(keys)
+            assert_exact(s, ns, keys)
+        if with_disk:
+            assert s.sync() == sum(map(len, chains.values()))
+            assert s.flush(tier="host") == 36
+            for ns, keys in chains.items():
+                assert set(s.where(ns, keys)) == {"disk"}
+                assert_exact(s, ns, keys)  # promoted from disk
+
+
+def test_blocks_of_two_namespaces_never_mix(host_store):
+    a, b = make_ns(model="a"), make_ns(model="b")
+    keys = chain(a, 0, 4)
+    put_chain(host_store, a, keys)
+    assert host_store.lookup(b, keys) == 0  # same key bytes, other namespace
+    assert host_store.get(b, keys) == []
+
+
+def test_put_accepts_numpy_torch_bytes_and_refuses_wrong_size_or_dtype(host_store, ns):
+    keys = chain(ns, 1, 4)
+    ref = [block_for(ns, k) for k in keys]
+    t = torch.from_numpy(ref[1].copy()).view(torch.float16).reshape(ns.block_shape)
+    assert host_store.put(ns, keys[:3], [ref[0].view(np.float16), t, bytes(ref[2])]) == 3
+    assert_exact(host_store, ns, keys[:3])
+    before = host_store.stats()
+    with pytest.raises(BlockError, match="bytes"):
+        host_store.put(ns, [keys[3]], [ref[3][:-1]])
+    with pytest.raises(BlockError, match="dtype"):
+        host_store.put(ns, [keys[3]], [ref[3].view(np.float32)])
+    with pytest.raises(BlockError, match="dtype"):
+        host_store.put(ns, [keys[3]], [torch.zeros(ns.block_bytes // 2, dtype=torch.bfloat16)])
+    with pytest.raises(KeyFormatError):
+        host_store.put(ns, [b"short"], [ref[3]])
+    after = host_store.stats()
+    assert after["tiers"]["host"]["used_bytes"] == before["tiers"]["host"]["used_bytes"]
+    assert host_store.lookup(ns, keys) == 3
+
+
+def test_put_skips_present_keys(host_store, ns):
+    keys = chain(ns, 2, 6)
+    assert put_chain(host_store, ns, keys[:4]) == 4
+    assert put_chain(host_store, ns, keys) == 2
+
+
+def test_lookup_counts_leading_hits_only(host_store, ns):
+    keys = chain(ns, 3, 6)
+    put_chain(host_store, ns, keys[:2])
+    put_chain(host_store, ns, keys[3:])
+    assert host_store.lookup(ns, keys) == 2
+    assert len(host_store.get(ns, keys)) == 2
+
+
+# -- zero-copy forms ----------------------------------------------------------------------------
+
+def test_reserve_commit_makes_blocks_visible_only_at_commit(host_store, ns):
+    keys = chain(ns, 4, 5)
+    put_chain(host_store, ns, keys[:1])
+    res = host_store.reserve(ns, keys)
+    assert res.status == ["present"] + ["reserved"] * 4
+    for k, buf in zip(keys, res.buffers):
+        if buf is not None:
+            buf[:] = block_for(ns, k)
+    assert host_store.lookup(ns, keys) == 1
+    assert host_store.commit(res) == 4
+    assert_exact(host_store, ns, keys)
+    with pytest.raises(LeaseError):
+        host_store.commit(res)
+
+
+def test_abort_gives_slots_back(host_store, ns):
+    used = host_store.stats()["tiers"]["host"]["used_bytes"]
+    res = host_store.reserve(ns, chain(ns, 5, 8))
+    assert host_store.stats()["tiers"]["host"]["used_bytes"] > used
+    host_store.abort(res)
+    assert host_store.stats()["tiers"]["host"]["used_bytes"] == used
+    assert host_store.lookup(ns, res.keys) == 0
+
+
+def test_lease_gives_read_only_exact_views_and_releases_once(host_store, ns):
+    keys = chain(ns, 6, 3)
+    put_chain(host_store, ns, keys)
+    lease = host_store.acquire(ns, keys)
+    assert len(lease) == 3 and lease.tiers == ["host"] * 3
+    for k, v in zip(keys, lease.buffers):
+        assert np.array_equal(v, block_for(ns, k))
+        with pytest.raises(ValueError):
+            v[0] = 1
+    assert host_store.stats()["leases"] == 1
+    host_store.release(lease)
+    with pytest.raises(LeaseError):
+        host_store.release(lease)
+    assert host_store.stats()["leases"] == 0
+
+
+def test_drop_owner_releases_everything_a_client_held(host_store, ns):
+    keys = chain(ns, 7, 4)
+    put_chain(host_store, ns, keys[:2])
+    host_store.acquire(ns, keys[:2], owner="conn-1")
+    host_store.reserve(ns, keys[2:], owner="conn-1")
+    assert host_store.drop_owner("conn-1") == (1, 1)
+    st = host_store.stats()
+    assert st["leases"] == 0 and st["reservations"] == 0
+    assert host_store.lookup(ns, keys) == 2
+
+
+# -- policy under pressure -----------------------------------------------------------------------
+
+def test_leased_blocks_survive_pressure(ns):
+    with TieredStore(small_config(None)) as s:  # 1 MiB host, 16 KiB blocks: 64 slots, no disk
+        hot = chain(ns, 10, 4)
+        put_chain(s, ns, hot)
+        lease = s.acquire(ns, hot)
+        for seed in range(200):
+            put_chain(s, ns, chain(ns, 1000 + seed, 1))
+        assert s.stats()["tiers"]["host"]["evictions"] > 100
+        for k, v in zip(hot, lease.buffers):
+            assert np.array_equal(v, block_for(ns, k))
+        assert s.where(ns, hot) == ["host"] * 4
+        s.release(lease)
+
+
+def test_pressure_demotes_to_disk_then_evicts_in_lru_order(tmp_path, ns):
+    with TieredStore(small_config(tmp_path)) as s:
+        singles = [chain(ns, 2000 + i, 1)[0] for i in range(600)]
+        for k in singles:
+            put_chain(s, ns, [k])
+        st = s.stats()["tiers"]
+        assert st["host"]["used_bytes"] <= st["host"]["capacity_bytes"]
+        assert st["disk"]["demotions"] > 0 and st["disk"]["evictions"] > 0
+        # the background demoter brings the host down to its low watermark, then rests
+        deadline = time.monotonic() + 10
+        while s.stats()["tiers"]["host"]["used_bytes"] > 0.8 * (1 << 20) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        where = s.where(ns, singles)
+        order = {"": 0, "disk": 1, "host+disk": 2, "host": 2}
+        ranks = [order[w] for w in where]
+        assert ranks == sorted(ranks), "older blocks must be demoted/evicted before newer ones"
+        assert ranks[0] == 0 and ranks[-1] == 2
+        on_disk = [k for k, w in zip(singles, where) if w == "disk"]
+        in_host = [k for k, w in zip(singles, where) if "host" in w]
+        for k in in_host[-5:] + on_disk[-3:]:
+            assert_exact(s, ns, [k])
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+@pytest.mark.parametrize("one_put_per_block", [False, True])
+def test_descendants_are_evicted_before_ancestors(ns, policy, one_put_per_block):
+    with TieredStore(small_config(None, eviction_policy=policy)) as s:
+        keys = chain(ns, 11, 40)
+        if one_put_per_block:
+            for i, k in enumerate(keys):
+                put_chain(s, ns, [k], parent=keys[i - 1] if i else None)
+        else:
+            put_chain(s, ns, keys)
+        for seed in range(50):
+            put_chain(s, ns, chain(ns, 3000 + seed, 1))
+        present = [w == "host" for w in s.where(ns, keys)]
+        assert not all(present), "the test must cause evictions in the chain"
+        n = present.index(False) if False in present else len(present)
+        assert present == [True] * n + [False] * (len(keys) - n), "a chain keeps a prefix, never a gap"
+
+
+def test_hit_on_disk_promotes_to_host_and_keeps_the_disk_copy(store, ns):
+    keys = chain(ns, 12, 8)
+    put_chain(store, ns, keys)
+    store.sync()
+    store.flush(tier="host")
+    assert store.where(ns, keys) == ["disk"] * 8
+    lease = store.acquire(ns, keys)
+    assert lease.tiers == ["disk"] * 8
+    store.release(lease)
+    assert store.where(ns, keys) == ["host+disk"] * 8
+    assert store.stats()["tiers"]["disk"]["promotions"] == 8
+    assert store.flush(tier="host") == 8
+    assert_exact(store, ns, keys)
+
+
+def test_admission_filter_keeps_one_off_blocks_off_the_ssd(tmp_path, ns):
+    with TieredStore(small_config(tmp_path, disk_admit_min_hits=2)) as s:
+        hot = chain(ns, 13, 4)
+        put_chain(s, ns, hot)
+        s.get(ns, hot)
+        s.get(ns, hot)
+        cold = [chain(ns, 4000 + i, 1)[0] for i in range(150)]
+        for k in cold:
+            put_chain(s, ns, [k])
+        st = s.stats()["tiers"]["disk"]
+        assert st["admission_rejected"] > 0
+        assert all("disk" not in w for w in s.where(ns, cold[:20]))
+        assert all(w for w in s.where(ns, hot))
+
+
+def test_flush_by_tier_and_namespace(store):
+    a, b = make_ns(model="a"), make_ns(model="b")
+    ka, kb = chain(a, 1, 5), chain(b, 2, 5)
+    put_chain(store, a, ka)
+    put_chain(store, b, kb)
+    store.sync()
+    assert store.flush(tier="disk", namespace=a.name) == 5
+    assert store.where(a, ka) == ["host"] * 5 and store.where(b, kb) == ["host+disk"] * 5
+    assert store.flush(namespace=b) == 5
+    assert store.lookup(b, kb) == 0 and store.lookup(a, ka) == 5
+    with pytest.raises(UnknownNamespaceError):
+        store.flush(namespace="0123456789abcdef")
+    with pytest.raises(tierd.TierdError):
+        store.flush(tier="tape")
+
+
+def test_flushed_disk_blocks_do_not_come_back_after_reopen(tmp_path, ns):
+    cfg = small_config(tmp_path)
+    keys = chain(ns, 14, 6)
+    with TieredStore(cfg) as s:
+        put_chain(s, ns, keys)
+        s.sync()
+        s.flush(tier="all")
+    os.unlink(tmp_path / "disk" / "index.ckpt")  # force the header scan
+    with TieredStore(cfg) as s:
+        assert s.lookup(ns, keys) == 0
+
+
+def test_capacity_bounds_hold_under_pressure(tmp_path, ns):
+    cfg = small_config(tmp_path)
+    with TieredStore(cfg) as s:
+        assert os.fstat(s.host.arena.fd).st_size == 1 << 20
+        for i in range(400):
+            put_chain(s, ns, chain(ns, 5000 + i, 2))
+            if i % 50 == 0:
+                st = s.stats()["tiers"]
+                for t in ("host", "disk"):
+                    assert st[t]["used_bytes"] <= st[t]["capacity_bytes"]
+        s.sync()
+        files = list((tmp_path / "disk").glob("slab-*.tds"))
+        assert sum(f.stat().st_size for f in files) <= 8 << 20
+        assert sum(f.stat().st_blocks * 512 for f in files) <= 8 << 20
+
+
+def test_stats_report_tiers_and_namespaces(store, ns):
+    keys = chain(ns, 15, 4)
+    put_chain(store, ns, keys)
+    store.get(ns, keys + chain(ns, 16, 2))
+    st = store.stats()
+    for tier in ("host", "disk"):
+        for field in ("capacity_bytes", "used_bytes", "free_bytes", "blocks", "evictions",
+                      "demotions", "promotions", "bytes_in", "bytes_out", "waste_bytes",
+                      "waste_ratio", "corrupt_dropped"):
+            assert field in st["tiers"][tier]
+    n = st["namespaces"][ns.name]
+    assert (n["hits"], n["misses"], n["puts"], n["host_blocks"]) == (4, 2, 4, 4)
+    assert n["hit_rate"] == pytest.approx(4 / 6)
+    assert 0 <= st["tiers"]["host"]["waste_ratio"] < 1
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_disk_codecs_round_trip(tmp_path, codec):
+    ns = make_ns()
+    with TieredStore(small_config(tmp_path, disk_codec=codec)) as s:
+        keys = chain(ns, 17, 6)
+        # KV-like fp16 data (compressible exponents) and random bytes (incompressible)
+        rng = np.random.default_rng(0)
+        blocks = [rng.standard_normal(ns.block_bytes // 2).astype(np.float16) for _ in keys[:3]]
+        blocks += [block_for(ns, k) for k in keys[3:]]
+        s.put(ns, keys, blocks)
+        s.sync()
+        s.flush(tier="host")
+        got = s.get(ns, keys)
+        assert all(np.array_equal(g, np.asarray(b).view(np.uint8)) for g, b in zip(got, blocks))
+
+
+# -- bad input and set-up errors -----------------------------------------------------------------
+
+def test_capacity_smaller_than_one_block_is_refused_without_partial_state(host_store):
+    big = make_ns(num_layers=64, head_dim=128, num_kv_heads=8, block_tokens=64)  # 16 MiB blocks
+    with pytest.raises(CapacityError, match="raise host_bytes"):
+        host_store.put(big, chain(big, 0, 1), [np.zeros(big.block_bytes, np.uint8)])
+    assert host_store.stats()["namespaces"] == {}
+
+
+def test_block_larger_than_a_slab_is_refused_with_advice():
+    ns = make_ns(num_layers=16)  # 128 KiB blocks
+    with TieredStore(small_config(None, host_slab_bytes="64KiB")) as s:
+        with pytest.raises(CapacityError, match="slab_bytes"):
+            s.register(ns)
+
+
+def test_unknown_namespace_name_is_refused(host_store):
+    with pytest.raises(UnknownNamespaceError, match="unknown namespace"):
+        host_store.lookup("feedfacefeedface", [b"k" * 16])
+    with pytest.raises(TypeError):
+        host_store.lookup(42, [b"k" * 16])
+
+
+def test_disk_path_that_is_a_file_is_refused(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(DiskTierError, match="not a directory"):
+        TieredStore(small_config(None, disk_path=str(f)))
+
+
+def test_unwritable_disk_path_is_refused(tmp_path):
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o555)
+    code = (
+        "import os, sys\n"
+        "from tierd import TieredStore\nfrom tierd.errors import DiskTierError\n"
+        "if os.getuid() == 0: os.setgid(65534); os.setuid(65534)\n"
+        "try:\n"
+        f"    TieredStore(host_bytes='1MiB', disk_path={str(d / 'cache')!r}, disk_bytes='4MiB')\n"
+        "except DiskTierError as e:\n    print('REFUSED', e); sys.exit(0)\n"
+        "sys.exit(1)\n")
+    tmp_path.chmod(0o755)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.returncode == 0, r.stderr
+    assert "REFUSED" in r.stdout and "permissions" in r.stdout
+
+
+def test_a_file_that_is_not_a_slab_file_is_refused(tmp_path):
+    d = tmp_path / "disk"
+    d.mkdir()
+    (d / "slab-0000.tds").write_bytes(b"definitely not tierd" * 1000)
+    with pytest.raises(NotASlabFileError, match="not a tierd slab file"):
+        TieredStore(small_config(tmp_path))
+    # the refusal left nothing locked or half-open: after fixing, the store opens
+    (d / "slab-0000.tds").unlink()
+    TieredStore(small_config(tmp_path)).close()
+
+
+def test_two_stores_cannot_open_one_directory(tmp_path):
+    with TieredStore(small_config(tmp_path)):
+        with pytest.raises(DirectoryLockedError, match="in use by another tierd store"):
+            TieredStore(small_config(tmp_path))
+    TieredStore(small_config(tmp_path)).close()
+
+
+def test_disk_geometry_mismatch_is_refused(tmp_path):
+    TieredStore(small_config(tmp_path)).close()
+    with pytest.raises(ConfigError):
+        TieredStore(small_config(tmp_path, disk_bytes="2MiB"))
+
+
+def test_closed_store_refuses_work(ns):
+    s = TieredStore(small_config(None))
+    s.close()
+    with pytest.raises(StoreClosedError):
+        s.lookup(ns, chain(ns, 0, 1))
+
+
+def test_connect_embedded_url(tmp_path, ns):
+    s = tierd.connect(f"embedded://?host=2MiB&host_slab=256KiB&disk={tmp_path}/d&disk_bytes=8MiB"
+                      "&disk_slab=1MiB&policy=s3fifo&codec=zstd")
+    try:
+        assert isinstance(s, TieredStore) and s.config.eviction_policy == "s3fifo"
+        keys = chain(ns, 1, 3)
+        put_chain(s, ns, keys)
+        assert_exact(s, ns, keys)
+    finally:
+        s.close()
+    with pytest.raises(ConfigError, match="unknown parameter"):
+        tierd.connect("embedded://?hots=1GiB")
+    with pytest.raises(ConfigError, match="unknown scheme"):
+        tierd.connect("redis://x")
+
+
+# -- concurrency ----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_eight_threads_mixed_ops_lose_and_corrupt_nothing(tmp_path):
+    ns = make_ns()
+    cfg = small_config(tmp_path, host_bytes="2MiB", disk_bytes="32MiB", disk_file_bytes="8MiB")
+    errors, stop = [], threading.Event()
+    with TieredStore(cfg) as s:
+        def worker(tid):
+            rng = np.random.default_rng(tid)
+            try:
+                for it in range(150):
+                    keys = chain(ns, int(rng.integers(0, 60)), int(rng.integers(1, 6)))
+                    op = rng.integers(0, 10)
+                    if op < 4:
+                        put_chain(s, ns, keys)
+                    elif op < 8:
+                        got = s.get(ns, keys)
+                        for k, g in zip(keys, got):
+                            if not np.array_equal(g, block_for(ns, k)):
+                                errors.append(f"thread {tid}: wrong bytes for {k.hex()}")
+                    elif op < 9:
+                        n = s.lookup(ns, keys)
+                        assert 0 <= n <= len(keys)
+                    else:
+                        s.flush(tier=["host", "disk", "all"][it % 3]) if rng.random() < 0.2 else s.sync()
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(f"thread {tid}: {e!r}")
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=240)
+        stop.set()
+        assert not any(t.is_alive() for t in threads), "deadlock"
+        assert errors == []
+        st = s.stats()
+        assert st["leases"] == 0 and st["reservations"] == 0
+        # a committed block is served until policy evicts it: put then get in one thread
+        keys = chain(ns, 999, 5)
+        put_chain(s, ns, keys)
+        assert_exact(s, ns, keys)
