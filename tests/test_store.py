@@ -79,6 +79,18 @@ def test_put_accepts_numpy_torch_bytes_and_refuses_wrong_size_or_dtype(host_stor
     assert host_store.lookup(ns, keys) == 3
 
 
+def test_get_into_caller_buffers(host_store, ns):
+    keys = chain(ns, 21, 3)
+    put_chain(host_store, ns, keys)
+    out = [torch.empty(ns.block_shape, dtype=torch.float16) for _ in range(4)]
+    got = host_store.get(ns, keys + chain(ns, 22, 1), out=out)
+    assert len(got) == 3 and got[0] is out[0]
+    for k, t in zip(keys, got):
+        assert np.array_equal(t.view(torch.uint8).reshape(-1).numpy(), block_for(ns, k))
+    with pytest.raises(BlockError):
+        host_store.get(ns, keys, out=[torch.empty(3)] * 3)
+
+
 def test_put_skips_present_keys(host_store, ns):
     keys = chain(ns, 2, 6)
     assert put_chain(host_store, ns, keys[:4]) == 4

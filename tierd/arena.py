@@ -9,6 +9,7 @@ Neither class knows about blocks, keys or policy.
 
 from __future__ import annotations
 
+import heapq
 import mmap
 import os
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ class _SlabClass:
     slot_bytes: int
     slots_per_slab: int
     slabs: list[int]
-    free: list[int]  # free slot ids, popped from the end (lowest offsets first)
+    free: list[int]  # heap of free slot ids: the lowest offset goes first, so disk writes stay sequential
 
 
 class SlabAllocator:
@@ -95,7 +96,8 @@ class SlabAllocator:
         self.slab_class[slab] = slot_bytes
         c.slabs.append(slab)
         base = slab << _SLOT_BITS
-        c.free.extend(range(base + c.slots_per_slab - 1, base - 1, -1))
+        c.free.extend(range(base, base + c.slots_per_slab))
+        heapq.heapify(c.free)
 
     def alloc(self, slot_bytes: int) -> int | None:
         """A free slot of `slot_bytes`, taking a free slab if the class is full; None if neither."""
@@ -104,20 +106,23 @@ class SlabAllocator:
             if not self.free_slabs:
                 return None
             self.assign_slab(self.free_slabs[-1], slot_bytes)
-        slot = c.free.pop()
+        slot = heapq.heappop(c.free)
         self._mark(slot, +1)
         return slot
 
-    def take(self, slot_id: int) -> None:
-        """Mark a specific free slot used (recovery)."""
-        c = self.classes[self.slab_class[slot_id >> _SLOT_BITS]]
-        c.free.remove(slot_id)
-        self._mark(slot_id, +1)
+    def take_many(self, slot_ids) -> None:
+        """Mark specific free slots used (recovery); one pass over the free lists."""
+        taken = set(slot_ids)
+        for slot in taken:
+            self._mark(slot, +1)
+        for c in self.classes.values():
+            c.free = [s for s in c.free if s not in taken]
+            heapq.heapify(c.free)
 
     def free(self, slot_id: int) -> None:
         slab = slot_id >> _SLOT_BITS
         c = self.classes[self.slab_class[slab]]
-        c.free.append(slot_id)
+        heapq.heappush(c.free, slot_id)
         self._mark(slot_id, -1)
 
     def _mark(self, slot_id: int, delta: int) -> None:
@@ -133,6 +138,7 @@ class SlabAllocator:
         c.slabs.remove(slab)
         lo, hi = slab << _SLOT_BITS, (slab + 1) << _SLOT_BITS
         c.free = [s for s in c.free if not lo <= s < hi]
+        heapq.heapify(c.free)
         self.slab_class[slab] = 0
         self.free_slabs.append(slab)
 

@@ -312,6 +312,7 @@ class TieredStore:
         Lock held; may release it during disk writes."""
         sb = st.host_slot_bytes
         alloc = self.host.alloc
+        deadline = None
         for _ in range(64 + 2 * len(self._host_owner)):
             slot = alloc.alloc(sb)
             if slot is not None:
@@ -329,8 +330,16 @@ class TieredStore:
                     and alloc.slot_bytes_of(self._blocks[k].host_slot) == sb)
                 victim = self._blocks[key] if key is not None else None
             if victim is None:
-                if not self._evict_host_slab(sb):
+                if self._evict_host_slab(sb):
+                    continue
+                # Everything evictable is being written to disk right now: wait for those
+                # writes (bounded) rather than drop the block.
+                if not self._writes_in_flight:
                     return None
+                deadline = deadline or time.monotonic() + self.ALLOC_WAIT_S
+                if time.monotonic() >= deadline:
+                    return None
+                self._cond.wait(deadline - time.monotonic())
                 continue
             self._evict_host(victim)
         return None
@@ -431,46 +440,71 @@ class TieredStore:
         return True
 
     def _write_down(self, b: _Block) -> bool:
-        """Copy a READY host block to disk (its host copy stays). Lock held on entry and exit,
-        released during the write. True if the block now has a disk copy."""
-        st, disk = b.st, self.disk
-        slot = self._disk_alloc(st)
-        if slot is None or b.host_state != READY or b.disk is not None or b.disk_writing:
-            if slot is not None:
-                disk.free_slot(slot)
-            return b.disk is not None
-        if st.ns is not None:
-            disk.remember_namespace(st.ns_id, st.desc)
-        b.disk_writing = True
-        b.host_pins += 1
-        self._writes_in_flight += 1
-        src = self.host.view(b.host_slot, st.host_slot_bytes)
-        parent_key = b.parent[16:] if b.parent else None
-        entry, error = None, None
+        """Copy one READY host block to disk (its host copy stays); see `_write_down_batch`."""
+        self._write_down_batch([b])
+        return b.disk is not None
+
+    def _write_down_batch(self, blocks: list[_Block]) -> int:
+        """Copy READY host-only blocks to disk, in parallel on the I/O pool; host copies stay.
+        Lock held on entry and exit, released during the writes. Returns blocks written."""
+        disk = self.disk
+        # One batch at a time: blocks reach the disk tier (and its eviction order) in the
+        # order they were chosen, and each batch's writes stay one sequential run.
+        while self._batch_writing:
+            self._cond.wait()
+        jobs = []
+        for b in blocks:
+            if b.host_state != READY or b.disk is not None or b.disk_writing:
+                continue
+            st = b.st
+            slot = self._disk_alloc(st)  # never releases the lock
+            if slot is None:
+                break
+            if st.ns is not None:
+                disk.remember_namespace(st.ns_id, st.desc)
+            b.disk_writing = True
+            b.host_pins += 1
+            self._writes_in_flight += 1
+            jobs.append((b, slot, b.parent[16:] if b.parent else None,
+                         self.host.view(b.host_slot, st.host_slot_bytes)))
+        if not jobs:
+            return 0
+        self._batch_writing = True
+
+        def write(job):
+            b, slot, parent_key, src = job
+            try:
+                return disk.write_block(slot, b.st.ns_id, b.key, parent_key, src,
+                                        b.st.block_bytes, b.st.dtype_bytes)
+            except Exception as e:  # noqa: BLE001 - any failure must still unpin below
+                return e
+
         self._cond.release()
         try:
-            entry = disk.write_block(slot, st.ns_id, b.key, parent_key, src, st.block_bytes, st.dtype_bytes)
-        except OSError as e:
-            error = e
+            results = [write(jobs[0])] if len(jobs) == 1 else list(disk.pool.map(write, jobs))
         finally:
             self._cond.acquire()
+            self._batch_writing = False
+        written = 0
+        for (b, slot, _, _), entry in zip(jobs, results):
             b.disk_writing = False
             b.host_pins -= 1
             self._writes_in_flight -= 1
-            self._cond.notify_all()
-        if entry is None:
-            disk.free_slot(slot)
-            self._tier_counters["disk"]["io_errors"] += 1
-            log.warning("disk tier: write failed (%s); block kept in host RAM only", error)
-            return False
-        b.disk = entry
-        self._disk_owner[slot] = b
-        self._disk_policy.insert(b.ikey)
-        self._enter(b, "disk")
-        c = self._tier_counters["disk"]
-        c["demotions"] += 1
-        c["bytes_in"] += st.block_bytes
-        return True
+            if not isinstance(entry, DiskEntry):
+                disk.free_slot(slot)
+                self._tier_counters["disk"]["io_errors"] += 1
+                log.warning("disk tier: write failed (%s); block kept in host RAM only", entry)
+                continue
+            b.disk = entry
+            self._disk_owner[slot] = b
+            self._disk_policy.insert(b.ikey)
+            self._enter(b, "disk")
+            c = self._tier_counters["disk"]
+            c["demotions"] += 1
+            c["bytes_in"] += b.st.block_bytes
+            written += 1
+        self._cond.notify_all()
+        return written
 
     # -- Store interface: writes -------------------------------------------------------------
     def reserve(self, ns: Namespace, keys: Sequence[bytes], *, parent: bytes | None = None,
@@ -744,11 +778,22 @@ class TieredStore:
         lease._blocks = None
         self._cond.notify_all()
 
-    def get(self, ns: Namespace, keys: Sequence[bytes]) -> list[np.ndarray]:
-        """Copies of the blocks of the longest present prefix of `keys`, as (block_bytes,)
-        uint8 arrays (`len(result) <= len(keys)`)."""
+    def get(self, ns: Namespace, keys: Sequence[bytes], out: Sequence | None = None) -> list:
+        """The blocks of the longest present prefix of `keys` (`len(result) <= len(keys)`):
+        new (block_bytes,) uint8 arrays, or copied into `out[i]` (any writable buffer of
+        block_bytes, e.g. a CPU tensor) and those returned."""
+        if out is not None and len(out) < len(keys):
+            raise TierdError(f"get: {len(keys)} keys but only {len(out)} output buffers")
+        with self._cond:
+            self._check_open()
+            st = self._ns(ns)
+        dsts = None if out is None else [as_u8(o, st.block_bytes, st.desc.get("kv_dtype", "")) for o in out]
         with self.acquire(ns, keys) as lease:
-            return [np.array(v, copy=True) for v in lease.buffers]
+            if dsts is None:
+                return [np.array(v, copy=True) for v in lease.buffers]
+            for dst, src in zip(dsts, lease.buffers):
+                copy_block(dst, src)
+            return list(out[:len(lease)])
 
     def drop_owner(self, owner) -> tuple[int, int]:
         """Abort every reservation and release every lease held by `owner` (a disconnected
@@ -810,9 +855,9 @@ class TieredStore:
             self._check_open()
             todo = [b for b in self._blocks.values()
                     if b.host_state == READY and b.disk is None and not b.disk_writing]
-            for b in todo:
-                if b.host_state == READY and b.disk is None and not b.disk_writing:
-                    written += self._write_down(b)
+            # insertion order: a chain's ancestors come before its descendants
+            for i in range(0, len(todo), self.WRITE_BATCH):
+                written += self._write_down_batch(todo[i:i + self.WRITE_BATCH])
             while self._writes_in_flight:
                 self._cond.wait()
         self.disk.flush()
@@ -825,6 +870,9 @@ class TieredStore:
             self._cond.notify_all()
 
     _demote_wanted = False
+    _batch_writing = False
+    WRITE_BATCH = 32  # blocks per parallel disk write batch (bounded by the I/O pool)
+    ALLOC_WAIT_S = 5.0  # longest a put waits for in-flight disk writes to free host room
 
     def _maintain(self) -> None:
         cfg = self.config
@@ -849,14 +897,39 @@ class TieredStore:
         host_cap = self.host.capacity_bytes
         if self.host.alloc.used_bytes > cfg.host_high_watermark * host_cap:
             while self.host.alloc.used_bytes > cfg.host_low_watermark * host_cap and not self._closed:
-                key = self._host_policy.victim(
-                    lambda k: self._host_evictable(self._blocks[k]) and self._blocks[k].host_children == 0)
-                if key is None:
+                # Pick a batch of distinct victims: each picked one is pinned while picking so
+                # the policy moves on (and its parent keeps a resident child: not picked).
+                batch: list[_Block] = []
+                excess = self.host.alloc.used_bytes - cfg.host_low_watermark * host_cap
+                while len(batch) < self.WRITE_BATCH and excess > 0:
+                    key = self._host_policy.victim(
+                        lambda k: self._host_evictable(self._blocks[k]) and self._blocks[k].host_children == 0)
+                    if key is None:
+                        break
+                    b = self._blocks[key]
+                    b.host_pins += 1
+                    batch.append(b)
+                    excess -= b.st.host_slot_bytes
+                if not batch:
                     break
-                had_disk = self._blocks[key].disk is not None
-                if not self._evict_host(self._blocks[key]):
+                for b in batch:
+                    b.host_pins -= 1
+                need = []
+                for b in batch:
+                    if self.disk is not None and b.disk is None and not b.disk_writing:
+                        if self._admission.admit(b.hits):
+                            need.append(b)
+                        else:
+                            self._tier_counters["disk"]["admission_rejected"] += 1
+                if need:
+                    moved += self._write_down_batch(need)
+                freed = 0
+                for b in batch:
+                    if self._host_evictable(b):
+                        self._drop_host(b, evicted=True)
+                        freed += 1
+                if not freed:
                     break
-                moved += not had_disk
         if self.disk is not None:
             disk_cap = self.disk.capacity_bytes
             if self.disk.alloc.used_bytes > cfg.disk_high_watermark * disk_cap:

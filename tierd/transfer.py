@@ -14,6 +14,7 @@ from .errors import BlockError
 
 # dtype names (numpy's and torch's str()) that are acceptable raw-byte carriers for any block.
 _RAW_DTYPES = {"uint8", "int8", "torch.uint8", "torch.int8"}
+_NP_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
 
 
 def _dtype_name(obj) -> str | None:
@@ -27,6 +28,12 @@ def as_u8(block, block_bytes: int, kv_dtype: str) -> np.ndarray:
     Raises BlockError when the size is not `block_bytes` or the element type is neither the
     namespace's KV dtype nor raw bytes.
     """
+    if isinstance(block, np.ndarray) and block.flags.c_contiguous and (
+            block.dtype.itemsize == 1 or block.dtype == _NP_DTYPES.get(kv_dtype)):
+        arr = block.reshape(-1).view(np.uint8)  # fast path: no dtype-name formatting
+        if arr.nbytes != block_bytes:
+            raise BlockError(f"block is {arr.nbytes} bytes; this namespace's blocks are {block_bytes} bytes")
+        return arr
     dt = _dtype_name(block)
     if dt is not None and dt not in _RAW_DTYPES and dt.removeprefix("torch.") != kv_dtype:
         raise BlockError(f"block dtype {dt} does not match the namespace KV dtype {kv_dtype}")

@@ -343,57 +343,53 @@ class DiskTier:
             p = self._local.page = _aligned(PAGE)
         return p
 
-    def _staging(self, nbytes: int) -> mmap.mmap:
+    def _staging(self, nbytes: int) -> np.ndarray:
+        """This thread's page-aligned bounce buffer of at least `nbytes`.
+
+        Every slot goes through it: O_DIRECT to and from shared-memory (shmem) pages runs at
+        less than half the speed of anonymous memory here (benchmarks/tiers.py), and a
+        bounce through anonymous memory costs one memcpy, which is cheaper."""
         s = getattr(self._local, "staging", None)
-        if s is None or len(s) < nbytes:
-            s = self._local.staging = _aligned(nbytes)
+        if s is None or s.nbytes < nbytes:
+            s = self._local.staging = np.frombuffer(_aligned(nbytes), dtype=np.uint8)
         return s
 
     def write_block(self, slot: int, ns_id: bytes, key: bytes, parent: bytes | None,
                     src: np.ndarray, block_bytes: int, dtype_bytes: int) -> DiskEntry:
-        """Write one block from `src` (align_up(block_bytes),) uint8, page-aligned memory.
-        Not durable until `flush()`."""
+        """Write one block from `src` (block_bytes,) uint8 as header page + payload in one
+        aligned write. Not durable until `flush()`."""
         codec = _codec.choose_codec(self.codec_name, dtype_bytes, block_bytes)
         seq = self.next_seq()
-        payload = _codec.encode(codec, src[:block_bytes], self.zstd_level)
-        payload_len = len(payload) if codec else block_bytes
-        if codec and payload_len >= block_bytes:  # incompressible: store raw
-            codec, payload, payload_len = _codec.CODEC_NONE, src[:block_bytes], block_bytes
-        header = pack_slot_header(codec, dtype_bytes, ns_id, key, parent or b"", payload_len, block_bytes, seq,
-                                  self.slab_gen[SlabAllocator.slab_of(slot)], _csum(payload))
-        page = self._page()
-        page[:len(header)] = header
-        page[len(header):] = b"\0" * (PAGE - len(header))
+        raw = src[:block_bytes]
+        payload = _codec.encode(codec, raw, self.zstd_level) if codec else raw
+        if codec and len(payload) >= block_bytes:  # incompressible: store raw
+            codec, payload = _codec.CODEC_NONE, raw
+        payload_len = block_bytes if codec == _codec.CODEC_NONE else len(payload)
+        length = PAGE + align_up(payload_len)
+        stg = self._staging(length)
+        body = stg[PAGE:PAGE + payload_len]
+        body[:] = payload if codec == _codec.CODEC_NONE else np.frombuffer(payload, dtype=np.uint8)
+        header = pack_slot_header(codec, dtype_bytes, ns_id, key, parent or b"", payload_len,
+                                  block_bytes, seq, self.slab_gen[SlabAllocator.slab_of(slot)],
+                                  _csum(body))
+        stg[:PAGE] = 0
+        stg[:len(header)] = np.frombuffer(header, dtype=np.uint8)
         fd, off = self._slot_loc(slot)
-        if codec == _codec.CODEC_NONE:
-            bufs = [page, src[:align_up(block_bytes)]]
-        else:
-            staging = self._staging(align_up(payload_len))
-            staging[:payload_len] = payload
-            bufs = [page, memoryview(staging)[:align_up(payload_len)]]
-        want = sum(len(b) if not isinstance(b, np.ndarray) else b.nbytes for b in bufs)
-        n = os.pwritev(fd, bufs, off)
-        if n != want:
-            raise OSError(errno.EIO, f"short write to disk tier ({n} of {want} bytes)")
+        n = os.pwrite(fd, memoryview(stg)[:length], off)
+        if n != length:
+            raise OSError(errno.EIO, f"short write to disk tier ({n} of {length} bytes)")
         return DiskEntry(slot, ns_id, key, seq, payload_len, block_bytes, codec, parent or b"")
 
     def read_block(self, e: DiskEntry, dst: np.ndarray) -> None:
-        """Read and verify one block into `dst` (align_up(raw_len),) uint8 page-aligned memory.
+        """Read and verify one block into `dst` (>= raw_len,) uint8.
         Raises CorruptBlockError if anything does not match the index entry."""
         fd, off = self._slot_loc(e.slot)
-        page = self._page()
-        if e.codec == _codec.CODEC_NONE:
-            want = PAGE + align_up(e.raw_len)
-            n = os.preadv(fd, [page, dst[:align_up(e.raw_len)]], off)
-            payload = dst[:e.raw_len]
-        else:
-            staging = self._staging(align_up(e.payload_len))
-            want = PAGE + align_up(e.payload_len)
-            n = os.preadv(fd, [page, memoryview(staging)[:align_up(e.payload_len)]], off)
-            payload = memoryview(staging)[:e.payload_len]
-        if n < want:
+        want = PAGE + align_up(e.payload_len)
+        stg = self._staging(want)
+        n = os.preadv(fd, [memoryview(stg)[:want]], off)
+        if n < PAGE + e.payload_len:
             raise CorruptBlockError(f"slot truncated ({n} of {want} bytes readable)")
-        h = unpack_slot_header(page)
+        h = unpack_slot_header(stg[:PAGE])
         if h is None:
             raise CorruptBlockError("slot header is gone")
         _, _, codec, _, _, ns_id, key, _, payload_len, raw_len, seq, gen, pcsum = h
@@ -402,13 +398,16 @@ class DiskTier:
             raise CorruptBlockError("slot header does not match the index (overwritten)")
         if gen != self.slab_gen[SlabAllocator.slab_of(e.slot)]:
             raise CorruptBlockError("slot belongs to an earlier use of its slab")
+        payload = stg[PAGE:PAGE + e.payload_len]
         if _csum(payload) != pcsum:
             raise CorruptBlockError("payload checksum mismatch")
-        if e.codec != _codec.CODEC_NONE:
-            try:
-                _codec.decode(e.codec, payload, dst[:e.raw_len])
-            except Exception as ex:  # zstd errors are not one class
-                raise CorruptBlockError(f"payload does not decode: {ex}") from None
+        if e.codec == _codec.CODEC_NONE:
+            dst[:e.raw_len] = payload
+            return
+        try:
+            _codec.decode(e.codec, payload, dst[:e.raw_len])
+        except Exception as ex:  # zstd errors are not one class
+            raise CorruptBlockError(f"payload does not decode: {ex}") from None
 
     def tombstone(self, slot: int) -> None:
         """Zero a slot's header so a restart does not bring its block back (after flush)."""
@@ -471,8 +470,7 @@ class DiskTier:
             old = best.get(k)
             if old is None or e.seq > old.seq:
                 best[k] = e
-        for e in best.values():
-            self.alloc.take(e.slot)
+        self.alloc.take_many(e.slot for e in best.values())
         self.recovered = list(best.values())
         top = max([0, *(e.seq for e in entries), *self.slab_gen])
         self._seq = itertools.count(top + 1)

@@ -1,0 +1,88 @@
+"""What every benchmark shares: the machine description, the one JSON shape, the table, and
+the command line (`--json PATH`, `--quick`). Timing helpers live here, not in each script."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+
+
+def machine() -> dict:
+    try:
+        import torch
+        torch_version = torch.__version__
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except ImportError:
+        torch_version, gpu = None, None
+    return {"cpus": os.cpu_count(), "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            "torch": torch_version, "python": platform.python_version(), "gpu": gpu}
+
+
+@dataclass
+class Result:
+    """One figure beside its same-run reference; `ratio` is oriented so higher is better."""
+
+    name: str
+    params: dict
+    value: float
+    unit: str
+    reference_name: str
+    reference_value: float
+    higher_is_better: bool = True
+    note: str = field(default="")
+
+    @property
+    def ratio(self) -> float:
+        if self.higher_is_better:
+            return self.value / self.reference_value if self.reference_value else float("nan")
+        return self.reference_value / self.value if self.value else float("nan")
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "params": self.params, "value": self.value, "unit": self.unit,
+                "reference": {"name": self.reference_name, "value": self.reference_value},
+                "ratio": self.ratio}
+
+
+def parse_args(description: str, extra=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH")
+    ap.add_argument("--quick", action="store_true", help="reduced sizes (under a minute)")
+    if extra is not None:
+        extra(ap)
+    return ap.parse_args()
+
+
+def report(name: str, results: list[Result], json_path: str | None) -> None:
+    rows = [[r.name, ", ".join(f"{k}={v}" for k, v in r.params.items()), f"{r.value:.3f} {r.unit}",
+             f"{r.reference_name} {r.reference_value:.3f}", f"{r.ratio:.2f}x"] for r in results]
+    header = ["result", "params", "value", "reference (same run)", "ratio"]
+    widths = [max(len(x[i]) for x in rows + [header]) for i in range(len(header))]
+    fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths))  # noqa: E731
+    print(fmt(header))
+    print(fmt(["-" * w for w in widths]))
+    for r in rows:
+        print(fmt(r))
+    for r in results:
+        if r.note:
+            print(f"note ({r.name}): {r.note}")
+    if json_path:
+        doc = {"benchmark": name, "machine": machine(), "results": [r.to_json() for r in results]}
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(doc, f, indent=2)
+        print(f"wrote {json_path}")
+
+
+def best_of(fn, repeats: int = 3) -> float:
+    """Fastest wall time of `repeats` runs of fn() (seconds): the least disturbed run on a
+    noisy machine."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best

@@ -1,0 +1,241 @@
+"""How close do the host and disk tiers come to their physical floors?
+
+For blocks of 64 KiB, 1 MiB and 16 MiB:
+  host put / get GB/s        beside numpy memcpy of the same bytes in the same run
+  disk write / read GB/s     beside raw O_DIRECT sequential pwrite / pread of a same-size file
+                             on the same filesystem (one I/O stream each side)
+and the zstd codec on synthetic KV-like fp16 data: compression ratio, and compress / decompress
+GB/s on one core beside the raw disk write rate (above 1x: the codec does not slow the disk).
+
+    python -m benchmarks.tiers [--json PATH] [--quick] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+from tierd import Namespace, TieredStore
+from tierd import codec as tcodec
+from tierd.config import MiB, format_size
+
+from .common import Result, best_of, parse_args, report
+
+KiB = 1024
+
+
+def namespace_for(block_bytes: int) -> Namespace:
+    # the bench model's layout (8 layers, 4 KV heads of 64, fp16): 8 KiB per token
+    return Namespace(model="bench-tiers", kv_dtype="float16", num_layers=8, num_kv_heads=4,
+                     head_dim=64, block_tokens=block_bytes // (8 * KiB))
+
+
+def kv_like(nbytes: int, seed: int = 0) -> np.ndarray:
+    """Synthetic fp16 K/V: normal values with log-uniform per-channel scales and two outlier
+    channels (x20), as reported for real key caches. (nbytes,) uint8."""
+    rng = np.random.default_rng(seed)
+    n = nbytes // 2
+    channels = 64
+    scale = np.exp(rng.uniform(np.log(0.05), np.log(2.0), channels)).astype(np.float32)
+    scale[rng.choice(channels, 2, replace=False)] *= 20
+    vals = rng.standard_normal((n // channels, channels), dtype=np.float32) * scale
+    return vals.astype(np.float16).reshape(-1).view(np.uint8)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def bench_host(ns: Namespace, n_blocks: int, batch: int, repeats: int) -> list[Result]:
+    bb = ns.block_bytes
+    total = n_blocks * bb
+    src = [kv_like(bb, seed=i) for i in range(4)]
+    keys = [k for i in range(n_blocks) for k in ns.block_keys(np.full(ns.block_tokens, i))]
+    batches = [list(range(i, min(i + batch, n_blocks))) for i in range(0, n_blocks, batch)]
+    params = {"block": format_size(bb), "blocks": n_blocks, "batch": batch}
+    host_bytes = total + 64 * MiB
+    with TieredStore(host_bytes=host_bytes, host_slab_bytes=max(64 * MiB, 2 * bb),
+                     host_high_watermark=1.0, host_low_watermark=1.0) as store:
+        def put_all():
+            for b in batches:
+                store.put(ns, [keys[i] for i in b], [src[i % 4] for i in b])
+
+        def reset():
+            store.flush(tier="host")
+
+        put_all()  # fault the arena's pages in, as a long-running store has
+        reset()
+        t_put = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            put_all()
+            t_put = min(t_put, time.perf_counter() - t0)
+            if _ < repeats - 1:
+                reset()
+        dst = np.empty(total, dtype=np.uint8)
+        dst[:] = 1
+
+        def get_all():
+            for b in batches:
+                with store.acquire(ns, [keys[i] for i in b]) as lease:
+                    for i, buf in zip(b, lease.buffers):
+                        np.copyto(dst[i * bb:(i + 1) * bb], buf)
+
+        get_all()
+        t_get = best_of(get_all, repeats)
+        assert np.array_equal(dst[:bb], src[0]) and np.array_equal(dst[-bb:], src[(n_blocks - 1) % 4])
+
+    def memcpy_in():
+        for i in range(n_blocks):
+            np.copyto(dst[i * bb:(i + 1) * bb], src[i % 4])
+
+    flat = np.empty(total, dtype=np.uint8)
+    flat[:] = 2
+
+    def memcpy_out():
+        for i in range(n_blocks):
+            np.copyto(dst[i * bb:(i + 1) * bb], flat[i * bb:(i + 1) * bb])
+
+    t_mc_in = best_of(memcpy_in, repeats)
+    t_mc_out = best_of(memcpy_out, repeats)
+    return [Result("host put", params, gbps(total, t_put), "GB/s", "memcpy GB/s", gbps(total, t_mc_in)),
+            Result("host get", params, gbps(total, t_get), "GB/s", "memcpy GB/s", gbps(total, t_mc_out),
+                   note="get = acquire lease, copy each block into the caller's buffer, release")]
+
+
+class RawDirect:
+    """The floor: O_DIRECT sequential pwrite (+ fdatasync) and pread of n_blocks x block_bytes
+    through one page-aligned buffer per block, one stream, on a preallocated, pre-written file."""
+
+    def __init__(self, path: str, block_bytes: int, n_blocks: int):
+        self.path, self.bb, self.n = path, block_bytes, n_blocks
+        self.bufs = [mmap.mmap(-1, block_bytes) for _ in range(min(n_blocks, 64))]
+        for b in self.bufs:
+            b.write(kv_like(block_bytes).tobytes())
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+        os.posix_fallocate(self.fd, 0, block_bytes * n_blocks)
+        self.write()
+
+    def write(self) -> None:
+        for i in range(self.n):
+            os.pwrite(self.fd, self.bufs[i % len(self.bufs)], i * self.bb)
+        os.fdatasync(self.fd)
+
+    def read(self) -> None:
+        for i in range(self.n):
+            os.preadv(self.fd, [self.bufs[i % len(self.bufs)]], i * self.bb)
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.unlink(self.path)
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def bench_disk(ns: Namespace, n_blocks: int, repeats: int, where: str, io_threads: int) -> list[Result]:
+    """tierd and the raw floor measured alternately (A/B/A/B...), best of each: the disk's
+    speed drifts on shared machines, alternation keeps both sides under the same drift."""
+    bb = ns.block_bytes
+    total = n_blocks * bb
+    params = {"block": format_size(bb), "blocks": n_blocks, "io_threads": io_threads}
+    keys = [k for i in range(n_blocks) for k in ns.block_keys(np.full(ns.block_tokens, i))]
+    src = [kv_like(bb, seed=i) for i in range(4)]
+    d = tempfile.mkdtemp(prefix="tierd-bench-", dir=where)
+    raw = None
+    try:
+        slab = max(256 * MiB, 4 * (bb + 4 * KiB) + 4 * KiB)
+        disk_bytes = n_blocks * (bb + 4 * KiB) + 2 * slab + 64 * MiB
+        with TieredStore(host_bytes=total + 64 * MiB, host_slab_bytes=max(64 * MiB, 2 * bb),
+                         host_high_watermark=1.0, host_low_watermark=1.0,
+                         disk_path=d, disk_bytes=disk_bytes, disk_slab_bytes=slab,
+                         disk_file_bytes=max(4 << 30, slab + 4 * KiB),
+                         disk_io_threads=io_threads) as store:
+            direct = store.disk.direct_io
+            for i in range(0, n_blocks, 8):
+                store.put(ns, keys[i:i + 8], [src[j % 4] for j in range(i, min(i + 8, n_blocks))])
+            store.sync()  # first write converts the file's unwritten extents; not measured
+            raw = RawDirect(os.path.join(d, "raw.bin"), bb, n_blocks)
+
+            def tierd_read():
+                for i in range(0, n_blocks, 8):
+                    with store.acquire(ns, keys[i:i + 8]) as lease:
+                        assert len(lease) == min(8, n_blocks - i)
+
+            t_w = t_r = r_w = r_r = float("inf")
+            for _ in range(repeats):
+                store.flush(tier="disk")
+                t_w = min(t_w, timed(lambda: store.sync() == n_blocks or (_ for _ in ()).throw(
+                    RuntimeError("sync wrote fewer blocks than stored"))))
+                r_w = min(r_w, timed(raw.write))
+                store.flush(tier="host")
+                t_r = min(t_r, timed(tierd_read))
+                r_r = min(r_r, timed(raw.read))
+            assert store.stats()["tiers"]["disk"]["corrupt_dropped"] == 0
+    finally:
+        if raw is not None:
+            raw.close()
+        shutil.rmtree(d, ignore_errors=True)
+    note = ("" if direct else "filesystem refused O_DIRECT: tierd used buffered I/O + fdatasync; "
+            "its reads may come from the page cache. ")
+    return [Result("disk write (sync)", params, gbps(total, t_w), "GB/s", "raw O_DIRECT pwrite GB/s",
+                   gbps(total, r_w), note=note + "write = sync(): checksum, header page and payload "
+                   "in one aligned write per block on the I/O pool, then fdatasync; raw is one stream"),
+            Result("disk read (promote)", params, gbps(total, t_r), "GB/s", "raw O_DIRECT pread GB/s",
+                   gbps(total, r_r), note="read = acquire of blocks on disk only (8 per call): pread, "
+                   "verify header and checksum, copy into host slots")]
+
+
+def bench_codec(nbytes: int, disk_write_gbps: float) -> list[Result]:
+    data = kv_like(nbytes, seed=3)
+    out = np.empty_like(data)
+    results = []
+    for label, codec_id, level in (("zstd-1 + shuffle", tcodec.CODEC_ZSTD_SHUFFLE2, 1),
+                                   ("zstd-1", tcodec.CODEC_ZSTD, 1),
+                                   ("zstd-3 + shuffle", tcodec.CODEC_ZSTD_SHUFFLE2, 3)):
+        # (loop variables bound as defaults: the lambdas run inside this iteration only)
+        payload = tcodec.encode(codec_id, data, level)
+        t_c = best_of(lambda: tcodec.encode(codec_id, data, level), 3)
+        t_d = best_of(lambda: tcodec.decode(codec_id, payload, out), 3)
+        assert np.array_equal(out, data)
+        params = {"codec": label, "data": f"synthetic fp16 KV, {format_size(nbytes)}"}
+        results += [
+            Result("zstd ratio", params, nbytes / len(payload), "x", "uncompressed", 1.0),
+            Result("zstd compress", params, gbps(nbytes, t_c), "GB/s per core", "raw disk write GB/s",
+                   disk_write_gbps),
+            Result("zstd decompress", params, gbps(nbytes, t_d), "GB/s per core", "raw disk write GB/s",
+                   disk_write_gbps)]
+    return results
+
+
+def main() -> None:
+    def extra(ap):
+        ap.add_argument("--dir", default=tempfile.gettempdir(), help="filesystem to test the disk tier on")
+        ap.add_argument("--io-threads", type=int, default=4, help="disk I/O threads of the store (default 4)")
+
+    args = parse_args(__doc__.splitlines()[0], extra=extra)
+    quick = args.quick
+    total = (64 if quick else 512) * MiB
+    repeats = 2 if quick else 3
+    results: list[Result] = []
+    for bb in (64 * KiB, 1 * MiB, 16 * MiB):
+        ns = namespace_for(bb)
+        n = max(4, total // bb)
+        results += bench_host(ns, n, batch=8, repeats=repeats)
+        results += bench_disk(ns, n, repeats=repeats + 1, where=args.dir, io_threads=args.io_threads)
+    raw_1m = next(r.reference_value for r in results
+                  if r.name.startswith("disk write") and r.params["block"] == "1MiB")
+    results += bench_codec((4 if quick else 16) * MiB, raw_1m)
+    report("tiers", results, args.json)
+
+
+if __name__ == "__main__":
+    main()

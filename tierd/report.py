@@ -1,0 +1,46 @@
+"""Human-readable rendering of `TieredStore.stats()`: aligned tables an operator can read at
+3 a.m. Pure formatting; never queries a store."""
+
+from __future__ import annotations
+
+from .config import format_size
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    cols = [header] + rows
+    widths = [max(len(str(r[i])) for r in cols) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).rjust(w) if i else str(c).ljust(w)  # noqa: E731
+                               for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def format_stats(stats: dict) -> str:
+    tiers = stats["tiers"]
+    rows = []
+    for name, t in tiers.items():
+        rows.append([name, format_size(t["capacity_bytes"]), format_size(t["used_bytes"]),
+                     f"{100 * t['used_bytes'] / max(1, t['capacity_bytes']):.1f}%", str(t["blocks"]),
+                     str(t["evictions"]), str(t["demotions"]), str(t["promotions"]),
+                     f"{100 * t['waste_ratio']:.1f}%", str(t["corrupt_dropped"])])
+    out = [table(rows, ["tier", "capacity", "used", "used%", "blocks", "evicted", "demoted",
+                        "promoted", "waste", "corrupt"])]
+    ns_rows = []
+    for name, n in stats["namespaces"].items():
+        d = n.get("description") or {}
+        layout = (f"{d.get('kv_dtype', '?')} L{d.get('num_layers', '?')} H{d.get('num_kv_heads', '?')} "
+                  f"D{d.get('head_dim', '?')} T{d.get('block_tokens', '?')}") if d else "(unregistered)"
+        ns_rows.append([name, layout, format_size(n["block_bytes"]), str(n["host_blocks"]),
+                        str(n["disk_blocks"]), str(n["hits"]), str(n["misses"]),
+                        f"{100 * n['hit_rate']:.1f}%", str(n["puts"]), str(n["put_dropped"])])
+    if ns_rows:
+        out.append(table(ns_rows, ["namespace", "layout", "block", "host", "disk", "hits", "misses",
+                                   "hit rate", "puts", "dropped"]))
+    disk = tiers.get("disk")
+    extra = [f"policy {stats['policy']}", f"leases {stats['leases']}",
+             f"reservations {stats['reservations']}"]
+    if disk:
+        extra += [f"disk {disk['path']} ({'O_DIRECT' if disk['direct_io'] else 'buffered'}, "
+                  f"codec {disk['codec']}, index from {disk['recovered_from']})",
+                  f"ssd admission rejected {disk['admission_rejected']}, io errors {disk['io_errors']}"]
+    out.append("  ".join(extra[:3]) + ("\n" + "\n".join(extra[3:]) if extra[3:] else ""))
+    return "\n\n".join(out)
