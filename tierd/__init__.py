@@ -10,6 +10,7 @@ from urllib.parse import parse_qsl, urlsplit
 from .config import StoreConfig
 from .errors import ConfigError, TierdError
 from .namespace import Namespace
+from . import report
 from .store import Lease, Reservation, TieredStore
 
 __version__ = "0.1.0"
