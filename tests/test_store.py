@@ -338,6 +338,27 @@ def test_block_larger_than_a_slab_is_refused_with_advice():
             s.register(ns)
 
 
+def test_disk_tier_smaller_than_one_block_is_refused(tmp_path):
+    ns = make_ns(num_layers=64)  # 1 MiB blocks
+    with TieredStore(small_config(tmp_path, host_bytes="4MiB", host_slab_bytes="2MiB",
+                                  disk_bytes="512KiB")) as s:
+        with pytest.raises(CapacityError, match="disk tier"):
+            s.register(ns)
+        assert s.stats()["namespaces"] == {}
+
+
+def test_buffered_io_mode_round_trips(tmp_path, ns):
+    """Buffered I/O + fdatasync: the mode used where the filesystem refuses O_DIRECT (the
+    probe at open picks it by itself) or where the operator turns O_DIRECT off."""
+    with TieredStore(small_config(tmp_path, disk_direct_io=False)) as s:
+        assert s.stats()["tiers"]["disk"]["direct_io"] is False
+        keys = chain(ns, 30, 4)
+        put_chain(s, ns, keys)
+        s.sync()
+        s.flush(tier="host")
+        assert_exact(s, ns, keys)
+
+
 def test_unknown_namespace_name_is_refused(host_store):
     with pytest.raises(UnknownNamespaceError, match="unknown namespace"):
         host_store.lookup("feedfacefeedface", [b"k" * 16])

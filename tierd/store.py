@@ -12,6 +12,7 @@ it on slots pinned by `host_pins`/`disk_pins`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -23,7 +24,7 @@ import numpy as np
 
 from .arena import slot_bytes_for
 from .config import StoreConfig
-from .errors import (CapacityError, LeaseError, StoreClosedError, TierdError,
+from .errors import (CapacityError, ConfigError, LeaseError, StoreClosedError, TierdError,
                      UnknownNamespaceError)
 from .keys import check_keys
 from .namespace import Namespace
@@ -135,10 +136,10 @@ class TieredStore:
     """Embedded tiered block store (host RAM + optional disk). Thread-safe."""
 
     def __init__(self, config: StoreConfig | None = None, **overrides):
-        cfg = config or StoreConfig()
+        cfg = dataclasses.replace(config) if config is not None else StoreConfig()
         for k, v in overrides.items():
-            if not hasattr(cfg, k):
-                raise TierdError(f"unknown store setting {k!r}")
+            if k not in StoreConfig.__dataclass_fields__:
+                raise ConfigError(f"unknown store setting {k!r}")
             setattr(cfg, k, v)
         self.config = cfg = cfg.resolved()
         self._cond = threading.Condition(threading.Lock())
