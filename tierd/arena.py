@@ -203,6 +203,10 @@ class SharedArena:
             if path is not None:
                 os.unlink(path)
             raise
+        try:  # huge pages where the host allows them for shmem (shmem_enabled=advise)
+            self._mmap.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):
+            pass
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)  # (capacity_bytes,)
 
     def view(self, offset: int, length: int) -> np.ndarray:
