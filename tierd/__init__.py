@@ -27,11 +27,12 @@ _URL_PARAMS = {
 }
 
 
-def connect(url: str = "embedded://") -> TieredStore:
+def connect(url: str = "embedded://"):
     """A Store for `url`.
 
     `embedded://?host=8GiB&disk=/var/cache/tierd&disk_bytes=100GiB&policy=s3fifo&codec=zstd`
-    opens a TieredStore in this process.
+    opens a TieredStore in this process; `unix:///run/tierd/tierd.sock` connects to a daemon
+    (`tierd.client.Client`). Both have the same interface.
     """
     parts = urlsplit(url)
     if parts.scheme == "embedded":
@@ -47,5 +48,9 @@ def connect(url: str = "embedded://") -> TieredStore:
             setattr(cfg, field, v)
         return TieredStore(cfg)
     if parts.scheme == "unix":
-        raise ConfigError(f"{url}: the daemon client is not part of this build yet; use embedded://")
+        from .client import Client
+        path = parts.path or parts.netloc
+        if not path:
+            raise ConfigError(f"{url}: no socket path; use unix:///run/tierd/tierd.sock")
+        return Client(path)
     raise ConfigError(f"{url}: unknown scheme {parts.scheme!r}; use embedded:// or unix://")

@@ -185,7 +185,10 @@ class SharedArena:
     allocated by the kernel on first touch, so a large, mostly empty arena costs nothing.
     """
 
-    def __init__(self, capacity_bytes: int, *, path: str | None = None, name: str = "tierd-host"):
+    def __init__(self, capacity_bytes: int, *, path: str | None = None, name: str = "tierd-host",
+                 mode: int = 0o600):
+        if mode & 0o007:
+            raise ConfigError(f"host arena mode {mode:o} would let any user read the cache; use 0600 or 0660")
         if capacity_bytes <= 0 or capacity_bytes % ALIGN:
             raise CapacityError(f"host arena size {capacity_bytes} must be a positive multiple of 4096")
         self.capacity_bytes = capacity_bytes
@@ -195,6 +198,8 @@ class SharedArena:
         else:
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
+            if path is not None:
+                os.fchmod(self.fd, mode)  # not subject to the umask
             os.ftruncate(self.fd, capacity_bytes)
             self._mmap = mmap.mmap(self.fd, capacity_bytes, mmap.MAP_SHARED,
                                    mmap.PROT_READ | mmap.PROT_WRITE)

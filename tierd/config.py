@@ -86,6 +86,8 @@ class StoreConfig:
     disk_io_threads: int = 4
     eviction_policy: str = "lru"         # "lru" or "s3fifo"
     demotion_interval_s: float = 0.5     # background pass period (also woken on high watermark)
+    host_shm_path: str | None = None     # None: an anonymous memfd; else a file other processes map
+    host_shm_mode: int = 0o600
     extra: dict[str, Any] = field(default_factory=dict)
 
     def resolved(self) -> "StoreConfig":
@@ -124,3 +126,183 @@ class StoreConfig:
         if c.disk_io_threads < 1:
             raise ConfigError("disk_io_threads must be >= 1")
         return c
+
+
+# -- the daemon's settings -------------------------------------------------------------------
+
+DEFAULT_CONFIG_PATH = "/etc/tierd/tierd.toml"
+
+
+def default_socket_path() -> str:
+    if os.geteuid() == 0:
+        return "/run/tierd/tierd.sock"
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/tierd-{os.getuid()}"
+    return os.path.join(base, "tierd", "tierd.sock")
+
+
+def default_state_dir() -> str:
+    if os.environ.get("STATE_DIRECTORY"):  # set by systemd's StateDirectory=
+        return os.environ["STATE_DIRECTORY"].split(":")[0]
+    if os.geteuid() == 0:
+        return "/var/lib/tierd"
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return os.path.join(base, "tierd")
+
+
+def _bool(v) -> bool:
+    if isinstance(v, bool):
+        return v
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"expected true or false, got {v!r}")
+
+
+def _ids(v) -> list[int]:
+    if isinstance(v, str):
+        v = [x for x in v.replace(",", " ").split() if x]
+    try:
+        return [int(x) for x in v]
+    except (TypeError, ValueError):
+        raise ConfigError(f"expected a list of numeric ids, got {v!r}") from None
+
+
+def _mode(v) -> int:
+    try:
+        return int(v, 8) if isinstance(v, str) else int(v)
+    except ValueError:
+        raise ConfigError(f"expected an octal mode like 0660, got {v!r}") from None
+
+
+# TOML key -> (target, attribute, parser). target "store" is a StoreConfig field.
+SERVE_KEYS: dict[str, tuple[str, str, Any]] = {
+    "socket": ("serve", "socket", str),
+    "socket_mode": ("serve", "socket_mode", _mode),
+    "arena_dir": ("serve", "arena_dir", str),
+    "metrics_addr": ("serve", "metrics_addr", str),
+    "allowed_uids": ("serve", "allowed_uids", _ids),
+    "allowed_gids": ("serve", "allowed_gids", _ids),
+    "sync_on_stop": ("serve", "sync_on_stop", _bool),
+    "host.bytes": ("store", "host_bytes", str),
+    "host.slab_bytes": ("store", "host_slab_bytes", str),
+    "host.high_watermark": ("store", "host_high_watermark", float),
+    "host.low_watermark": ("store", "host_low_watermark", float),
+    "disk.path": ("store", "disk_path", str),
+    "disk.bytes": ("store", "disk_bytes", str),
+    "disk.slab_bytes": ("store", "disk_slab_bytes", str),
+    "disk.file_bytes": ("store", "disk_file_bytes", str),
+    "disk.high_watermark": ("store", "disk_high_watermark", float),
+    "disk.low_watermark": ("store", "disk_low_watermark", float),
+    "disk.codec": ("store", "disk_codec", str),
+    "disk.zstd_level": ("store", "disk_zstd_level", int),
+    "disk.direct_io": ("store", "disk_direct_io", _bool),
+    "disk.admit_min_hits": ("store", "disk_admit_min_hits", int),
+    "disk.io_threads": ("store", "disk_io_threads", int),
+    "policy.eviction": ("store", "eviction_policy", str),
+    "limits.max_frame_bytes": ("serve", "max_frame_bytes", int),
+    "limits.max_keys_per_request": ("serve", "max_keys_per_request", int),
+    "limits.idle_timeout_s": ("serve", "idle_timeout_s", float),
+    "limits.frame_timeout_s": ("serve", "frame_timeout_s", float),
+    "limits.request_timeout_s": ("serve", "request_timeout_s", float),
+    "limits.max_clients": ("serve", "max_clients", int),
+}
+# settings SIGHUP may change in a running daemon
+RELOADABLE = {"host.high_watermark", "host.low_watermark", "disk.high_watermark",
+              "disk.low_watermark", "disk.admit_min_hits"}
+
+
+@dataclass(slots=True)
+class ServeConfig:
+    """Settings of `tierd serve`; `sources` says where each came from."""
+
+    socket: str = field(default_factory=default_socket_path)
+    socket_mode: int = 0o660
+    arena_dir: str = "/dev/shm"
+    metrics_addr: str = "127.0.0.1:9464"
+    allowed_uids: list[int] = field(default_factory=list)
+    allowed_gids: list[int] = field(default_factory=list)
+    sync_on_stop: bool = True
+    max_frame_bytes: int = 1 << 20
+    max_keys_per_request: int = 4096
+    idle_timeout_s: float = 0.0        # 0: an idle connection is kept (engines idle for hours)
+    frame_timeout_s: float = 10.0      # a started frame must be complete within this
+    request_timeout_s: float = 60.0
+    max_clients: int = 1024
+    store: StoreConfig = field(default_factory=lambda: StoreConfig(
+        host_bytes="10%", disk_path=os.path.join(default_state_dir(), "disk"), disk_bytes="4GiB"))
+    sources: dict[str, str] = field(default_factory=dict)
+    config_path: str | None = None
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as f:
+            return _flatten(tomllib.load(f))
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML ({e})") from None
+
+
+def load_serve_config(config_path: str | None = None, flags: dict[str, Any] | None = None,
+                      env: dict[str, str] | None = None) -> ServeConfig:
+    """Defaults < config file < TIERD_* environment < command-line flags. Unknown keys in any
+    layer are errors, so a typo never silently does nothing."""
+    cfg = ServeConfig()
+    env = os.environ if env is None else env
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if config_path is None and os.path.exists(DEFAULT_CONFIG_PATH):
+        config_path = DEFAULT_CONFIG_PATH
+    if config_path is not None:
+        layers.append((f"file {config_path}", read_toml(config_path)))
+        cfg.config_path = config_path
+    env_layer = {}
+    for name, value in env.items():
+        if name.startswith("TIERD_") and name not in ("TIERD_CONFIG",):
+            key = name[len("TIERD_"):].lower()
+            key = next((k for k in SERVE_KEYS if k.replace(".", "_") == key), None)
+            if key is None:
+                raise ConfigError(f"environment variable {name} names no setting; "
+                                  f"known: {', '.join('TIERD_' + k.replace('.', '_').upper() for k in SERVE_KEYS)}")
+            env_layer[key] = value
+    layers.append(("environment", env_layer))
+    layers.append(("command line", {k: v for k, v in (flags or {}).items() if v is not None}))
+    for key in SERVE_KEYS:
+        cfg.sources[key] = "default"
+    for source, values in layers:
+        for key, value in values.items():
+            if key not in SERVE_KEYS:
+                raise ConfigError(f"{source}: unknown setting {key!r}; known: {', '.join(SERVE_KEYS)}")
+            target, attr, parse = SERVE_KEYS[key]
+            try:
+                parsed = parse(value)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"{source}: {key} = {value!r}: {e}") from None
+            setattr(cfg.store if target == "store" else cfg, attr, parsed)
+            cfg.sources[key] = source
+    if cfg.max_frame_bytes < 1024 or cfg.max_keys_per_request < 1:
+        raise ConfigError("limits: max_frame_bytes must be >= 1024 and max_keys_per_request >= 1")
+    cfg.store.resolved()  # validate now, with the source of the error in the message
+    return cfg
+
+
+def setting_value(cfg: ServeConfig, key: str):
+    target, attr, _ = SERVE_KEYS[key]
+    return getattr(cfg.store if target == "store" else cfg, attr)

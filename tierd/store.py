@@ -89,12 +89,14 @@ class Reservation:
     """
 
     def __init__(self, rid: int, ns: Namespace, keys: list[bytes], status: list[str],
-                 buffers: list[np.ndarray | None], blocks: list[_Block | None], owner):
+                 buffers: list[np.ndarray | None], blocks: list[_Block | None], owner,
+                 offsets: list[int | None]):
         self.id = rid
         self.namespace = ns
         self.keys = keys
         self.status = status
         self.buffers = buffers
+        self.offsets = offsets  # byte offset of each reserved slot in the host arena
         self._blocks = blocks
         self.owner = owner
 
@@ -111,11 +113,13 @@ class Lease:
     """
 
     def __init__(self, lid: int, ns: Namespace, keys: list[bytes], buffers: list[np.ndarray],
-                 blocks: list[_Block], tiers: list[str], owner, store: "TieredStore"):
+                 blocks: list[_Block], tiers: list[str], owner, store: "TieredStore",
+                 offsets: list[int]):
         self.id = lid
         self.namespace = ns
         self.keys = keys
         self.buffers = buffers
+        self.offsets = offsets  # byte offset of each leased slot in the host arena
         self.tiers = tiers  # where each block was found: "host" or "disk" (promoted)
         self._blocks = blocks
         self.owner = owner
@@ -150,7 +154,8 @@ class TieredStore:
         self._ids = itertools.count(1)
         self._closed = False
         self._writes_in_flight = 0
-        self.host = HostTier(cfg.host_bytes, cfg.host_slab_bytes)
+        self.host = HostTier(cfg.host_bytes, cfg.host_slab_bytes, shm_path=cfg.host_shm_path,
+                             shm_mode=cfg.host_shm_mode)
         self._host_owner: dict[int, _Block] = {}
         self._host_policy = make_policy(cfg.eviction_policy)
         self._pad_bytes = 0  # slot padding of host blocks (slot size - block size), for waste
@@ -542,7 +547,8 @@ class TieredStore:
                     blocks.append(b)
                 else:
                     status.append("present"); buffers.append(None); blocks.append(None)
-            res = Reservation(rid, st.ns, keys, status, buffers, blocks, owner)
+            offsets = [self.host.alloc.offset(b.host_slot) if b is not None else None for b in blocks]
+            res = Reservation(rid, st.ns, keys, status, buffers, blocks, owner, offsets)
             res._parent = parent
             self._reservations[rid] = res
             return res
@@ -732,7 +738,8 @@ class TieredStore:
                 v.flags.writeable = False
                 views.append(v)
             tiers = ["disk" if e is not None else "host" for _, e in plan[:cut]]
-            lease = Lease(lid, st.ns, keys[:cut], views, leased, tiers, owner, self)
+            lease = Lease(lid, st.ns, keys[:cut], views, leased, tiers, owner, self,
+                          [self.host.alloc.offset(b.host_slot) for b in leased])
             self._leases[lid] = lease
             self._cond.notify_all()
             return lease
@@ -796,6 +803,23 @@ class TieredStore:
                 copy_block(dst, src)
             return list(out[:len(lease)])
 
+    def find_reservation(self, rid: int, owner) -> Reservation:
+        """The open reservation `rid` held by `owner`; LeaseError otherwise (the daemon's check
+        that a client names only its own slots)."""
+        with self._cond:
+            r = self._reservations.get(rid)
+            if r is None or r.owner != owner:
+                raise LeaseError(f"reservation {rid} is not an open reservation of this client")
+            return r
+
+    def find_lease(self, lid: int, owner) -> Lease:
+        """The open lease `lid` held by `owner`; LeaseError otherwise."""
+        with self._cond:
+            lease = self._leases.get(lid)
+            if lease is None or lease.owner != owner:
+                raise LeaseError(f"lease {lid} is not an open lease of this client")
+            return lease
+
     def drop_owner(self, owner) -> tuple[int, int]:
         """Abort every reservation and release every lease held by `owner` (a disconnected
         client). Returns (reservations aborted, leases released)."""
@@ -846,9 +870,15 @@ class TieredStore:
                 return st.ns_id
         raise UnknownNamespaceError(f"flush: unknown namespace {namespace!r}")
 
-    def sync(self) -> int:
-        """Write every host-only block to disk and make all disk writes durable; a reopen
-        then serves them. Returns the number of blocks written."""
+    def unsynced_blocks(self) -> int:
+        """Host blocks without a disk copy: what `sync()` would write."""
+        with self._cond:
+            return sum(1 for b in self._blocks.values()
+                       if b.host_state == READY and b.disk is None and not b.disk_writing)
+
+    def sync(self, max_blocks: int | None = None) -> int:
+        """Write every host-only block (at most `max_blocks`) to disk and make all disk
+        writes durable; a reopen then serves them. Returns the number of blocks written."""
         if self.disk is None:
             return 0
         written = 0
@@ -856,6 +886,7 @@ class TieredStore:
             self._check_open()
             todo = [b for b in self._blocks.values()
                     if b.host_state == READY and b.disk is None and not b.disk_writing]
+            todo = todo[:max_blocks] if max_blocks is not None else todo
             # insertion order: a chain's ancestors come before its descendants
             for i in range(0, len(todo), self.WRITE_BATCH):
                 written += self._write_down_batch(todo[i:i + self.WRITE_BATCH])
@@ -941,6 +972,16 @@ class TieredStore:
                         break
                     self._drop_disk(self._blocks[key], evicted=True)
         return moved
+
+    def reconfigure(self, new: StoreConfig) -> None:
+        """Apply the settings that can change while running: watermarks and SSD admission."""
+        new = new.resolved()
+        with self._cond:
+            for name in ("host_high_watermark", "host_low_watermark", "disk_high_watermark",
+                         "disk_low_watermark", "disk_admit_min_hits"):
+                setattr(self.config, name, getattr(new, name))
+            self._admission = AdmissionFilter(new.disk_admit_min_hits)
+            self._wake_demoter()
 
     # -- stats and lifecycle ----------------------------------------------------------------
     def stats(self) -> dict:

@@ -15,11 +15,12 @@ from ..config import ALIGN
 class HostTier:
     name = "host"
 
-    def __init__(self, capacity_bytes: int, slab_bytes: int, *, shm_path: str | None = None):
+    def __init__(self, capacity_bytes: int, slab_bytes: int, *, shm_path: str | None = None,
+                 shm_mode: int = 0o600):
         capacity_bytes = capacity_bytes // ALIGN * ALIGN
         num_slabs, slab_bytes = plan_slabs(capacity_bytes, slab_bytes, "host tier")
         self.capacity_bytes = capacity_bytes
-        self.arena = SharedArena(capacity_bytes, path=shm_path)
+        self.arena = SharedArena(capacity_bytes, path=shm_path, mode=shm_mode)
         self.alloc = SlabAllocator(num_slabs, slab_bytes, capacity_bytes=capacity_bytes)
 
     def view(self, slot: int, nbytes: int) -> np.ndarray:

@@ -1,0 +1,334 @@
+"""`tierd.client.Client`: the Store interface over the daemon's Unix socket.
+
+The socket carries only control frames; block bytes move through the daemon's host arena,
+which the client maps once: `put` copies into reserved slots, `get` copies out of leased ones.
+A lost connection is re-established on the next call (the daemon may have restarted); what the
+old connection held — reservations, leases — is gone with it, and calls that cannot be
+repeated safely say so. Thread-safe: one request at a time per client.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from . import errors as E
+from . import protocol as P
+from .keys import check_keys
+from .namespace import Namespace
+from .transfer import as_u8, copy_block
+
+_ERRORS = {cls.code: cls for cls in (
+    E.ConfigError, E.NamespaceError, E.UnknownNamespaceError, E.BlockError, E.KeyFormatError,
+    E.CapacityError, E.DiskTierError, E.LeaseError, E.StoreClosedError)}
+
+
+class DaemonUnavailableError(E.TierdError, ConnectionError):
+    """The daemon cannot be reached (not running, wrong socket, or it went away mid-call)."""
+
+    code = "unavailable"
+
+
+def _raise_remote(err: dict) -> None:
+    code = str(err.get("code", "internal"))
+    message = str(err.get("message", ""))
+    cls = _ERRORS.get(code)
+    if cls is not None:
+        raise cls(message)
+    raise P.RemoteError(code, message)
+
+
+class ClientReservation:
+    """Slots in the daemon's arena to write into; `commit` makes them visible."""
+
+    def __init__(self, rid, ns, keys, status, buffers, generation):
+        self.id, self.namespace, self.keys = rid, ns, keys
+        self.status, self.buffers = status, buffers
+        self._generation = generation
+
+    @property
+    def num_reserved(self) -> int:
+        return sum(s == "reserved" for s in self.status)
+
+
+class ClientLease:
+    """Read-only views of leased slots in the daemon's arena, valid until `release`."""
+
+    def __init__(self, lid, ns, keys, buffers, tiers, client, generation):
+        self.id, self.namespace, self.keys = lid, ns, keys
+        self.buffers, self.tiers = buffers, tiers
+        self._client, self._generation, self._open = client, generation, True
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __enter__(self) -> "ClientLease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._open:
+            self._client.release(self)
+
+
+class Client:
+    """A connection to `tierd serve` with the same interface as `TieredStore`."""
+
+    RETRY_OPS = {"lookup", "where", "acquire", "stats", "ping", "flush", "sync", "register"}
+
+    def __init__(self, path: str, *, timeout_s: float = 60.0, name: str | None = None,
+                 connect_timeout_s: float = 5.0):
+        self.path = path
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.name = name or f"pid{os.getpid()}"
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._sock: socket.socket | None = None
+        self._namespaces: dict[str, Namespace] = {}
+        self._arena = None
+        self._arena_mmap = None
+        self._generation = 0
+        self.reconnects = 0
+        with self._lock:
+            self._connect()
+
+    # -- connection ------------------------------------------------------------------------------
+    def _connect(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        s.settimeout(self.connect_timeout_s)
+        try:
+            s.connect(self.path)
+        except OSError as e:
+            s.close()
+            raise DaemonUnavailableError(
+                f"cannot reach the tierd daemon at {self.path}: {e.strerror or e}; is `tierd serve` running?") from None
+        s.settimeout(self.timeout_s)
+        self._sock = s
+        self._generation += 1
+        reply = self._roundtrip({"op": "hello", "version": P.PROTOCOL_VERSION, "client": self.name,
+                                 "namespaces": [ns.to_dict() for ns in self._namespaces.values()]})
+        self.server_version = reply.get("server")
+        self.limits = reply.get("limits", {})
+        self._map_arena(reply["arenas"][0])
+
+    def _map_arena(self, desc: dict) -> None:
+        if self._arena_mmap is not None:
+            self._arena = None
+            try:
+                self._arena_mmap.close()
+            except BufferError:
+                pass  # a caller still holds views of the old arena; it goes with them
+        try:
+            fd = os.open(desc["path"], os.O_RDWR | os.O_CLOEXEC)
+        except OSError as e:
+            raise DaemonUnavailableError(f"cannot map the daemon's host arena {desc['path']}: {e.strerror}") from None
+        try:
+            self._arena_mmap = mmap.mmap(fd, desc["capacity_bytes"], mmap.MAP_SHARED,
+                                         mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._arena = np.frombuffer(self._arena_mmap, dtype=np.uint8)
+
+    def _disconnect(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None
+
+    def _roundtrip(self, msg: dict) -> dict:
+        req_id = next(self._ids)
+        msg["id"] = req_id
+        sock = self._sock
+        try:
+            sock.sendall(P.encode(msg))
+            header = self._recv_exact(4)
+            (n,) = P.HEADER.unpack(header)
+            reply = P.decode_body(self._recv_exact(n))
+        except (OSError, EOFError) as e:
+            self._disconnect()
+            raise DaemonUnavailableError(f"lost the tierd daemon at {self.path} during {msg['op']}: {e}") from None
+        if "error" in reply:
+            _raise_remote(reply["error"])
+        if reply.get("id") != req_id:
+            self._disconnect()
+            raise P.ProtocolError(f"reply id {reply.get('id')} does not match request {req_id}")
+        return reply
+
+    def _recv_exact(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self._sock.recv(n - len(buf))
+            if not chunk:
+                raise EOFError("connection closed by the daemon")
+            buf += chunk
+        return bytes(buf)
+
+    def _call(self, op: str, **fields) -> dict:
+        with self._lock:
+            for attempt in (0, 1):
+                if self._sock is None:
+                    self._connect()
+                    self.reconnects += 1
+                try:
+                    return self._roundtrip({"op": op, **fields})
+                except DaemonUnavailableError:
+                    if attempt or op not in self.RETRY_OPS:
+                        raise
+                    time.sleep(0.05)
+            raise AssertionError("unreachable")
+
+    def _ns_name(self, ns) -> str:
+        if isinstance(ns, Namespace):
+            if ns.name not in self._namespaces:
+                self._namespaces[ns.name] = ns
+                try:
+                    self._call("register", namespaces=[ns.to_dict()])
+                except BaseException:
+                    del self._namespaces[ns.name]
+                    raise
+            return ns.name
+        if isinstance(ns, str) and ns in self._namespaces:
+            return ns
+        raise E.UnknownNamespaceError(f"namespace {ns!r} is not registered with this client; pass a Namespace")
+
+    def _namespace(self, ns) -> Namespace:
+        return self._namespaces[self._ns_name(ns)]
+
+    def _view(self, offset: int, nbytes: int, writable: bool) -> np.ndarray:
+        v = self._arena[offset:offset + nbytes]
+        if not writable:
+            v = v.view()
+            v.flags.writeable = False
+        return v
+
+    # -- Store interface -----------------------------------------------------------------------
+    def register(self, ns: Namespace) -> None:
+        self._ns_name(ns)
+
+    def lookup(self, ns, keys: Sequence[bytes]) -> int:
+        return self._call("lookup", ns=self._ns_name(ns), keys=check_keys(keys))["n"]
+
+    def where(self, ns, keys: Sequence[bytes]) -> list[str]:
+        return self._call("where", ns=self._ns_name(ns), keys=check_keys(keys))["tiers"]
+
+    def reserve(self, ns, keys: Sequence[bytes], *, parent: bytes | None = None) -> ClientReservation:
+        nsobj = self._namespace(ns)
+        keys = check_keys(keys)
+        fields = {"ns": nsobj.name, "keys": keys}
+        if parent is not None:
+            fields["parent"] = check_keys([parent])[0]
+        with self._lock:
+            r = self._call("reserve", **fields)
+            gen = self._generation
+            status = [P.SLOT_STATUS_NAMES[s] for s, _ in r["slots"]]
+            buffers = [self._view(off, nsobj.block_bytes, True) if s == P.SLOT_RESERVED else None
+                       for s, off in r["slots"]]
+        return ClientReservation(r["res"], nsobj, keys, status, buffers, gen)
+
+    def commit(self, res: ClientReservation) -> int:
+        with self._lock:
+            if res._generation != self._generation:
+                raise E.LeaseError("the daemon restarted since this reservation was made; it is lost")
+            return self._call("commit", res=res.id)["n"]
+
+    def abort(self, res: ClientReservation) -> None:
+        with self._lock:
+            if res._generation == self._generation and self._sock is not None:
+                self._call("abort", res=res.id)
+
+    def put(self, ns, keys: Sequence[bytes], blocks: Sequence, *, parent: bytes | None = None) -> int:
+        nsobj = self._namespace(ns)
+        keys = check_keys(keys)
+        if len(blocks) != len(keys):
+            raise E.TierdError(f"put: {len(keys)} keys but {len(blocks)} blocks")
+        views = [as_u8(b, nsobj.block_bytes, nsobj.kv_dtype) for b in blocks]
+        res = self.reserve(nsobj, keys, parent=parent)
+        try:
+            for dst, src in zip(res.buffers, views):
+                if dst is not None:
+                    copy_block(dst, src)
+        except BaseException:
+            self.abort(res)
+            raise
+        return self.commit(res)
+
+    def acquire(self, ns, keys: Sequence[bytes]) -> ClientLease:
+        nsobj = self._namespace(ns)
+        keys = check_keys(keys)
+        with self._lock:
+            r = self._call("acquire", ns=nsobj.name, keys=keys)
+            views = [self._view(off, nsobj.block_bytes, False) for off in r["offsets"]]
+            gen = self._generation
+        return ClientLease(r["lease"], nsobj, keys[:len(views)], views, r["tiers"], self, gen)
+
+    def release(self, lease: ClientLease) -> None:
+        with self._lock:
+            if not lease._open:
+                raise E.LeaseError(f"lease {lease.id} is already released")
+            lease._open = False
+            if lease._generation == self._generation and self._sock is not None:
+                self._call("release", lease=lease.id)
+
+    def get(self, ns, keys: Sequence[bytes], out: Sequence | None = None) -> list:
+        nsobj = self._namespace(ns)
+        if out is not None and len(out) < len(keys):
+            raise E.TierdError(f"get: {len(keys)} keys but only {len(out)} output buffers")
+        dsts = None if out is None else [as_u8(o, nsobj.block_bytes, nsobj.kv_dtype) for o in out]
+        with self.acquire(nsobj, keys) as lease:
+            if dsts is None:
+                return [np.array(v, copy=True) for v in lease.buffers]
+            for dst, src in zip(dsts, lease.buffers):
+                copy_block(dst, src)
+            return list(out[:len(lease)])
+
+    def flush(self, tier: str = "all", namespace=None) -> int:
+        if isinstance(namespace, Namespace):
+            namespace = namespace.name
+        fields = {"tier": tier}
+        if namespace is not None:
+            fields["namespace"] = namespace
+        return self._call("flush", **fields)["dropped"]
+
+    def sync(self, max_blocks: int | None = None) -> int:
+        """Write host-only blocks to disk durably (at most `max_blocks`); see `sync_step`."""
+        if max_blocks is None:
+            return self._call("sync")["written"]
+        return self.sync_step(max_blocks)[0]
+
+    def sync_step(self, max_blocks: int) -> tuple[int, int]:
+        """One bounded sync: (written, still unsynced) — for progress reporting."""
+        r = self._call("sync", max_blocks=max_blocks)
+        return r["written"], r["remaining"]
+
+    def stats(self) -> dict:
+        return self._call("stats")["stats"]
+
+    def ping(self) -> dict:
+        t0 = time.perf_counter()
+        r = self._call("ping")
+        return {"rtt_s": time.perf_counter() - t0, "version": r["version"]}
+
+    def close(self) -> None:
+        with self._lock:
+            self._disconnect()
+            self._arena = None
+            if self._arena_mmap is not None:
+                try:
+                    self._arena_mmap.close()
+                except BufferError:
+                    pass
+                self._arena_mmap = None
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

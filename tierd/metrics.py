@@ -1,0 +1,101 @@
+"""Prometheus metrics of the daemon (`tierd_*`), served on --metrics-addr.
+
+Gauges and counters are read from `TieredStore.stats()` at scrape time, so they can never
+drift from what `tierd stats` shows; only per-op latency is recorded as it happens. This module
+never changes the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+                   0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class _StoreCollector:
+    def __init__(self, stats: Callable[[], dict]):
+        self._stats = stats
+
+    def collect(self):
+        st = self._stats()
+        tiers = st["tiers"]
+
+        def gauge(name, doc, labels, rows):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            for lv, v in rows:
+                g.add_metric(lv, v)
+            return g
+
+        def counter(name, doc, labels, rows):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            for lv, v in rows:
+                c.add_metric(lv, v)
+            return c
+
+        yield gauge("tierd_tier_capacity_bytes", "Capacity of each tier.", ["tier"],
+                    [([t], v["capacity_bytes"]) for t, v in tiers.items()])
+        yield gauge("tierd_tier_used_bytes", "Slot bytes in use in each tier.", ["tier"],
+                    [([t], v["used_bytes"]) for t, v in tiers.items()])
+        yield gauge("tierd_tier_blocks", "Blocks held by each tier.", ["tier"],
+                    [([t], v["blocks"]) for t, v in tiers.items()])
+        yield gauge("tierd_tier_waste_ratio", "Bytes of a tier that can hold no block, over its capacity.",
+                    ["tier"], [([t], v["waste_ratio"]) for t, v in tiers.items()])
+        yield counter("tierd_evictions", "Blocks removed from a tier under pressure.", ["tier"],
+                      [([t], v["evictions"]) for t, v in tiers.items()])
+        disk = tiers.get("disk")
+        moves = []
+        if disk:
+            moves = [(["host", "disk"], disk["demotions"]), (["disk", "host"], disk["promotions"])]
+        yield counter("tierd_block_moves", "Blocks copied between tiers (demotion, promotion).",
+                      ["from_tier", "to_tier"], moves)
+        yield counter("tierd_transfer_bytes", "Payload bytes written into / read out of each tier.",
+                      ["tier", "direction"],
+                      [([t, d], v[f"bytes_{d}"]) for t, v in tiers.items() for d in ("in", "out")])
+        yield counter("tierd_corrupt_blocks", "Disk slots that failed verification and were dropped.",
+                      ["tier"], [(["disk"], disk["corrupt_dropped"])] if disk else [])
+        yield counter("tierd_disk_io_errors", "Failed disk reads or writes.", [],
+                      [([], disk["io_errors"])] if disk else [])
+        ns = st["namespaces"]
+        yield counter("tierd_hits", "Blocks served.", ["namespace"], [([n], v["hits"]) for n, v in ns.items()])
+        yield counter("tierd_misses", "Blocks asked for and not served.", ["namespace"],
+                      [([n], v["misses"]) for n, v in ns.items()])
+        yield counter("tierd_puts", "Blocks newly stored.", ["namespace"],
+                      [([n], v["puts"]) for n, v in ns.items()])
+        yield counter("tierd_puts_dropped", "Blocks not stored for lack of room.", ["namespace"],
+                      [([n], v["put_dropped"]) for n, v in ns.items()])
+        daemon = st.get("daemon", {})
+        yield gauge("tierd_clients_connected", "Connected clients.", [],
+                    [([], daemon.get("clients", 0))])
+        yield gauge("tierd_leases", "Open leases.", [], [([], st["leases"])])
+        yield gauge("tierd_reservations", "Open reservations.", [], [([], st["reservations"])])
+        yield counter("tierd_reclaimed", "Leases and reservations reclaimed from disconnected clients.",
+                      ["kind"], [(["lease"], daemon.get("reclaimed_leases", 0)),
+                                 (["reservation"], daemon.get("reclaimed_reservations", 0))])
+
+
+class Metrics:
+    """The daemon's registry: store gauges/counters plus an op latency histogram."""
+
+    def __init__(self, stats: Callable[[], dict]):
+        self.registry = CollectorRegistry()
+        self.registry.register(_StoreCollector(stats))
+        self.op_seconds = Histogram("tierd_op_duration_seconds", "Time to serve one request, by op.",
+                                    ["op"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self._server = None
+
+    def serve(self, addr: str) -> tuple[str, int]:
+        """Start the HTTP endpoint on HOST:PORT (port 0: any free port); returns the bound address."""
+        host, _, port = addr.rpartition(":")
+        host = host.strip("[]") or "127.0.0.1"
+        self._server, _thread = start_http_server(int(port), addr=host, registry=self.registry)
+        return host, self._server.server_port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

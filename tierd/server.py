@@ -1,0 +1,412 @@
+"""`tierd serve`: the daemon. Owns one TieredStore and serves it on a Unix socket.
+
+The event loop only reads and writes frames; every store call runs on a worker thread, so a
+disk read for one client never stalls another. Reservations and leases belong to the
+connection that made them and are reclaimed when it goes. The daemon must never crash on a
+client's input and never let one client name another's slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import signal
+import socket
+import stat
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+from . import __version__
+from . import protocol as P
+from .config import RELOADABLE, SERVE_KEYS, ServeConfig, load_serve_config, setting_value
+from .errors import ConfigError, TierdError
+from .metrics import Metrics
+from .namespace import Namespace
+from .sdnotify import notify, watchdog_interval_s
+from .store import Lease, Reservation, TieredStore
+
+log = logging.getLogger("tierd.server")
+
+# ops that never wait on disk I/O (only briefly on the store lock): served on the event loop
+# thread, saving a thread hop; the others (acquire may read disk, reserve may wait for room,
+# flush and sync write) run on the worker pool.
+_INLINE_OPS = {"hello", "register", "lookup", "where", "commit", "abort", "release", "stats", "ping"}
+
+
+class _Conn:
+    __slots__ = ("id", "pid", "uid", "gid", "writer", "name", "namespaces", "ops")
+
+    def __init__(self, cid: int, pid: int, uid: int, gid: int, writer):
+        self.id, self.pid, self.uid, self.gid, self.writer = cid, pid, uid, gid, writer
+        self.name = ""
+        self.namespaces: set[str] = set()
+        self.ops = 0
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", raw)
+
+
+def check_socket_dir(path: str) -> None:
+    """Refuse a socket directory that other users could write (they could replace the
+    socket and impersonate the daemon)."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, mode=0o755, exist_ok=True)
+    st = os.stat(d)
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise ConfigError(f"socket directory {d} is world-writable; use a private directory such as /run/tierd")
+    if st.st_uid not in (os.geteuid(), 0):
+        raise ConfigError(f"socket directory {d} belongs to uid {st.st_uid}, not this user ({os.geteuid()})")
+
+
+class Daemon:
+    def __init__(self, cfg: ServeConfig, flags: dict[str, Any] | None = None):
+        self.cfg = cfg
+        self.flags = flags or {}
+        check_socket_dir(cfg.socket)
+        tag = hashlib.blake2b(os.path.abspath(cfg.socket).encode(), digest_size=6).hexdigest()
+        self.arena_path = os.path.join(cfg.arena_dir, f"tierd-{os.geteuid()}-{tag}.host")
+        try:
+            os.unlink(self.arena_path)  # left by a daemon that died: nobody may map it now
+        except FileNotFoundError:
+            pass
+        store_cfg = replace(cfg.store, host_shm_path=self.arena_path, host_shm_mode=0o660)
+        self.store = TieredStore(store_cfg)
+        self.executor = ThreadPoolExecutor(32, thread_name_prefix="tierd-op")
+        self.metrics = Metrics(self.stats)
+        self.conns: dict[int, _Conn] = {}
+        self._next_conn = 0
+        self._inflight = 0
+        self._server: asyncio.AbstractServer | None = None
+        self._stop = None
+        self.started = time.time()
+        self.counters = {"connections_total": 0, "reclaimed_leases": 0, "reclaimed_reservations": 0,
+                         "refused_peers": 0, "bad_requests": 0, "requests": 0}
+
+    # -- stats --------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        st = self.store.stats()
+        st["daemon"] = {"version": __version__, "pid": os.getpid(), "uptime_s": time.time() - self.started,
+                        "socket": self.cfg.socket, "clients": len(self.conns), **self.counters,
+                        "client_list": [{"id": c.id, "pid": c.pid, "uid": c.uid, "name": c.name, "ops": c.ops}
+                                        for c in self.conns.values()]}
+        return st
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        path = self.cfg.socket
+        if os.path.exists(path):
+            if _socket_alive(path):
+                raise ConfigError(f"another daemon is serving {path}; stop it or choose another --socket")
+            os.unlink(path)
+        self._server = await asyncio.start_unix_server(self._handle, path=path)
+        os.chmod(path, self.cfg.socket_mode)
+        metrics_at = None
+        if self.cfg.metrics_addr:
+            metrics_at = self.metrics.serve(self.cfg.metrics_addr)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
+        wd = watchdog_interval_s()
+        wd_task = asyncio.create_task(self._watchdog(wd)) if wd else None
+        status = f"serving {path}" + (f", metrics on {metrics_at[0]}:{metrics_at[1]}" if metrics_at else "")
+        log.info("tierd %s %s (pid %d)", __version__, status, os.getpid())
+        print(f"tierd: {status}", flush=True)
+        notify(f"READY=1\nSTATUS={status}\nMAINPID={os.getpid()}")
+        await self._stop.wait()
+        notify("STOPPING=1\nSTATUS=stopping")
+        log.info("stopping: no new connections; finishing %d requests", self._inflight)
+        self._server.close()
+        deadline = time.monotonic() + 20
+        while self._inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for c in list(self.conns.values()):
+            c.writer.close()
+        if wd_task:
+            wd_task.cancel()
+        if self.cfg.sync_on_stop and self.store.disk is not None:
+            n = await loop.run_in_executor(self.executor, self.store.sync)
+            log.info("sync_on_stop: wrote %d blocks to disk", n)
+        await loop.run_in_executor(self.executor, self.store.close)
+        self.executor.shutdown(wait=False)
+        self.metrics.close()
+        for p in (path,):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+        log.info("stopped")
+
+    async def _watchdog(self, interval: float) -> None:
+        while True:
+            notify("WATCHDOG=1")
+            await asyncio.sleep(interval)
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the config file (flags still override it) and apply the settings
+        that can change live (RELOADABLE); others need a restart and are reported."""
+        try:
+            new = load_serve_config(self.cfg.config_path, self.flags)
+        except TierdError as e:
+            log.error("reload refused, keeping the running settings: %s", e)
+            return
+        changed, ignored = [], []
+        for key in SERVE_KEYS:
+            old_v, new_v = setting_value(self.cfg, key), setting_value(new, key)
+            if old_v != new_v:
+                (changed if key in RELOADABLE else ignored).append(f"{key}: {old_v!r} -> {new_v!r}")
+        self.store.reconfigure(new.store)
+        for key in RELOADABLE:
+            _, attr, _ = SERVE_KEYS[key]
+            setattr(self.cfg.store, attr, setting_value(new, key))
+        log.info("reloaded %s: %s", self.cfg.config_path or "(no config file)", "; ".join(changed) or "nothing changed")
+        if ignored:
+            log.warning("reload: these need a restart and were not applied: %s", "; ".join(ignored))
+
+    # -- connections ----------------------------------------------------------------------------
+    def _allowed(self, uid: int, gid: int) -> bool:
+        return (uid in (os.geteuid(), 0) or uid in self.cfg.allowed_uids
+                or gid in self.cfg.allowed_gids)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        try:
+            pid, uid, gid = peer_credentials(sock)
+        except OSError:
+            writer.close()
+            return
+        if not self._allowed(uid, gid) or len(self.conns) >= self.cfg.max_clients:
+            refused = not self._allowed(uid, gid)
+            self.counters["refused_peers"] += refused
+            log.warning("refused connection from pid %d uid %d gid %d (%s)", pid, uid, gid,
+                        "not allowed" if refused else "too many clients")
+            await self._send(writer, P.error_reply(None, "forbidden" if refused else "busy",
+                                                   "peer not allowed by allowed_uids/allowed_gids"
+                                                   if refused else "too many clients"))
+            writer.close()
+            return
+        self._next_conn += 1
+        conn = _Conn(self._next_conn, pid, uid, gid, writer)
+        self.conns[conn.id] = conn
+        self.counters["connections_total"] += 1
+        try:
+            await self._serve_conn(conn, reader, writer)
+        finally:
+            del self.conns[conn.id]
+            loop = asyncio.get_running_loop()
+            try:
+                nr, nl = await loop.run_in_executor(self.executor, self.store.drop_owner, conn.id)
+            except RuntimeError:  # executor shut down at exit
+                nr, nl = self.store.drop_owner(conn.id)
+            self.counters["reclaimed_reservations"] += nr
+            self.counters["reclaimed_leases"] += nl
+            if nr or nl:
+                log.info("client %d (pid %d) went away: reclaimed %d reservations, %d leases",
+                         conn.id, conn.pid, nr, nl)
+            writer.close()
+
+    async def _serve_conn(self, conn: _Conn, reader, writer) -> None:
+        cfg = self.cfg
+        while True:
+            try:
+                header = await asyncio.wait_for(reader.readexactly(4), cfg.idle_timeout_s or None)
+                n = P.frame_length(header, cfg.max_frame_bytes)
+                body = await asyncio.wait_for(reader.readexactly(n), cfg.frame_timeout_s)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            except asyncio.TimeoutError:
+                await self._send(writer, P.error_reply(None, "timeout", "connection idle or frame incomplete"))
+                return
+            except P.FrameTooLarge as e:
+                self.counters["bad_requests"] += 1
+                await self._send(writer, P.error_reply(None, e.code, str(e)))
+                return  # the stream cannot be resynchronised
+            try:
+                msg = P.decode_body(body)
+            except P.ProtocolError as e:
+                self.counters["bad_requests"] += 1
+                await self._send(writer, P.error_reply(None, e.code, str(e)))
+                continue  # framing is intact: keep the connection
+            reply = await self._dispatch(conn, msg)
+            if not await self._send(writer, reply):
+                return
+
+    async def _send(self, writer, msg: dict) -> bool:
+        try:
+            writer.write(P.encode(msg))
+            await writer.drain()
+            return True
+        except (ConnectionError, RuntimeError):
+            return False
+
+    async def _dispatch(self, conn: _Conn, msg: dict) -> dict:
+        req_id = msg.get("id")
+        if not isinstance(req_id, int) or isinstance(req_id, bool):
+            self.counters["bad_requests"] += 1
+            return P.error_reply(None, "bad_request", "request needs an integer id")
+        op = msg.get("op")
+        if op not in P.OPS:
+            self.counters["bad_requests"] += 1
+            return P.error_reply(req_id, "unknown_op", f"unknown op {op!r}; ops: {', '.join(P.OPS)}")
+        conn.ops += 1
+        self.counters["requests"] += 1
+        handler = getattr(self, f"_op_{op}")
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        self._inflight += 1
+        try:
+            if op in _INLINE_OPS:
+                return {"id": req_id, "ok": True, **_strip_private(handler(conn, msg))}
+            fut = loop.run_in_executor(self.executor, handler, conn, msg)
+            try:
+                result = await asyncio.wait_for(asyncio.shield(fut), self.cfg.request_timeout_s)
+            except asyncio.TimeoutError:
+                fut.add_done_callback(lambda f: self._undo_late(f))
+                return P.error_reply(req_id, "timeout", f"{op} took longer than {self.cfg.request_timeout_s}s")
+            return {"id": req_id, "ok": True, **_strip_private(result)}
+        except P.ProtocolError as e:
+            self.counters["bad_requests"] += 1
+            return P.error_reply(req_id, e.code, str(e))
+        except TierdError as e:
+            return P.error_reply(req_id, e.code, str(e))
+        except Exception as e:  # a bug must not take the daemon down
+            log.exception("internal error in %s", op)
+            return P.error_reply(req_id, "internal", f"internal error: {type(e).__name__}: {e}")
+        finally:
+            self._inflight -= 1
+            self.metrics.op_seconds.labels(op).observe(time.perf_counter() - t0)
+
+    def _undo_late(self, fut) -> None:
+        """A request answered with a timeout finished later: give back what it took."""
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        obj = fut.result().get("_obj")
+        if isinstance(obj, Lease):
+            self.store.release(obj)
+        elif isinstance(obj, Reservation):
+            self.store.abort(obj)
+
+    # -- ops (run on worker threads) -------------------------------------------------------------
+    def _ns(self, conn: _Conn, msg: dict) -> Namespace:
+        name = P.field(msg, "ns", str, what="a namespace name")
+        return self.store.namespace(name)
+
+    def _register(self, conn: _Conn, descs) -> list[str]:
+        if not isinstance(descs, list):
+            raise P.ProtocolError("namespaces must be a list of namespace descriptions")
+        names = []
+        for d in descs:
+            if not isinstance(d, dict):
+                raise P.ProtocolError("a namespace description must be a map")
+            ns = Namespace.from_dict(d)
+            self.store.register(ns)
+            conn.namespaces.add(ns.name)
+            names.append(ns.name)
+        return names
+
+    def _op_hello(self, conn: _Conn, msg: dict) -> dict:
+        version = P.field(msg, "version", int)
+        if version != P.PROTOCOL_VERSION:
+            raise P.ProtocolError(f"protocol version {version} is not supported (this daemon speaks "
+                                  f"{P.PROTOCOL_VERSION})")
+        conn.name = str(msg.get("client", ""))[:64]
+        names = self._register(conn, msg.get("namespaces", []))
+        host = self.store.host
+        return {"version": P.PROTOCOL_VERSION, "server": __version__, "pid": os.getpid(),
+                "namespaces": names,
+                "arenas": [{"tier": "host", "path": self.arena_path, "capacity_bytes": host.capacity_bytes}],
+                "limits": {"max_frame_bytes": self.cfg.max_frame_bytes,
+                           "max_keys_per_request": self.cfg.max_keys_per_request}}
+
+    def _op_register(self, conn: _Conn, msg: dict) -> dict:
+        return {"namespaces": self._register(conn, P.field(msg, "namespaces", list))}
+
+    def _op_lookup(self, conn: _Conn, msg: dict) -> dict:
+        ns = self._ns(conn, msg)
+        return {"n": self.store.lookup(ns, P.keys_field(msg, self.cfg.max_keys_per_request))}
+
+    def _op_where(self, conn: _Conn, msg: dict) -> dict:
+        ns = self._ns(conn, msg)
+        return {"tiers": self.store.where(ns, P.keys_field(msg, self.cfg.max_keys_per_request))}
+
+    def _op_reserve(self, conn: _Conn, msg: dict) -> dict:
+        ns = self._ns(conn, msg)
+        keys = P.keys_field(msg, self.cfg.max_keys_per_request)
+        parent = P.field(msg, "parent", bytes, default=None)
+        if parent is not None and len(parent) != 16:
+            raise P.ProtocolError("parent must be a 16-byte key")
+        res = self.store.reserve(ns, keys, parent=parent, owner=conn.id)
+        slots = [[P.SLOT_STATUS[s], off] for s, off in zip(res.status, res.offsets)]
+        return {"res": res.id, "slots": slots, "_obj": res}
+
+    def _op_commit(self, conn: _Conn, msg: dict) -> dict:
+        res = self.store.find_reservation(P.field(msg, "res", int), conn.id)
+        return {"n": self.store.commit(res)}
+
+    def _op_abort(self, conn: _Conn, msg: dict) -> dict:
+        self.store.abort(self.store.find_reservation(P.field(msg, "res", int), conn.id))
+        return {}
+
+    def _op_acquire(self, conn: _Conn, msg: dict) -> dict:
+        ns = self._ns(conn, msg)
+        lease = self.store.acquire(ns, P.keys_field(msg, self.cfg.max_keys_per_request), owner=conn.id)
+        return {"lease": lease.id, "offsets": lease.offsets, "tiers": lease.tiers, "_obj": lease}
+
+    def _op_release(self, conn: _Conn, msg: dict) -> dict:
+        self.store.release(self.store.find_lease(P.field(msg, "lease", int), conn.id))
+        return {}
+
+    def _op_flush(self, conn: _Conn, msg: dict) -> dict:
+        tier = P.field(msg, "tier", str, default="all")
+        namespace = P.field(msg, "namespace", str, default=None)
+        return {"dropped": self.store.flush(tier=tier, namespace=namespace)}
+
+    def _op_sync(self, conn: _Conn, msg: dict) -> dict:
+        limit = P.field(msg, "max_blocks", int, default=None)
+        if limit is not None and limit < 1:
+            raise P.ProtocolError("max_blocks must be >= 1")
+        written = self.store.sync(limit)
+        return {"written": written, "remaining": self.store.unsynced_blocks()}
+
+    def _op_stats(self, conn: _Conn, msg: dict) -> dict:
+        return {"stats": self.stats()}
+
+    def _op_ping(self, conn: _Conn, msg: dict) -> dict:
+        return {"pong": time.time(), "version": __version__}
+
+
+def _strip_private(reply: dict) -> dict:
+    return {k: v for k, v in reply.items() if not k.startswith("_")}
+
+
+def _socket_alive(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1)
+        try:
+            s.connect(path)
+            return True
+        except OSError:
+            return False
+
+
+def log_sources(cfg: ServeConfig) -> None:
+    for key in SERVE_KEYS:
+        log.info("setting %s = %r (%s)", key, setting_value(cfg, key), cfg.sources.get(key, "default"))
+
+
+def serve(config_path: str | None = None, flags: dict[str, Any] | None = None) -> int:
+    """Load the settings, log where each came from, and run the daemon until SIGTERM."""
+    cfg = load_serve_config(config_path, flags)
+    log_sources(cfg)
+    daemon = Daemon(cfg, flags)
+    asyncio.run(daemon.run())
+    return 0
