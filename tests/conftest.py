@@ -22,3 +22,12 @@ def host_store():
     s = TieredStore(small_config(None))
     yield s
     s.close()
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    from .daemon import DaemonProc
+    d = DaemonProc(tmp_path).start()
+    yield d
+    if d.alive():
+        assert d.stop() == 0

@@ -88,13 +88,14 @@ class Daemon:
         self._stop = None
         self.started = time.time()
         self.counters = {"connections_total": 0, "reclaimed_leases": 0, "reclaimed_reservations": 0,
-                         "refused_peers": 0, "bad_requests": 0, "requests": 0}
+                         "refused_peers": 0, "bad_requests": 0, "requests": 0, "reloads": 0}
 
     # -- stats --------------------------------------------------------------------------------
     def stats(self) -> dict:
         st = self.store.stats()
         st["daemon"] = {"version": __version__, "pid": os.getpid(), "uptime_s": time.time() - self.started,
                         "socket": self.cfg.socket, "clients": len(self.conns), **self.counters,
+                        "settings": {k: setting_value(self.cfg, k) for k in sorted(RELOADABLE)},
                         "client_list": [{"id": c.id, "pid": c.pid, "uid": c.uid, "name": c.name, "ops": c.ops}
                                         for c in self.conns.values()]}
         return st
@@ -165,6 +166,7 @@ class Daemon:
             if old_v != new_v:
                 (changed if key in RELOADABLE else ignored).append(f"{key}: {old_v!r} -> {new_v!r}")
         self.store.reconfigure(new.store)
+        self.counters["reloads"] += 1
         for key in RELOADABLE:
             _, attr, _ = SERVE_KEYS[key]
             setattr(self.cfg.store, attr, setting_value(new, key))

@@ -1,0 +1,64 @@
+"""A client process for daemon tests: `python -m tests.client_worker SOCKET MODE SEED N`.
+
+  mixed  N random put/get/acquire/lookup/reserve-abort ops over a shared key space, every
+         block served checked bit-exact; prints `OK <ops> <blocks verified>` or exits 1
+  hold   put a chain, take a lease on it and a reservation of N more keys, print HOLDING,
+         then wait to be killed
+"""
+
+import sys
+import time
+
+import numpy as np
+
+import tierd
+
+from .helpers import block_for, chain, make_ns
+
+
+def main() -> int:
+    sock, mode, seed, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    c = tierd.connect(f"unix://{sock}")
+    spaces = [make_ns(), make_ns(model="second", kv_dtype="bfloat16")]
+    if mode == "hold":
+        ns = spaces[0]
+        keys = chain(ns, 10_000 + seed, 4)
+        c.put(ns, keys, [block_for(ns, k) for k in keys])
+        c.acquire(ns, keys)
+        c.reserve(ns, chain(ns, 20_000 + seed, n))
+        print("HOLDING", flush=True)
+        time.sleep(3600)
+        return 0
+    rng = np.random.default_rng(seed)
+    verified = 0
+    for _ in range(n):
+        ns = spaces[int(rng.integers(0, 2))]
+        keys = chain(ns, int(rng.integers(0, 40)), int(rng.integers(1, 5)))
+        op = rng.random()
+        if op < 0.35:
+            c.put(ns, keys, [block_for(ns, k) for k in keys])
+        elif op < 0.65:
+            for k, b in zip(keys, c.get(ns, keys)):
+                if not np.array_equal(b, block_for(ns, k)):
+                    print(f"MISMATCH {k.hex()}", flush=True)
+                    return 1
+                verified += 1
+        elif op < 0.8:
+            with c.acquire(ns, keys) as lease:
+                for k, buf in zip(lease.keys, lease.buffers):
+                    if not np.array_equal(buf, block_for(ns, k)):
+                        print(f"MISMATCH {k.hex()}", flush=True)
+                        return 1
+                    verified += 1
+        elif op < 0.95:
+            n_present = c.lookup(ns, keys)
+            assert 0 <= n_present <= len(keys)
+        else:
+            c.abort(c.reserve(ns, keys))
+    print(f"OK {n} {verified}", flush=True)
+    c.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""`tierd serve` as a real process: clients, faults, restarts, bad input."""
+
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import msgpack
+import numpy as np
+import pytest
+
+import tierd
+from tierd.client import Client, DaemonUnavailableError
+from tierd.errors import LeaseError, UnknownNamespaceError
+
+from .daemon import ROOT, DaemonProc
+from .helpers import block_for, chain, make_ns
+
+
+def put_chain(c, ns, keys):
+    return c.put(ns, keys, [block_for(ns, k) for k in keys])
+
+
+def assert_exact(c, ns, keys):
+    got = c.get(ns, keys)
+    assert len(got) == len(keys)
+    for k, g in zip(keys, got):
+        assert np.array_equal(g, block_for(ns, k))
+
+
+def wait_for(pred, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
+
+
+def test_client_round_trip_through_the_daemon(daemon):
+    c = tierd.connect(daemon.url)
+    try:
+        assert isinstance(c, Client)
+        spaces = [make_ns(), make_ns(model="b", kv_dtype="bfloat16", num_layers=3)]
+        for i, ns in enumerate(spaces):
+            keys = chain(ns, i, 6)
+            assert put_chain(c, ns, keys) == 6
+            assert put_chain(c, ns, keys) == 0
+            assert c.lookup(ns, keys + chain(ns, 99, 1)) == 6
+            assert_exact(c, ns, keys)
+            with c.acquire(ns, keys) as lease:
+                assert lease.tiers == ["host"] * 6
+                with pytest.raises(ValueError):
+                    lease.buffers[0][0] = 1  # read-only views
+        assert c.sync() == 12
+        assert c.flush(tier="host") == 12
+        assert c.where(spaces[0], chain(spaces[0], 0, 6)) == ["disk"] * 6
+        assert_exact(c, spaces[0], chain(spaces[0], 0, 6))
+        st = c.stats()
+        assert st["daemon"]["clients"] == 1 and st["leases"] == 0
+    finally:
+        c.close()
+
+
+def test_zero_copy_reserve_commit_through_the_daemon(daemon):
+    ns = make_ns()
+    keys = chain(ns, 5, 4)
+    with Client(daemon.socket) as c:
+        res = c.reserve(ns, keys)
+        assert res.status == ["reserved"] * 4
+        for k, buf in zip(keys, res.buffers):
+            buf[:] = block_for(ns, k)
+        assert c.lookup(ns, keys) == 0
+        assert c.commit(res) == 4
+        assert_exact(c, ns, keys)
+
+
+@pytest.mark.slow
+def test_eight_client_processes_mixed_ops_bit_exact(daemon):
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.client_worker", daemon.socket, "mixed", str(i), "1000"],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(8)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out + err
+        assert out.startswith("OK 1000")
+    verified = sum(int(out.split()[2]) for out, _ in outs)
+    assert verified > 1000
+    with Client(daemon.socket) as c:
+        st = c.stats()
+        assert st["leases"] == 0 and st["reservations"] == 0
+        assert st["daemon"]["requests"] >= 8 * 1000
+
+
+def test_killed_client_loses_its_reservations_and_leases(daemon):
+    p = subprocess.Popen([sys.executable, "-m", "tests.client_worker", daemon.socket, "hold", "1", "5"],
+                         cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "HOLDING"
+    with Client(daemon.socket) as c:
+        st = c.stats()
+        assert st["leases"] == 1 and st["reservations"] == 1
+        used_before = st["tiers"]["host"]["used_bytes"]
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        assert wait_for(lambda: c.stats()["reservations"] == 0 and c.stats()["leases"] == 0)
+        st = c.stats()
+        assert st["daemon"]["reclaimed_leases"] == 1 and st["daemon"]["reclaimed_reservations"] == 1
+        assert st["tiers"]["host"]["used_bytes"] == used_before - 5 * 16384  # reserved slots freed
+        ns = make_ns()
+        keys = chain(ns, 10_001, 4)
+        assert c.flush(tier="host") == 4  # the formerly leased blocks can go now
+
+
+def raw_conn(path):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(path)
+    return s
+
+
+def read_reply(s):
+    hdr = b""
+    while len(hdr) < 4:
+        chunk = s.recv(4 - len(hdr))
+        if not chunk:
+            return None
+        hdr += chunk
+    (n,) = struct.unpack(">I", hdr)
+    body = b""
+    while len(body) < n:
+        chunk = s.recv(n - len(body))
+        if not chunk:
+            return None
+        body += chunk
+    return msgpack.unpackb(body, raw=False)
+
+
+def send(s, obj=None, raw=None):
+    body = raw if raw is not None else msgpack.packb(obj, use_bin_type=True)
+    try:
+        s.sendall(struct.pack(">I", len(body)) + body)
+    except BrokenPipeError:
+        pass  # the daemon may cut off an oversized frame before it has all arrived
+
+
+def test_bad_input_gets_errors_and_other_clients_are_served(daemon):
+    ns = make_ns()
+    good = Client(daemon.socket)
+    keys = chain(ns, 1, 4)
+    put_chain(good, ns, keys)
+    try:
+        s = raw_conn(daemon.socket)
+        send(s, raw=b"\xc1\xc1garbage")                       # not msgpack
+        assert read_reply(s)["error"]["code"] == "bad_request"
+        send(s, [1, 2, 3])                                     # not a map
+        assert read_reply(s)["error"]["code"] == "bad_request"
+        send(s, {"id": 1, "op": "launch_missiles"})            # unknown op
+        assert read_reply(s)["error"]["code"] == "unknown_op"
+        send(s, {"id": 2, "op": "lookup", "ns": 7, "keys": "x"})  # wrong types
+        assert read_reply(s)["error"]["code"] == "bad_request"
+        send(s, {"id": 3, "op": "lookup", "ns": ns.name, "keys": [b"short"]})
+        assert read_reply(s)["error"]["code"] == "bad_request"
+        send(s, {"id": 4, "op": "lookup", "ns": "nosuchnamespace", "keys": []})
+        assert read_reply(s)["error"]["code"] == "unknown_namespace"
+        send(s, {"id": 5, "op": "hello", "version": 99})
+        assert read_reply(s)["error"]["code"] == "bad_request"
+        send(s, {"id": 6, "op": "lookup", "ns": ns.name, "keys": [b"k" * 16] * 100_000})
+        r = read_reply(s)
+        assert r is None or r["error"]["code"] in ("frame_too_large", "bad_request")
+        s.close()
+
+        s = raw_conn(daemon.socket)
+        s.sendall(struct.pack(">I", (4 << 30) - 1) + b"xx")  # a 4 GiB length prefix
+        r = read_reply(s)
+        assert r is None or r["error"]["code"] == "frame_too_large"
+        s.close()
+
+        # a lease and a reservation that belong to another client
+        lease = good.acquire(ns, keys)
+        res = good.reserve(ns, chain(ns, 2, 2))
+        s = raw_conn(daemon.socket)
+        send(s, {"id": 1, "op": "release", "lease": lease.id})
+        assert read_reply(s)["error"]["code"] == "bad_lease"
+        send(s, {"id": 2, "op": "commit", "res": res.id})
+        assert read_reply(s)["error"]["code"] == "bad_lease"
+        send(s, {"id": 3, "op": "release", "lease": 10**12})
+        assert read_reply(s)["error"]["code"] == "bad_lease"
+        s.close()
+        good.release(lease)
+        good.abort(res)
+
+        # the well-behaved client never noticed
+        assert_exact(good, ns, keys)
+        assert daemon.alive()
+        st = good.stats()
+        assert st["daemon"]["bad_requests"] >= 7
+    finally:
+        good.close()
+
+
+def test_slow_client_stalling_mid_frame_is_cut_off(tmp_path):
+    d = DaemonProc(tmp_path, toml="[limits]\nframe_timeout_s = 0.5\n").start()
+    try:
+        s = raw_conn(d.socket)
+        s.sendall(struct.pack(">I", 100) + b"only part of it")
+        t0 = time.monotonic()
+        r = read_reply(s)
+        assert r is not None and r["error"]["code"] == "timeout"
+        assert s.recv(1) == b""  # closed
+        assert time.monotonic() - t0 < 5
+        with Client(d.socket) as c:
+            assert c.ping()["version"]
+    finally:
+        assert d.stop() == 0
+
+
+def test_synced_blocks_survive_a_daemon_sigkill_and_the_client_reconnects(tmp_path):
+    ns = make_ns()
+    keys = chain(ns, 3, 8)
+    d = DaemonProc(tmp_path).start()
+    c = Client(d.socket)
+    put_chain(c, ns, keys)
+    assert c.sync() == 8
+    d.kill()
+    with pytest.raises(DaemonUnavailableError):
+        c.lookup(ns, keys)  # retried once, the daemon is still gone
+    d.start()
+    try:
+        assert c.lookup(ns, keys) == 8  # reconnected by itself, namespaces re-registered
+        assert_exact(c, ns, keys)
+        assert c.reconnects >= 1
+        st = c.stats()
+        assert st["tiers"]["disk"]["recovered_from"] == "scan"
+    finally:
+        c.close()
+        assert d.stop() == 0
+
+
+def test_sigterm_finishes_syncs_and_exits_zero(tmp_path):
+    ns = make_ns()
+    keys = chain(ns, 4, 5)
+    d = DaemonProc(tmp_path).start()
+    with Client(d.socket) as c:
+        put_chain(c, ns, keys)
+    assert d.stop() == 0  # sync_on_stop writes the host blocks down
+    assert not os.path.exists(d.socket)
+    d.start()
+    try:
+        with Client(d.socket) as c:
+            assert c.stats()["tiers"]["disk"]["recovered_from"] == "checkpoint"
+            assert_exact(c, ns, keys)
+    finally:
+        assert d.stop() == 0
+
+
+def test_a_second_daemon_on_the_same_socket_is_refused(daemon, tmp_path):
+    (tmp_path / "x").mkdir()
+    other = DaemonProc(tmp_path / "x")
+    other.args[1] = daemon.socket
+    with pytest.raises(RuntimeError, match="did not start"):
+        other.start(timeout_s=20)
+    other.proc.wait(20)
+    assert other.proc.returncode == 1
+    assert "another daemon is serving" in other.log.read_text()
+    with Client(daemon.socket) as c:  # the first one is unharmed
+        assert c.ping()["version"]
+
+
+def test_unknown_namespace_and_stale_lease_errors_map_to_exceptions(daemon):
+    with Client(daemon.socket) as c:
+        with pytest.raises(UnknownNamespaceError):
+            c.lookup("feedfacefeedface", [b"k" * 16])
+        ns = make_ns()
+        keys = chain(ns, 6, 2)
+        put_chain(c, ns, keys)
+        lease = c.acquire(ns, keys)
+        c.release(lease)
+        with pytest.raises(LeaseError):
+            c.release(lease)
+
+
+def test_peer_with_another_uid_is_refused(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a client under another uid")
+    import shutil
+    import tempfile
+    from pathlib import Path
+    base = Path(tempfile.mkdtemp(prefix="tierd-peer-"))  # reachable by uid 65534, unlike tmp_path
+    base.chmod(0o755)
+    (base / "run").mkdir(mode=0o755)
+    d = DaemonProc(base, toml="socket_mode = \"0666\"\n")
+    d.start()
+    try:
+        code = ("import os, socket, struct, msgpack\n"
+                "os.setgid(65534); os.setuid(65534)\n"
+                f"s = socket.socket(socket.AF_UNIX); s.connect({d.socket!r})\n"
+                "n = struct.unpack('>I', s.recv(4))[0]; print(msgpack.unpackb(s.recv(n))['error']['code'])\n")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+        assert r.stdout.strip() == "forbidden", r.stderr
+        with Client(d.socket) as c:
+            assert c.stats()["daemon"]["refused_peers"] == 1
+        mode = os.stat(next((base / "arena").iterdir())).st_mode
+        assert mode & 0o007 == 0, "the host arena must not be readable by other users"
+    finally:
+        assert d.stop() == 0
+        shutil.rmtree(base, ignore_errors=True)
