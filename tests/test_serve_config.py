@@ -1,0 +1,61 @@
+"""Daemon settings: layers, sources, validation."""
+
+import os
+
+import pytest
+
+from tierd.config import load_serve_config
+from tierd.errors import ConfigError
+from tierd.server import check_socket_dir
+
+
+def test_flags_override_env_override_file_override_defaults(tmp_path):
+    f = tmp_path / "t.toml"
+    f.write_text('socket = "/file/s.sock"\nmetrics_addr = "127.0.0.1:1"\n[host]\nbytes = "1GiB"\n'
+                 '[disk]\nbytes = "2GiB"\n')
+    cfg = load_serve_config(str(f), flags={"socket": "/flag/s.sock", "disk.bytes": None},
+                            env={"TIERD_HOST_BYTES": "3GiB", "TIERD_METRICS_ADDR": ""})
+    assert cfg.socket == "/flag/s.sock" and cfg.sources["socket"] == "command line"
+    assert cfg.store.host_bytes == "3GiB" and cfg.sources["host.bytes"] == "environment"
+    assert cfg.store.disk_bytes == "2GiB" and cfg.sources["disk.bytes"] == f"file {f}"
+    assert cfg.metrics_addr == "" and cfg.sources["metrics_addr"] == "environment"
+    assert cfg.sources["policy.eviction"] == "default"
+
+
+def test_defaults_work_with_no_config(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    cfg = load_serve_config(None, env={})
+    assert cfg.store.host_bytes == "10%"
+    assert cfg.store.disk_path and cfg.store.disk_bytes == "4GiB"
+    assert cfg.socket.endswith("tierd.sock")
+
+
+@pytest.mark.parametrize("toml,match", [
+    ('sokcet = "/x"\n', "unknown setting 'sokcet'"),
+    ('[host]\nbytes = "lots"\n', "cannot parse"),
+    ('[policy]\neviction = "mru"\n', "eviction_policy"),
+    ('socket_mode = "rw"\n', "octal mode"),
+    ('[limits]\nmax_frame_bytes = 10\n', "max_frame_bytes"),
+    ("not toml [", "invalid TOML"),
+])
+def test_bad_settings_are_refused_with_the_reason(tmp_path, toml, match):
+    f = tmp_path / "t.toml"
+    f.write_text(toml)
+    with pytest.raises(ConfigError, match=match):
+        load_serve_config(str(f), env={})
+
+
+def test_unknown_environment_variable_is_refused():
+    with pytest.raises(ConfigError, match="TIERD_HOTS_BYTES names no setting"):
+        load_serve_config(None, env={"TIERD_HOTS_BYTES": "1GiB"})
+
+
+def test_world_writable_socket_directory_is_refused(tmp_path):
+    d = tmp_path / "open"
+    d.mkdir()
+    d.chmod(0o777)
+    with pytest.raises(ConfigError, match="world-writable"):
+        check_socket_dir(str(d / "tierd.sock"))
+    d.chmod(0o1777)  # sticky, like /tmp: others cannot replace our socket
+    check_socket_dir(str(d / "tierd.sock"))
+    assert os.path.isdir(d)
