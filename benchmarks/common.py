@@ -86,3 +86,29 @@ def best_of(fn, repeats: int = 3) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+class DaemonUnderTest:
+    """A `tierd serve` subprocess on a temporary socket (no metrics endpoint)."""
+
+    def __init__(self, workdir: str, *, host_bytes: str, disk_path: str = "", disk_bytes: str = "64MiB",
+                 toml: str = ""):
+        import subprocess
+        import sys
+        self.socket = os.path.join(workdir, "tierd.sock")
+        cfg = os.path.join(workdir, "tierd.toml")
+        with open(cfg, "w") as f:
+            f.write(toml)  # the host arena goes to /dev/shm (the default), as in production
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tierd", "serve", "--config", cfg, "--socket", self.socket,
+             "--host-bytes", host_bytes, "--disk-path", disk_path, "--disk-bytes", disk_bytes,
+             "--metrics-addr", "", "--log-level", "warning"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        line = self.proc.stdout.readline()
+        if b"serving" not in line:
+            raise RuntimeError(f"daemon did not start: {line!r}")
+
+    def stop(self) -> None:
+        import signal
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(60)

@@ -10,6 +10,7 @@ repeated safely say so. Thread-safe: one request at a time per client.
 from __future__ import annotations
 
 import itertools
+import logging
 import mmap
 import os
 import socket
@@ -24,6 +25,8 @@ from . import protocol as P
 from .keys import check_keys
 from .namespace import Namespace
 from .transfer import as_u8, copy_block
+
+log = logging.getLogger("tierd.client")
 
 _ERRORS = {cls.code: cls for cls in (
     E.ConfigError, E.NamespaceError, E.UnknownNamespaceError, E.BlockError, E.KeyFormatError,
@@ -95,6 +98,7 @@ class Client:
         self._arena = None
         self._arena_mmap = None
         self._generation = 0
+        self._deferred: list[dict] = []
         self.reconnects = 0
         with self._lock:
             self._connect()
@@ -137,11 +141,24 @@ class Client:
         self._arena = np.frombuffer(self._arena_mmap, dtype=np.uint8)
 
     def _disconnect(self) -> None:
+        self._deferred = []
         if self._sock is not None:
             try:
                 self._sock.close()
             finally:
                 self._sock = None
+
+    def _send_deferred(self, msg: dict) -> None:
+        msg["id"] = next(self._ids)
+        try:
+            self._sock.sendall(P.encode(msg))
+            self._deferred.append(msg)
+        except OSError:
+            self._disconnect()  # the daemon dropped the lease with the connection
+
+    def _read_reply(self) -> dict:
+        (n,) = P.HEADER.unpack(self._recv_exact(4))
+        return P.decode_body(self._recv_exact(n))
 
     def _roundtrip(self, msg: dict) -> dict:
         req_id = next(self._ids)
@@ -149,9 +166,12 @@ class Client:
         sock = self._sock
         try:
             sock.sendall(P.encode(msg))
-            header = self._recv_exact(4)
-            (n,) = P.HEADER.unpack(header)
-            reply = P.decode_body(self._recv_exact(n))
+            while self._deferred:  # replies to deferred requests come first, in order
+                sent = self._deferred.pop(0)
+                r = self._read_reply()
+                if "error" in r:
+                    log.warning("deferred %s failed: %s", sent["op"], r["error"].get("message"))
+            reply = self._read_reply()
         except (OSError, EOFError) as e:
             self._disconnect()
             raise DaemonUnavailableError(f"lost the tierd daemon at {self.path} during {msg['op']}: {e}") from None
@@ -275,7 +295,9 @@ class Client:
                 raise E.LeaseError(f"lease {lease.id} is already released")
             lease._open = False
             if lease._generation == self._generation and self._sock is not None:
-                self._call("release", lease=lease.id)
+                # The reply is read before the next request's, not waited for now: a release
+                # cannot fail for a lease this client holds, and it saves a round trip per get.
+                self._send_deferred({"op": "release", "lease": lease.id})
 
     def get(self, ns, keys: Sequence[bytes], out: Sequence | None = None) -> list:
         nsobj = self._namespace(ns)

@@ -95,6 +95,8 @@ class StoreConfig:
         c = StoreConfig(**{f.name: getattr(self, f.name) for f in fields(self)})
         c.host_bytes = parse_size(c.host_bytes, total=total_ram_bytes(), what="host_bytes")
         c.host_slab_bytes = parse_size(c.host_slab_bytes, what="host_slab_bytes")
+        if c.disk_path in ("", None):  # "" in a config file or flag: no disk tier
+            c.disk_path = None
         if c.disk_path is not None:
             c.disk_path = os.fspath(c.disk_path)
             disk_total = None

@@ -38,6 +38,23 @@ log = logging.getLogger("tierd.server")
 _INLINE_OPS = {"hello", "register", "lookup", "where", "commit", "abort", "release", "stats", "ping"}
 
 
+if hasattr(asyncio, "timeout"):  # 3.11+: a deadline without the extra task wait_for makes
+    _timeout = asyncio.timeout
+else:  # pragma: no cover - Python 3.10
+    import contextlib
+
+    @contextlib.asynccontextmanager
+    async def _timeout(delay):
+        task = asyncio.current_task()
+        handle = asyncio.get_running_loop().call_later(delay, task.cancel)
+        try:
+            yield
+        except asyncio.CancelledError:
+            raise asyncio.TimeoutError() from None
+        finally:
+            handle.cancel()
+
+
 class _Conn:
     __slots__ = ("id", "pid", "uid", "gid", "writer", "name", "namespaces", "ops")
 
@@ -52,6 +69,23 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process at the other end of a Unix socket."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", raw)
+
+
+def filesystem_type(path: str) -> str | None:
+    """The type of the filesystem holding `path` (from /proc/self/mounts), or None."""
+    path = os.path.realpath(path)
+    best, fstype = "", None
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3:
+                    mnt = parts[1].replace("\\040", " ")
+                    if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                        best, fstype = mnt, parts[2]
+    except OSError:
+        return None
+    return fstype
 
 
 def check_socket_dir(path: str) -> None:
@@ -77,6 +111,10 @@ class Daemon:
             os.unlink(self.arena_path)  # left by a daemon that died: nobody may map it now
         except FileNotFoundError:
             pass
+        fs = filesystem_type(cfg.arena_dir)
+        if fs not in ("tmpfs", "hugetlbfs", "ramfs"):
+            log.warning("arena_dir %s is on %s, not tmpfs: the host tier will be written back to "
+                        "that filesystem; use /dev/shm or /run/tierd", cfg.arena_dir, fs or "an unknown filesystem")
         store_cfg = replace(cfg.store, host_shm_path=self.arena_path, host_shm_mode=0o660)
         self.store = TieredStore(store_cfg)
         self.executor = ThreadPoolExecutor(32, thread_name_prefix="tierd-op")
@@ -220,9 +258,13 @@ class Daemon:
         cfg = self.cfg
         while True:
             try:
-                header = await asyncio.wait_for(reader.readexactly(4), cfg.idle_timeout_s or None)
+                if cfg.idle_timeout_s:
+                    header = await asyncio.wait_for(reader.readexactly(4), cfg.idle_timeout_s)
+                else:
+                    header = await reader.readexactly(4)
                 n = P.frame_length(header, cfg.max_frame_bytes)
-                body = await asyncio.wait_for(reader.readexactly(n), cfg.frame_timeout_s)
+                async with _timeout(cfg.frame_timeout_s):
+                    body = await reader.readexactly(n)
             except (asyncio.IncompleteReadError, ConnectionError):
                 return
             except asyncio.TimeoutError:
@@ -266,7 +308,7 @@ class Daemon:
         t0 = time.perf_counter()
         self._inflight += 1
         try:
-            if op in _INLINE_OPS:
+            if op in _INLINE_OPS or (op in ("acquire", "reserve") and self._quick(op, msg)):
                 return {"id": req_id, "ok": True, **_strip_private(handler(conn, msg))}
             fut = loop.run_in_executor(self.executor, handler, conn, msg)
             try:
@@ -286,6 +328,16 @@ class Daemon:
         finally:
             self._inflight -= 1
             self.metrics.op_seconds.labels(op).observe(time.perf_counter() - t0)
+
+    def _quick(self, op: str, msg: dict) -> bool:
+        try:
+            ns = self.store.namespace(msg["ns"])
+            keys = msg["keys"]
+            if not isinstance(keys, list) or len(keys) > self.cfg.max_keys_per_request:
+                return False
+            return self.store.is_quick(op, ns, [k for k in keys if isinstance(k, bytes)])
+        except Exception:  # malformed: let the handler produce the error reply
+            return True
 
     def _undo_late(self, fut) -> None:
         """A request answered with a timeout finished later: give back what it took."""

@@ -653,6 +653,23 @@ class TieredStore:
                 out.append("+".join(tiers))
             return out
 
+    def is_quick(self, op: str, ns: Namespace, keys: Sequence[bytes]) -> bool:
+        """Whether `acquire` or `reserve` of `keys` would finish without disk I/O or waiting
+        for room (a hint for the daemon, which then serves it on its event loop thread)."""
+        with self._cond:
+            st = self._namespaces.get(ns.id)
+            if st is None:
+                return False
+            if op == "reserve":
+                return self.host.alloc.free_slot_count(st.host_slot_bytes) >= len(keys)
+            for k in keys:
+                b = self._blocks.get(st.ns_id + k)
+                if b is None:
+                    return True
+                if b.host_state != READY:
+                    return b.disk is None  # a disk-only block would be promoted: not quick
+            return True
+
     def acquire(self, ns: Namespace, keys: Sequence[bytes], *, owner=None) -> Lease:
         """Lease the longest present prefix of `keys`, promoting disk blocks to host RAM."""
         keys = check_keys(keys)
