@@ -66,8 +66,10 @@ def report(name: str, results: list[Result], json_path: str | None) -> None:
     print(fmt(["-" * w for w in widths]))
     for r in rows:
         print(fmt(r))
+    seen = set()
     for r in results:
-        if r.note:
+        if r.note and (r.name, r.note) not in seen:
+            seen.add((r.name, r.note))
             print(f"note ({r.name}): {r.note}")
     if json_path:
         doc = {"benchmark": name, "machine": machine(), "results": [r.to_json() for r in results]}

@@ -189,3 +189,45 @@ def test_example_config_loads(monkeypatch):
     cfg = load_serve_config(str(ROOT / "systemd" / "tierd.toml"), env={})
     assert cfg.socket == "/run/tierd/tierd.sock" and cfg.store.eviction_policy == "s3fifo"
     assert cfg.sources["host.bytes"].startswith("file ")
+
+
+def run_on_terminal(args, answer: bytes = b"", timeout_s: float = 60) -> tuple[int, str]:
+    """Run `python -m tierd ARGS` with a pseudo-terminal as stdin and stdout."""
+    import pty
+    import select
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "tierd", *args], cwd=ROOT, stdin=slave, stdout=slave,
+                         stderr=slave, close_fds=True)
+    os.close(slave)
+    out = b""
+    if answer:
+        os.write(master, answer)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([master], [], [], 0.2)
+        if r:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out += chunk
+        elif p.poll() is not None:
+            break
+    rc = p.wait(10)
+    os.close(master)
+    return rc, out.decode(errors="replace")
+
+
+def test_flush_asks_on_a_terminal_and_sync_shows_progress(daemon):
+    ns = make_ns()
+    keys = chain(ns, 8, 3)
+    with Client(daemon.socket) as c:
+        c.put(ns, keys, [block_for(ns, k) for k in keys])
+    rc, out = run_on_terminal(["flush", "--socket", daemon.socket], answer=b"n\n")
+    assert "[y/N]" in out and "nothing dropped" in out and rc == 1
+    rc, out = run_on_terminal(["sync", "--socket", daemon.socket])
+    assert rc == 0 and "sync [" in out and "3 blocks written" in out
+    rc, out = run_on_terminal(["flush", "--socket", daemon.socket, "--tier", "host"], answer=b"y\n")
+    assert rc == 0 and "dropped 3 blocks" in out

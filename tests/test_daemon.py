@@ -153,6 +153,10 @@ def test_bad_input_gets_errors_and_other_clients_are_served(daemon):
     put_chain(good, ns, keys)
     try:
         s = raw_conn(daemon.socket)
+        send(s, {"id": 1, "op": "lookup", "ns": ns.name, "keys": []})
+        assert "hello" in read_reply(s)["error"]["message"]   # hello comes first
+        send(s, {"id": 1, "op": "hello", "version": 1, "namespaces": [ns.to_dict()]})
+        assert read_reply(s)["ok"]
         send(s, raw=b"\xc1\xc1garbage")                       # not msgpack
         assert read_reply(s)["error"]["code"] == "bad_request"
         send(s, [1, 2, 3])                                     # not a map
@@ -165,7 +169,7 @@ def test_bad_input_gets_errors_and_other_clients_are_served(daemon):
         assert read_reply(s)["error"]["code"] == "bad_request"
         send(s, {"id": 4, "op": "lookup", "ns": "nosuchnamespace", "keys": []})
         assert read_reply(s)["error"]["code"] == "unknown_namespace"
-        send(s, {"id": 5, "op": "hello", "version": 99})
+        send(s, {"id": 5, "op": "hello", "version": 99})  # wrong protocol version
         assert read_reply(s)["error"]["code"] == "bad_request"
         send(s, {"id": 6, "op": "lookup", "ns": ns.name, "keys": [b"k" * 16] * 100_000})
         r = read_reply(s)
@@ -182,6 +186,8 @@ def test_bad_input_gets_errors_and_other_clients_are_served(daemon):
         lease = good.acquire(ns, keys)
         res = good.reserve(ns, chain(ns, 2, 2))
         s = raw_conn(daemon.socket)
+        send(s, {"id": 0, "op": "hello", "version": 1})
+        assert read_reply(s)["ok"]
         send(s, {"id": 1, "op": "release", "lease": lease.id})
         assert read_reply(s)["error"]["code"] == "bad_lease"
         send(s, {"id": 2, "op": "commit", "res": res.id})

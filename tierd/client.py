@@ -148,13 +148,17 @@ class Client:
             finally:
                 self._sock = None
 
-    def _send_deferred(self, msg: dict) -> None:
+    def _send_deferred(self, msg: dict) -> bool:
+        """Send a request whose reply is read later (before the next reply). False if the
+        connection is gone (and with it whatever the request was about)."""
         msg["id"] = next(self._ids)
         try:
             self._sock.sendall(P.encode(msg))
             self._deferred.append(msg)
+            return True
         except OSError:
-            self._disconnect()  # the daemon dropped the lease with the connection
+            self._disconnect()
+            return False
 
     def _read_reply(self) -> dict:
         (n,) = P.HEADER.unpack(self._recv_exact(4))
@@ -265,6 +269,8 @@ class Client:
                 self._call("abort", res=res.id)
 
     def put(self, ns, keys: Sequence[bytes], blocks: Sequence, *, parent: bytes | None = None) -> int:
+        """Store blocks (reserve, copy into the arena, commit); returns how many were newly
+        reserved and committed."""
         nsobj = self._namespace(ns)
         keys = check_keys(keys)
         if len(blocks) != len(keys):
@@ -278,7 +284,16 @@ class Client:
         except BaseException:
             self.abort(res)
             raise
-        return self.commit(res)
+        with self._lock:
+            if res._generation != self._generation:
+                raise E.LeaseError("the daemon restarted during this put; the blocks were not stored")
+            if not res.num_reserved:
+                return 0
+            # The daemon serves a connection's requests in order, so everything this client asks
+            # next already sees the blocks; the commit's reply is read with the next reply.
+            if not self._send_deferred({"op": "commit", "res": res.id}):
+                raise DaemonUnavailableError(f"lost the tierd daemon at {self.path} during put")
+            return res.num_reserved
 
     def acquire(self, ns, keys: Sequence[bytes]) -> ClientLease:
         nsobj = self._namespace(ns)

@@ -31,6 +31,7 @@ from .sdnotify import notify, watchdog_interval_s
 from .store import Lease, Reservation, TieredStore
 
 log = logging.getLogger("tierd.server")
+MAX_NAMESPACES = 4096  # layouts one daemon will track: a bound on what clients can make it hold
 
 # ops that never wait on disk I/O (only briefly on the store lock): served on the event loop
 # thread, saving a thread hop; the others (acquire may read disk, reserve may wait for room,
@@ -56,10 +57,11 @@ else:  # pragma: no cover - Python 3.10
 
 
 class _Conn:
-    __slots__ = ("id", "pid", "uid", "gid", "writer", "name", "namespaces", "ops")
+    __slots__ = ("id", "pid", "uid", "gid", "writer", "name", "namespaces", "ops", "greeted")
 
     def __init__(self, cid: int, pid: int, uid: int, gid: int, writer):
         self.id, self.pid, self.uid, self.gid, self.writer = cid, pid, uid, gid, writer
+        self.greeted = False
         self.name = ""
         self.namespaces: set[str] = set()
         self.ops = 0
@@ -301,6 +303,9 @@ class Daemon:
         if op not in P.OPS:
             self.counters["bad_requests"] += 1
             return P.error_reply(req_id, "unknown_op", f"unknown op {op!r}; ops: {', '.join(P.OPS)}")
+        if not conn.greeted and op not in ("hello", "ping"):
+            self.counters["bad_requests"] += 1
+            return P.error_reply(req_id, "bad_request", "send hello (protocol version) first")
         conn.ops += 1
         self.counters["requests"] += 1
         handler = getattr(self, f"_op_{op}")
@@ -358,9 +363,13 @@ class Daemon:
         if not isinstance(descs, list):
             raise P.ProtocolError("namespaces must be a list of namespace descriptions")
         names = []
+        if len(descs) > 64:
+            raise P.ProtocolError("at most 64 namespaces per request")
         for d in descs:
             if not isinstance(d, dict):
                 raise P.ProtocolError("a namespace description must be a map")
+            if self.store.namespace_count() >= MAX_NAMESPACES:
+                raise P.ProtocolError(f"the daemon holds {MAX_NAMESPACES} namespaces already")
             ns = Namespace.from_dict(d)
             self.store.register(ns)
             conn.namespaces.add(ns.name)
@@ -374,6 +383,7 @@ class Daemon:
                                   f"{P.PROTOCOL_VERSION})")
         conn.name = str(msg.get("client", ""))[:64]
         names = self._register(conn, msg.get("namespaces", []))
+        conn.greeted = True
         host = self.store.host
         return {"version": P.PROTOCOL_VERSION, "server": __version__, "pid": os.getpid(),
                 "namespaces": names,

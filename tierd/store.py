@@ -220,6 +220,10 @@ class TieredStore:
                 "or the name of a registered one (see stats)")
         raise TypeError(f"expected a tierd.Namespace, got {type(ns).__name__}")
 
+    def namespace_count(self) -> int:
+        with self._cond:
+            return len(self._namespaces)
+
     def namespace(self, name: str) -> Namespace:
         """The registered Namespace whose name (or hex id) is `name`."""
         with self._cond:
