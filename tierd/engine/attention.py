@@ -1,0 +1,90 @@
+"""Paged-attention references in torch: the CPU path of the engine and the ground truth that
+every CUDA kernel in `tierd.kernels` is checked against.
+
+Cache layout per layer: k_cache, v_cache of shape (num_blocks, block_size, num_kv_heads,
+head_dim); a token's slot is block_id * block_size + offset. With fp8 the caches hold
+float8_e4m3fn and one scale per tensor (value = stored * scale).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Saturating per-tensor fp8 e4m3 quantisation: round(x / scale) clamped to +-448."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    return (x.float() * scale).to(dtype)
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Write key/value (T, kv_heads, head_dim) into the caches at slot_mapping (T,); slot -1 is
+    padding and is skipped."""
+    nb, bs, h, d = k_cache.shape
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    kf, vf = k_cache.view(nb * bs, h, d), v_cache.view(nb * bs, h, d)
+    k, v = key[keep], value[keep]
+    if k_cache.dtype == torch.float8_e4m3fn:
+        k, v = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
+    kf[slots] = k.to(k_cache.dtype)
+    vf[slots] = v.to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, scale: float,
+              dtype: torch.dtype) -> torch.Tensor:
+    """(length, kv_heads, head_dim) of one sequence from its block table."""
+    bs = cache.shape[1]
+    n_blocks = (length + bs - 1) // bs
+    out = cache[block_table[:n_blocks]].reshape(-1, *cache.shape[2:])[:length]
+    if cache.dtype == torch.float8_e4m3fn:
+        return dequantize_fp8(out, scale, dtype)
+    return out.to(dtype)
+
+
+def attention_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int,
+                  scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of queries q (n, heads, d) at positions q_start.. over keys/values
+    (ctx, kv_heads, d) at positions 0..ctx-1 (GQA: heads share kv heads in groups).
+    Returns (n, heads, d)."""
+    n, heads, d = q.shape
+    ctx, kv_heads, _ = k.shape
+    group = heads // kv_heads
+    qh = q.view(n, kv_heads, group, d).permute(1, 2, 0, 3)          # (kvh, g, n, d)
+    kh = k.permute(1, 0, 2).unsqueeze(1)                              # (kvh, 1, ctx, d)
+    vh = v.permute(1, 0, 2).unsqueeze(1)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale           # (kvh, g, n, ctx)
+    qpos = torch.arange(q_start, q_start + n).unsqueeze(1)
+    kpos = torch.arange(ctx).unsqueeze(0)
+    mask = kpos > qpos
+    if sliding_window is not None:
+        mask = mask | (kpos <= qpos - sliding_window)
+    scores = scores.masked_fill(mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = torch.matmul(probs, vh)                                     # (kvh, g, n, d)
+    return out.permute(2, 0, 1, 3).reshape(n, heads, d)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    seqs: list[tuple[int, int, int, torch.Tensor]], scale: float,
+                    k_scale: float = 1.0, v_scale: float = 1.0,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """Attention for a batch of sequences whose new tokens are packed in q (T, heads, d).
+
+    `seqs`: per sequence (query_start in q, query_len, context_len, block_table), where
+    context_len counts every token whose K/V is in the cache, the new ones included; the new
+    tokens are the last query_len of them. Returns (T, heads, d).
+    """
+    out = torch.empty_like(q)
+    for q0, n, ctx, table in seqs:
+        k = gather_kv(k_cache, table, ctx, k_scale, q.dtype)
+        v = gather_kv(v_cache, table, ctx, v_scale, q.dtype)
+        out[q0:q0 + n] = attention_one(q[q0:q0 + n], k, v, ctx - n, scale, sliding_window)
+    return out

@@ -1,0 +1,111 @@
+"""The paged KV cache's block manager: allocation, reference counts and prefix caching.
+
+Invariants (each kept by the method beside it):
+- a block is in `free` iff its ref_count is 0; freed blocks keep their key and stay hit-able
+  until `_take` reuses them (LRU: the front of `free` goes first);
+- a sequence frees its blocks tail first, so a chain's tail is evicted before its head;
+- `cached` maps a key to the one block holding it; only full blocks have keys, from
+  `tierd.keys` (the same function that names tier blocks).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from ..keys import next_key
+from .sequence import Sequence
+
+
+class Block:
+    __slots__ = ("id", "ref_count", "key")
+
+    def __init__(self, bid: int):
+        self.id, self.ref_count, self.key = bid, 0, None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, root_key: bytes, prefix_caching: bool = True):
+        self.block_size = block_size
+        self.root_key = root_key
+        self.prefix_caching = prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, int] = {}
+        self.hits = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _take(self) -> int:
+        bid, _ = self.free.popitem(last=False)
+        b = self.blocks[bid]
+        if b.key is not None:                 # evict it from the prefix cache
+            if self.cached.get(b.key) == bid:
+                del self.cached[b.key]
+            b.key = None
+        b.ref_count = 1
+        return bid
+
+    def _keys(self, seq: Sequence, upto_blocks: int) -> list[bytes]:
+        """seq.block_keys extended to the first `upto_blocks` full blocks."""
+        bs = self.block_size
+        keys = seq.block_keys
+        while len(keys) < upto_blocks:
+            i = len(keys)
+            keys.append(next_key(keys[-1] if keys else self.root_key, seq.token_ids[i * bs:(i + 1) * bs]))
+        return keys
+
+    def admit(self, seq: Sequence) -> int:
+        """Give a new (or preempted) sequence the cached blocks of its longest cached prefix;
+        returns the tokens they cover. At least one token is always left to compute (its
+        logits are needed)."""
+        if not self.prefix_caching:
+            return 0
+        full = (seq.num_tokens - 1) // self.block_size
+        keys = self._keys(seq, full)
+        for key in keys[:full]:
+            bid = self.cached.get(key)
+            if bid is None:
+                break
+            b = self.blocks[bid]
+            if b.ref_count == 0:
+                del self.free[bid]
+            b.ref_count += 1
+            seq.block_table.append(bid)
+        n = len(seq.block_table) * self.block_size
+        seq.num_computed = n
+        self.hits += len(seq.block_table)
+        return n
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        need = self.blocks_needed(seq.num_computed + num_new_tokens) - len(seq.block_table)
+        return need <= len(self.free)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        need = self.blocks_needed(seq.num_computed + num_new_tokens) - len(seq.block_table)
+        for _ in range(need):
+            seq.block_table.append(self._take())
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Key the blocks that the last step filled, so later requests can hit them."""
+        if not self.prefix_caching:
+            return
+        full = seq.num_computed // self.block_size
+        keys = self._keys(seq, full)
+        for i in range(full):
+            b = self.blocks[seq.block_table[i]]
+            if b.key is None and keys[i] not in self.cached:
+                b.key = keys[i]
+                self.cached[keys[i]] = b.id
+
+    def free_seq(self, seq: Sequence) -> None:
+        for bid in reversed(seq.block_table):   # tail first: evicted before the head
+            b = self.blocks[bid]
+            b.ref_count -= 1
+            if b.ref_count == 0:
+                self.free[bid] = None
+        seq.block_table = []

@@ -1,0 +1,273 @@
+"""`LLM`: the engine's front door (vLLM's names: `LLM`, `SamplingParams`, `generate`).
+
+Owns the request loop: add requests, schedule a step, run the model over the packed batch,
+sample, stream finished requests out. Requests may be added while others run
+(`add_request` + `step`). It never decides block placement (BlockManager) or batch content
+(Scheduler) itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError
+from ..namespace import Namespace
+from .attention import FP8_MAX
+from .block_manager import BlockManager
+from .config import ModelConfig
+from .model import LlamaModel
+from .sampling import Logprob, SamplingParams, sample
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: dict = field(default_factory=dict)
+
+
+class LLM:
+    """A paged-attention engine for Llama-family checkpoints in a local directory."""
+
+    def __init__(self, model: str | Path, *, block_size: int = 16, dtype: str = "auto",
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 kv_cache_bytes: int | str = "256MiB", enable_prefix_caching: bool = True,
+                 kv_cache_dtype: str = "auto", kv_store: str | None = None, seed: int = 0,
+                 max_model_len: int | None = None):
+        from ..config import parse_size
+        self.model_dir = Path(model)
+        self.config = cfg = ModelConfig.from_dir(self.model_dir)
+        if dtype == "auto":
+            # CPU matmuls are fastest in fp32 on machines without bf16 units: the CPU path's default
+            dtype = "float32"
+        if dtype not in _DTYPES:
+            raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)} or 'auto'")
+        if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ConfigError(f"kv_cache_dtype {kv_cache_dtype!r} is not 'auto' or 'fp8'")
+        if kv_store is not None:
+            raise ConfigError("kv_store: loading and storing KV blocks through tierd comes with the "
+                              "engine connector (tierd.connectors.engine); pass kv_store=None")
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {block_size}")
+        self.dtype = _DTYPES[dtype]
+        self.block_size = block_size
+        self.fp8 = kv_cache_dtype != "auto"
+        self.kv_scales = (1.0, 1.0)
+        torch.manual_seed(seed)
+        self.model = LlamaModel(cfg, self.model_dir, self.dtype)
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.namespace = Namespace.from_model_dir(
+            self.model_dir, block_tokens=block_size, kv_dtype="fp8" if self.fp8 else dtype)
+        per_token = self.namespace.bytes_per_token
+        num_blocks = parse_size(kv_cache_bytes, what="kv_cache_bytes") // (per_token * block_size)
+        if num_blocks < 2:
+            raise ConfigError(f"kv_cache_bytes {kv_cache_bytes} holds fewer than 2 blocks of "
+                              f"{per_token * block_size} bytes")
+        cache_dtype = torch.float8_e4m3fn if self.fp8 else self.dtype
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype))
+                          for _ in range(cfg.num_layers)]
+        self.block_manager = BlockManager(num_blocks, block_size, self.namespace.root_key,
+                                          enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.tokenizer = None
+        tok = self.model_dir / "tokenizer.json"
+        if tok.exists():
+            from tokenizers import Tokenizer
+            self.tokenizer = Tokenizer.from_file(str(tok))
+        self._ids = itertools.count()
+        self._seqs: dict[str, Sequence] = {}
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(self, prompt: str | None = None, params: SamplingParams | None = None,
+                    prompt_token_ids: list[int] | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ConfigError("a request needs a prompt or prompt_token_ids")
+            if self.tokenizer is None:
+                raise ConfigError(f"{self.model_dir} has no tokenizer.json: pass prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt).ids
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ConfigError("empty prompt: a request needs at least one token")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ConfigError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ConfigError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                              f"model's context of {self.max_model_len} tokens")
+        need = self.block_manager.blocks_needed(len(ids) + params.max_tokens)
+        if need > len(self.block_manager.blocks):
+            raise ConfigError(f"the request needs {need} KV blocks; the cache has "
+                              f"{len(self.block_manager.blocks)}: raise kv_cache_bytes")
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self._seqs:
+            raise ConfigError(f"request id {rid!r} is already in use")
+        seq = Sequence(rid, prompt, ids, params)
+        self._seqs[rid] = seq
+        self.scheduler.add(seq)
+        return rid
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- one step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        bs = self.block_size
+        tokens, positions, slots, seqs, logits_rows, sampled = [], [], [], [], [], []
+        q0 = 0
+        for seq, n in batch:
+            start = seq.num_computed
+            table = torch.tensor(seq.block_table, dtype=torch.long)
+            for p in range(start, start + n):
+                tokens.append(seq.token_ids[p])
+                positions.append(p)
+                slots.append(seq.block_table[p // bs] * bs + p % bs)
+            seqs.append((q0, n, start + n, table))
+            q0 += n
+            if start + n == seq.num_tokens:
+                logits_rows.append(q0 - 1)
+                sampled.append(seq)
+        logits = self.model.forward(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots),
+                                    seqs, self.kv_caches, torch.tensor(logits_rows, dtype=torch.long),
+                                    self.kv_scales)
+        for seq, n in batch:
+            seq.num_computed += n
+            self.block_manager.cache_full_blocks(seq)
+        finished = []
+        now = time.time()
+        for row, seq in enumerate(sampled):
+            p = seq.params
+            n_out = len(seq.output_token_ids)
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.config.eos_token_ids))
+            banned = sorted(stops) if n_out < p.min_tokens else []
+            token, logprobs = sample(logits[row], p, seq.generator, banned)
+            seq.token_ids.append(token)
+            seq.cumulative_logprob += float(logprobs[token])
+            if p.logprobs is not None:
+                seq.logprobs.append(self._logprobs(logprobs, token, p.logprobs))
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = None
+            if token in stops and n_out + 1 >= p.min_tokens:
+                reason = "stop"
+            elif n_out + 1 >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason:
+                seq.finish_reason = reason
+                seq.finished_time = now
+                self.scheduler.finish(seq)
+                finished.append(self._output(seq))
+                del self._seqs[seq.request_id]
+        return finished
+
+    def _logprobs(self, logprobs: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
+        out = {}
+        if k:
+            vals, idx = torch.topk(logprobs, k)
+            for r, (v, i) in enumerate(zip(vals.tolist(), idx.tolist())):
+                out[i] = Logprob(v, r + 1, self._decode([i]))
+        if token not in out:
+            rank = int((logprobs > logprobs[token]).sum()) + 1
+            out[token] = Logprob(float(logprobs[token]), rank, self._decode([token]))
+        return out
+
+    def _decode(self, ids: list[int]) -> str | None:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else None
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        out = seq.output_token_ids
+        text = self._decode(out) or ""
+        metrics = {"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
+                   "time_to_first_token": (seq.first_token_time or seq.arrival_time) - seq.arrival_time,
+                   "finished_time": seq.finished_time, "preemptions": seq.preemptions}
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids,
+                             [CompletionOutput(0, text, out, seq.cumulative_logprob,
+                                               seq.logprobs if seq.params.logprobs is not None else None,
+                                               seq.finish_reason)],
+                             True, seq.num_cached_tokens, metrics)
+
+    # -- batch API ------------------------------------------------------------------------------
+    def generate(self, prompts: str | list[str] | None = None,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 prompt_token_ids: list[int] | list[list[int]] | None = None) -> list[RequestOutput]:
+        """Run every request to completion; outputs in the order of the inputs."""
+        if prompt_token_ids is not None:
+            if prompt_token_ids and isinstance(prompt_token_ids[0], int):
+                prompt_token_ids = [prompt_token_ids]
+            n = len(prompt_token_ids)
+        else:
+            if prompts is None:
+                raise ConfigError("generate needs prompts or prompt_token_ids")
+            prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+            n = len(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * n
+        if len(params) != n:
+            raise ConfigError(f"{len(params)} sampling params for {n} prompts")
+        ids = []
+        try:
+            for i in range(n):
+                ids.append(self.add_request(
+                    prompts[i] if prompts is not None and prompt_token_ids is None else None, params[i],
+                    prompt_token_ids[i] if prompt_token_ids is not None else None))
+        except BaseException:
+            for rid in ids:  # leave the engine as it was
+                self.abort_request(rid)
+            raise
+        done: dict[str, RequestOutput] = {}
+        while len(done) < n:
+            for out in self.step():
+                done[out.request_id] = out
+        return [done[rid] for rid in ids]
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return
+        if seq in self.scheduler.running:
+            self.scheduler.finish(seq)
+        elif seq in self.scheduler.waiting:
+            self.scheduler.waiting.remove(seq)
+            self.block_manager.free_seq(seq)
+
+    def kv_cache_stats(self) -> dict:
+        """Blocks allocated, token slots used, waste = allocated-but-unused slots / allocated."""
+        bm = self.block_manager
+        allocated = sum(1 for b in bm.blocks if b.ref_count > 0)
+        used = sum(s.num_computed for s in self.scheduler.running)
+        shared = sum(b.ref_count - 1 for b in bm.blocks if b.ref_count > 1)
+        slots = allocated * self.block_size
+        used_slots = min(slots, used - shared * self.block_size) if used else 0
+        return {"num_blocks": len(bm.blocks), "blocks_allocated": allocated, "blocks_free": bm.num_free,
+                "token_slots_allocated": slots, "token_slots_used": used_slots,
+                "waste": (slots - used_slots) / slots if slots else 0.0,
+                "prefix_cache_blocks": len(bm.cached), "prefix_cache_hits": bm.hits,
+                "preemptions": self.scheduler.preemptions, "fp8": self.fp8, "fp8_max": FP8_MAX}

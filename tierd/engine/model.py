@@ -1,0 +1,149 @@
+"""The Llama-family transformer over a paged KV cache (torch, CPU path).
+
+Owns the weights (loaded from safetensors with Hugging Face names) and one `forward` over a
+packed batch of new tokens. RoPE follows the rotate_half convention of HF checkpoints. It never
+allocates KV blocks or decides what to run: the model runner gives it slots and block tables.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from ..errors import ConfigError
+from .attention import paged_attention, reshape_and_cache
+from .config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = cfg.rope_scaling
+    if s and s["rope_type"] == "linear":
+        inv = inv / float(s["factor"])
+    elif s and s["rope_type"] == "llama3":
+        factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old = float(s["original_max_position_embeddings"])
+        lo_wavelen, hi_wavelen = old / lo, old / hi
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > lo_wavelen, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < hi_wavelen) & ~(wavelen > lo_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv.float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    """Weights and forward of a Llama/Mistral/Qwen2 decoder."""
+
+    def __init__(self, cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.w = load_weights(cfg, Path(model_dir), dtype)
+        self.inv_freq = rope_inv_freq(cfg)
+        self.scale = cfg.head_dim ** -0.5
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)   # (T, d/2)
+        emb = torch.cat((freqs, freqs), dim=-1)                                 # (T, d)
+        return emb.cos().to(self.dtype).unsqueeze(1), emb.sin().to(self.dtype).unsqueeze(1)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                seqs: list, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                logits_index: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        """tokens, positions, slot_mapping: (T,). seqs: see paged_attention. Returns logits
+        (len(logits_index), vocab) in float32 for the rows in logits_index."""
+        c, w = self.cfg, self.w
+        T = tokens.shape[0]
+        h = w["embed"][tokens]                                                  # (T, hidden)
+        cos, sin = self.rope(positions)                                         # (T, 1, d)
+        for i, layer in enumerate(w["layers"]):
+            x = rms_norm(h, layer["in_norm"], c.rms_norm_eps)
+            q = F.linear(x, layer["q"], layer.get("q_b")).view(T, c.num_heads, c.head_dim)
+            k = F.linear(x, layer["k"], layer.get("k_b")).view(T, c.num_kv_heads, c.head_dim)
+            v = F.linear(x, layer["v"], layer.get("v_b")).view(T, c.num_kv_heads, c.head_dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            k_cache, v_cache = kv_caches[i]
+            reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *kv_scales)
+            a = paged_attention(q, k_cache, v_cache, seqs, self.scale, *kv_scales,
+                                sliding_window=c.sliding_window)
+            h = h + F.linear(a.reshape(T, c.num_heads * c.head_dim), layer["o"], layer.get("o_b"))
+            x = rms_norm(h, layer["post_norm"], c.rms_norm_eps)
+            gate = F.linear(x, layer["gate"], layer.get("gate_b"))
+            up = F.linear(x, layer["up"], layer.get("up_b"))
+            h = h + F.linear(F.silu(gate) * up, layer["down"], layer.get("down_b"))
+        h = rms_norm(h[logits_index], w["norm"], c.rms_norm_eps)
+        return F.linear(h, w["lm_head"]).float()
+
+
+def load_weights(cfg: ModelConfig, d: Path, dtype: torch.dtype) -> dict:
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{d}: no *.safetensors weight files")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    tensors[name] = sf.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types
+            raise ConfigError(f"{f}: cannot read weights ({e})") from None
+
+    def take(name: str, shape: tuple | None = None, required: bool = True):
+        t = tensors.get(name)
+        if t is None:
+            if required:
+                raise ConfigError(f"{d}: weight {name} is missing")
+            return None
+        if shape is not None and tuple(t.shape) != shape:
+            raise ConfigError(f"{d}: weight {name} has shape {tuple(t.shape)}, config says {shape}")
+        return t.to(dtype).contiguous()
+
+    c = cfg
+    q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    w = {"embed": take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)),
+         "norm": take("model.norm.weight", (c.hidden_size,)), "layers": []}
+    lm = take("lm_head.weight", (c.vocab_size, c.hidden_size), required=not c.tie_word_embeddings)
+    w["lm_head"] = w["embed"] if lm is None else lm
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        layer = {
+            "in_norm": take(p + "input_layernorm.weight", (c.hidden_size,)),
+            "post_norm": take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
+            "q": take(p + "self_attn.q_proj.weight", (q_out, c.hidden_size)),
+            "k": take(p + "self_attn.k_proj.weight", (kv_out, c.hidden_size)),
+            "v": take(p + "self_attn.v_proj.weight", (kv_out, c.hidden_size)),
+            "o": take(p + "self_attn.o_proj.weight", (c.hidden_size, q_out)),
+            "gate": take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size)),
+            "up": take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size)),
+            "down": take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)),
+        }
+        if c.qkv_bias:
+            layer["q_b"] = take(p + "self_attn.q_proj.bias", (q_out,))
+            layer["k_b"] = take(p + "self_attn.k_proj.bias", (kv_out,))
+            layer["v_b"] = take(p + "self_attn.v_proj.bias", (kv_out,))
+        if c.o_bias:
+            layer["o_b"] = take(p + "self_attn.o_proj.bias", (c.hidden_size,))
+        if c.mlp_bias:
+            for n in ("gate", "up", "down"):
+                layer[n + "_b"] = take(p + f"mlp.{n}_proj.bias")
+        w["layers"].append(layer)
+    return w

@@ -1,0 +1,61 @@
+"""Random-weight model directories for tests, benchmarks and the demo (needs transformers).
+
+Nothing is downloaded: a config is built locally, weights are drawn from a seeded generator
+and scaled so that logits are far from flat (greedy decoding then means something), and the
+directory is written with safetensors. `bench_model_dir()` builds the shared bench model once
+and caches it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+# The one bench model of every benchmark and the demo: about 150M parameters.
+BENCH_MODEL = dict(architecture="llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                   num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                   max_position_embeddings=16384, rope_theta=500000.0, tie_word_embeddings=False)
+
+
+def write_random_model(path: str | Path, *, architecture: str = "llama", seed: int = 0,
+                       weight_std: float = 0.08, **config) -> Path:
+    """Write a random-weight checkpoint (config.json + model.safetensors) to `path`."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+    cfg_name, model_name = classes[architecture]
+    defaults = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                    bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = getattr(transformers, cfg_name)(**{**defaults, **config})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(cfg).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, weight_std)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def bench_model_dir(cache_dir: str | Path | None = None) -> Path:
+    """The bench model, built on first use under `cache_dir` (default ~/.cache/tierd)."""
+    base = Path(cache_dir or os.environ.get("TIERD_CACHE_DIR") or Path.home() / ".cache" / "tierd")
+    d = base / "bench-model-v1"
+    if not (d / "config.json").exists() or not list(d.glob("*.safetensors")):
+        tmp = base / "bench-model-v1.tmp"
+        cfg = {k: v for k, v in BENCH_MODEL.items() if k != "architecture"}
+        write_random_model(tmp, architecture=BENCH_MODEL["architecture"], seed=1234, weight_std=0.03, **cfg)
+        (tmp / "tierd-bench-model.json").write_text(json.dumps(BENCH_MODEL))
+        if d.exists():
+            import shutil
+            shutil.rmtree(d)
+        tmp.rename(d)
+    return d
