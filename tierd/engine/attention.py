@@ -72,19 +72,63 @@ def attention_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: in
     return out.permute(2, 0, 1, 3).reshape(n, heads, d)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    seqs: list[tuple[int, int, int, torch.Tensor]], scale: float,
-                    k_scale: float = 1.0, v_scale: float = 1.0,
-                    sliding_window: int | None = None) -> torch.Tensor:
-    """Attention for a batch of sequences whose new tokens are packed in q (T, heads, d).
+class AttentionMetadata:
+    """Per-step layout of a packed batch, built once and shared by every layer.
 
-    `seqs`: per sequence (query_start in q, query_len, context_len, block_table), where
-    context_len counts every token whose K/V is in the cache, the new ones included; the new
-    tokens are the last query_len of them. Returns (T, heads, d).
-    """
+    `seqs`: per sequence (query_start, query_len, context_len, block_table (n_blocks,)), where
+    context_len counts every token whose K/V is in the cache, the new ones included. Sequences
+    with one new token (decodes) are also gathered into one padded batch: `dec_rows` (B,) rows
+    of q, `dec_slots` (B, max_ctx) cache slots (padding points at slot 0 and is masked by
+    `dec_lens` (B,))."""
+
+    def __init__(self, seqs: list[tuple[int, int, int, torch.Tensor]], block_size: int):
+        self.seqs = [s for s in seqs if s[1] > 1]
+        dec = [s for s in seqs if s[1] == 1]
+        self.dec_rows = self.dec_slots = self.dec_lens = None
+        if dec:
+            max_blocks = max(len(s[3]) for s in dec)
+            tables = torch.zeros(len(dec), max_blocks, dtype=torch.long)
+            for i, s in enumerate(dec):
+                tables[i, :len(s[3])] = s[3]
+            max_ctx = max(s[2] for s in dec)
+            offs = torch.arange(block_size)
+            self.dec_slots = (tables.unsqueeze(2) * block_size + offs).view(len(dec), -1)[:, :max_ctx]
+            self.dec_lens = torch.tensor([s[2] for s in dec])
+            self.dec_rows = torch.tensor([s[0] for s in dec])
+
+
+def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float, k_scale: float, v_scale: float,
+                  sliding_window: int | None) -> torch.Tensor:
+    """Attention of one new token per sequence for all decoding sequences at once. (B, heads, d)"""
+    nb, bs, kvh, d = k_cache.shape
+    qd = q[meta.dec_rows]                                             # (B, heads, d)
+    B, heads, _ = qd.shape
+    k = k_cache.view(nb * bs, kvh, d)[meta.dec_slots]                 # (B, ctx, kvh, d)
+    v = v_cache.view(nb * bs, kvh, d)[meta.dec_slots]
+    if k_cache.dtype == torch.float8_e4m3fn:
+        k, v = dequantize_fp8(k, k_scale, q.dtype), dequantize_fp8(v, v_scale, q.dtype)
+    qg = qd.view(B, kvh, heads // kvh, d)
+    scores = torch.einsum("bkgd,bckd->bkgc", qg, k) * scale           # (B, kvh, g, ctx)
+    pos = torch.arange(k.shape[1]).unsqueeze(0)                       # (1, ctx)
+    mask = pos >= meta.dec_lens.unsqueeze(1)
+    if sliding_window is not None:
+        mask = mask | (pos <= (meta.dec_lens.unsqueeze(1) - 1) - sliding_window)
+    scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.einsum("bkgc,bckd->bkgd", probs, v).reshape(B, heads, d)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                    v_scale: float = 1.0, sliding_window: int | None = None) -> torch.Tensor:
+    """Attention for a batch of sequences whose new tokens are packed in q (T, heads, d);
+    the new tokens of a sequence are the last query_len of its context. Returns (T, heads, d)."""
     out = torch.empty_like(q)
-    for q0, n, ctx, table in seqs:
+    for q0, n, ctx, table in meta.seqs:
         k = gather_kv(k_cache, table, ctx, k_scale, q.dtype)
         v = gather_kv(v_cache, table, ctx, v_scale, q.dtype)
         out[q0:q0 + n] = attention_one(q[q0:q0 + n], k, v, ctx - n, scale, sliding_window)
+    if meta.dec_rows is not None:
+        out[meta.dec_rows] = _decode_batch(q, k_cache, v_cache, meta, scale, k_scale, v_scale, sliding_window)
     return out

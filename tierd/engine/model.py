@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from ..errors import ConfigError
-from .attention import paged_attention, reshape_and_cache
+from .attention import AttentionMetadata, paged_attention, reshape_and_cache
 from .config import ModelConfig
 
 
@@ -74,6 +74,8 @@ class LlamaModel:
         T = tokens.shape[0]
         h = w["embed"][tokens]                                                  # (T, hidden)
         cos, sin = self.rope(positions)                                         # (T, 1, d)
+        block_size = kv_caches[0][0].shape[1]
+        meta = AttentionMetadata(seqs, block_size)
         for i, layer in enumerate(w["layers"]):
             x = rms_norm(h, layer["in_norm"], c.rms_norm_eps)
             q = F.linear(x, layer["q"], layer.get("q_b")).view(T, c.num_heads, c.head_dim)
@@ -83,7 +85,7 @@ class LlamaModel:
             k = k * cos + rotate_half(k) * sin
             k_cache, v_cache = kv_caches[i]
             reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *kv_scales)
-            a = paged_attention(q, k_cache, v_cache, seqs, self.scale, *kv_scales,
+            a = paged_attention(q, k_cache, v_cache, meta, self.scale, *kv_scales,
                                 sliding_window=c.sliding_window)
             h = h + F.linear(a.reshape(T, c.num_heads * c.head_dim), layer["o"], layer.get("o_b"))
             x = rms_norm(h, layer["post_norm"], c.rms_norm_eps)
