@@ -24,6 +24,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.tiers --quick
+	$(PY) -m benchmarks.daemon --quick
+	$(PY) -m benchmarks.kv_waste --quick
+	$(PY) -m benchmarks.engine_throughput --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
