@@ -208,3 +208,37 @@ def test_kv_cache_stats_report_waste(model_dir):
     st = llm.kv_cache_stats()
     assert st["blocks_allocated"] == 3 and st["token_slots_allocated"] == 48
     assert st["token_slots_used"] == 40 and st["waste"] == pytest.approx(8 / 48)
+
+
+def test_sliding_window_frees_blocks_out_of_every_window(tmp_path):
+    d = write_random_model(tmp_path / "mistral", architecture="mistral", sliding_window=32, seed=3)
+    llm = LLM(d, kv_cache_bytes="4MiB", block_size=16)
+    rid = llm.add_request(prompt_token_ids=list(range(1, 100)), params=SamplingParams(temperature=0, max_tokens=60))
+    peak = 0
+    outs = []
+    while llm.has_unfinished_requests():
+        outs += llm.step()
+        peak = max(peak, llm.kv_cache_stats()["blocks_allocated"])
+    # 159 tokens would take 10 blocks; a 32-token window needs at most 4 (3 + the one being written)
+    assert peak <= 4
+    ref_tokens, _ = hf_greedy(d, list(range(1, 100)), 60)
+    assert outs[0].request_id == rid and outs[0].outputs[0].token_ids == ref_tokens
+
+
+def test_text_prompts_with_a_tokenizer(model_dir, tmp_path):
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    d = tmp_path / "with-tok"
+    shutil.copytree(model_dir, d)
+    vocab = {f"w{i}": i for i in range(512)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    llm = LLM(d, kv_cache_bytes="4MiB")
+    out = llm.generate(["w1 w2 w3 w4"], SamplingParams(temperature=0, max_tokens=5, logprobs=1))[0]
+    assert out.prompt == "w1 w2 w3 w4" and out.prompt_token_ids == [1, 2, 3, 4]
+    ids = out.outputs[0].token_ids
+    assert out.outputs[0].text == " ".join(f"w{i}" for i in ids)
+    step = out.outputs[0].logprobs[0]
+    assert step[ids[0]].decoded_token == f"w{ids[0]}"

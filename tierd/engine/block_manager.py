@@ -97,13 +97,32 @@ class BlockManager:
         full = seq.num_computed // self.block_size
         keys = self._keys(seq, full)
         for i in range(full):
+            if seq.block_table[i] < 0:
+                continue
             b = self.blocks[seq.block_table[i]]
             if b.key is None and keys[i] not in self.cached:
                 b.key = keys[i]
                 self.cached[keys[i]] = b.id
 
+    def free_before(self, seq: Sequence, first_needed_pos: int) -> int:
+        """Sliding window: free the blocks that hold only positions before `first_needed_pos`,
+        which no later query can attend to; their table entries become -1. Returns blocks freed."""
+        freed = 0
+        for i in range(min(first_needed_pos // self.block_size, len(seq.block_table))):
+            bid = seq.block_table[i]
+            if bid >= 0:
+                b = self.blocks[bid]
+                b.ref_count -= 1
+                if b.ref_count == 0:
+                    self.free[bid] = None
+                seq.block_table[i] = -1
+                freed += 1
+        return freed
+
     def free_seq(self, seq: Sequence) -> None:
         for bid in reversed(seq.block_table):   # tail first: evicted before the head
+            if bid < 0:
+                continue
             b = self.blocks[bid]
             b.ref_count -= 1
             if b.ref_count == 0:

@@ -121,6 +121,8 @@ class LLM:
             raise ConfigError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                               f"model's context of {self.max_model_len} tokens")
         need = self.block_manager.blocks_needed(len(ids) + params.max_tokens)
+        if self.config.sliding_window is not None:  # out-of-window blocks are freed as it goes
+            need = min(need, self.block_manager.blocks_needed(max(len(ids), self.config.sliding_window)) + 1)
         if need > len(self.block_manager.blocks):
             raise ConfigError(f"the request needs {need} KV blocks; the cache has "
                               f"{len(self.block_manager.blocks)}: raise kv_cache_bytes")
@@ -146,7 +148,7 @@ class LLM:
         q0 = 0
         for seq, n in batch:
             start = seq.num_computed
-            table = torch.tensor(seq.block_table, dtype=torch.long)
+            table = torch.tensor(seq.block_table, dtype=torch.long).clamp_(min=0)  # -1: freed, masked
             for p in range(start, start + n):
                 tokens.append(seq.token_ids[p])
                 positions.append(p)
@@ -159,9 +161,12 @@ class LLM:
         logits = self.model.forward(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots),
                                     seqs, self.kv_caches, torch.tensor(logits_rows, dtype=torch.long),
                                     self.kv_scales)
+        window = self.config.sliding_window
         for seq, n in batch:
             seq.num_computed += n
             self.block_manager.cache_full_blocks(seq)
+            if window is not None:  # later queries (positions >= num_computed) never look back further
+                self.block_manager.free_before(seq, seq.num_computed - window + 1)
         finished = []
         now = time.time()
         for row, seq in enumerate(sampled):
@@ -262,7 +267,7 @@ class LLM:
         """Blocks allocated, token slots used, waste = allocated-but-unused slots / allocated."""
         bm = self.block_manager
         allocated = sum(1 for b in bm.blocks if b.ref_count > 0)
-        used = sum(s.num_computed for s in self.scheduler.running)
+        used = sum(s.num_computed - self.block_size * s.block_table.count(-1) for s in self.scheduler.running)
         shared = sum(b.ref_count - 1 for b in bm.blocks if b.ref_count > 1)
         slots = allocated * self.block_size
         used_slots = min(slots, used - shared * self.block_size) if used else 0
