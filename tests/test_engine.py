@@ -242,3 +242,11 @@ def test_text_prompts_with_a_tokenizer(model_dir, tmp_path):
     assert out.outputs[0].text == " ".join(f"w{i}" for i in ids)
     step = out.outputs[0].logprobs[0]
     assert step[ids[0]].decoded_token == f"w{ids[0]}"
+
+
+def test_weights_split_over_several_safetensors_files(model_dir, tmp_path):
+    d = write_random_model(tmp_path / "sharded", seed=0, max_shard_size="200KB")
+    assert len(list(d.glob("*.safetensors"))) > 1
+    a = LLM(model_dir, kv_cache_bytes="4MiB").generate(prompt_token_ids=list(range(30)), sampling_params=GREEDY)[0]
+    b = LLM(d, kv_cache_bytes="4MiB").generate(prompt_token_ids=list(range(30)), sampling_params=GREEDY)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -58,6 +58,16 @@ class LlamaModel:
         self.w = load_weights(cfg, Path(model_dir), dtype)
         self.inv_freq = rope_inv_freq(cfg)
         self.scale = cfg.head_dim ** -0.5
+        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_sizes = [q_out, kv_out, kv_out]
+        # Fused projections: fewer, larger GEMMs (same math as the separate ones).
+        for layer in self.w["layers"]:
+            layer["qkv"] = torch.cat([layer.pop("q"), layer.pop("k"), layer.pop("v")])
+            if cfg.qkv_bias:
+                layer["qkv_b"] = torch.cat([layer.pop("q_b"), layer.pop("k_b"), layer.pop("v_b")])
+            layer["gate_up"] = torch.cat([layer.pop("gate"), layer.pop("up")])
+            if cfg.mlp_bias:
+                layer["gate_up_b"] = torch.cat([layer.pop("gate_b"), layer.pop("up_b")])
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)   # (T, d/2)
@@ -78,9 +88,11 @@ class LlamaModel:
         meta = AttentionMetadata(seqs, block_size)
         for i, layer in enumerate(w["layers"]):
             x = rms_norm(h, layer["in_norm"], c.rms_norm_eps)
-            q = F.linear(x, layer["q"], layer.get("q_b")).view(T, c.num_heads, c.head_dim)
-            k = F.linear(x, layer["k"], layer.get("k_b")).view(T, c.num_kv_heads, c.head_dim)
-            v = F.linear(x, layer["v"], layer.get("v_b")).view(T, c.num_kv_heads, c.head_dim)
+            qkv = F.linear(x, layer["qkv"], layer.get("qkv_b"))               # one GEMM for q, k, v
+            q, k, v = qkv.split(self.qkv_sizes, dim=-1)
+            q = q.reshape(T, c.num_heads, c.head_dim)
+            k = k.reshape(T, c.num_kv_heads, c.head_dim)
+            v = v.reshape(T, c.num_kv_heads, c.head_dim)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             k_cache, v_cache = kv_caches[i]
@@ -89,8 +101,7 @@ class LlamaModel:
                                 sliding_window=c.sliding_window)
             h = h + F.linear(a.reshape(T, c.num_heads * c.head_dim), layer["o"], layer.get("o_b"))
             x = rms_norm(h, layer["post_norm"], c.rms_norm_eps)
-            gate = F.linear(x, layer["gate"], layer.get("gate_b"))
-            up = F.linear(x, layer["up"], layer.get("up_b"))
+            gate, up = F.linear(x, layer["gate_up"], layer.get("gate_up_b")).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, layer["down"], layer.get("down_b"))
         h = rms_norm(h[logits_index], w["norm"], c.rms_norm_eps)
         return F.linear(h, w["lm_head"]).float()
