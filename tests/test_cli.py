@@ -9,7 +9,6 @@ import time
 import jsonschema
 import pytest
 
-import tierd
 from tierd.client import Client
 
 from .daemon import ROOT, DaemonProc

@@ -109,8 +109,6 @@ def test_killed_client_loses_its_reservations_and_leases(daemon):
         st = c.stats()
         assert st["daemon"]["reclaimed_leases"] == 1 and st["daemon"]["reclaimed_reservations"] == 1
         assert st["tiers"]["host"]["used_bytes"] == used_before - 5 * 16384  # reserved slots freed
-        ns = make_ns()
-        keys = chain(ns, 10_001, 4)
         assert c.flush(tier="host") == 4  # the formerly leased blocks can go now
 
 

@@ -14,7 +14,7 @@ from . import report
 from .store import Lease, Reservation, TieredStore
 
 __version__ = "0.1.0"
-__all__ = ["connect", "TieredStore", "Namespace", "StoreConfig", "Lease", "Reservation",
+__all__ = ["connect", "report", "TieredStore", "Namespace", "StoreConfig", "Lease", "Reservation",
            "TierdError", "__version__"]
 
 # embedded:// query parameters -> StoreConfig fields

@@ -24,7 +24,7 @@ from . import errors as E
 from . import protocol as P
 from .keys import check_keys
 from .namespace import Namespace
-from .transfer import as_u8, copy_block
+from .transfer import as_u8, copy_out, fill_reservation
 
 log = logging.getLogger("tierd.client")
 
@@ -277,13 +277,7 @@ class Client:
             raise E.TierdError(f"put: {len(keys)} keys but {len(blocks)} blocks")
         views = [as_u8(b, nsobj.block_bytes, nsobj.kv_dtype) for b in blocks]
         res = self.reserve(nsobj, keys, parent=parent)
-        try:
-            for dst, src in zip(res.buffers, views):
-                if dst is not None:
-                    copy_block(dst, src)
-        except BaseException:
-            self.abort(res)
-            raise
+        fill_reservation(self, res, views)
         with self._lock:
             if res._generation != self._generation:
                 raise E.LeaseError("the daemon restarted during this put; the blocks were not stored")
@@ -320,11 +314,7 @@ class Client:
             raise E.TierdError(f"get: {len(keys)} keys but only {len(out)} output buffers")
         dsts = None if out is None else [as_u8(o, nsobj.block_bytes, nsobj.kv_dtype) for o in out]
         with self.acquire(nsobj, keys) as lease:
-            if dsts is None:
-                return [np.array(v, copy=True) for v in lease.buffers]
-            for dst, src in zip(dsts, lease.buffers):
-                copy_block(dst, src)
-            return list(out[:len(lease)])
+            return copy_out(lease, dsts, out)
 
     def flush(self, tier: str = "all", namespace=None) -> int:
         if isinstance(namespace, Namespace):

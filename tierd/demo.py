@@ -8,7 +8,6 @@ synthetic (random fp16 with per-channel scales, like real K/V); the timings are 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import subprocess
 import sys
 import tempfile

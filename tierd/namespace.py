@@ -13,7 +13,6 @@ import json
 import os
 import struct
 from dataclasses import asdict, dataclass, field
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 

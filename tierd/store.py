@@ -31,7 +31,7 @@ from .namespace import Namespace
 from .policy import AdmissionFilter, make_policy
 from .tiers.disk import CorruptBlockError, DiskEntry, DiskTier
 from .tiers.host import HostTier
-from .transfer import as_u8, copy_block
+from .transfer import as_u8, copy_out, fill_reservation
 
 log = logging.getLogger("tierd.store")
 
@@ -616,13 +616,7 @@ class TieredStore:
             st = self._ns(ns)
         views = [as_u8(blk, st.block_bytes, st.desc.get("kv_dtype", "")) for blk in blocks]
         res = self.reserve(ns, keys, parent=parent)
-        try:
-            for dst, src in zip(res.buffers, views):
-                if dst is not None:
-                    copy_block(dst, src)
-        except BaseException:
-            self.abort(res)
-            raise
+        fill_reservation(self, res, views)
         return self.commit(res)
 
     # -- Store interface: reads --------------------------------------------------------------
@@ -818,11 +812,7 @@ class TieredStore:
             st = self._ns(ns)
         dsts = None if out is None else [as_u8(o, st.block_bytes, st.desc.get("kv_dtype", "")) for o in out]
         with self.acquire(ns, keys) as lease:
-            if dsts is None:
-                return [np.array(v, copy=True) for v in lease.buffers]
-            for dst, src in zip(dsts, lease.buffers):
-                copy_block(dst, src)
-            return list(out[:len(lease)])
+            return copy_out(lease, dsts, out)
 
     def find_reservation(self, rid: int, owner) -> Reservation:
         """The open reservation `rid` held by `owner`; LeaseError otherwise (the daemon's check

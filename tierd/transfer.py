@@ -58,3 +58,24 @@ def as_u8(block, block_bytes: int, kv_dtype: str) -> np.ndarray:
 def copy_block(dst: np.ndarray, src: np.ndarray) -> None:
     """dst[:] = src for (n,) uint8 arrays."""
     np.copyto(dst, src, casting="no")
+
+
+def fill_reservation(store, res, views: list[np.ndarray]) -> None:
+    """Copy `views[i]` into each reserved buffer of `res`; on any failure abort `res` (the
+    slots go back) and re-raise. Shared by TieredStore.put and Client.put."""
+    try:
+        for dst, src in zip(res.buffers, views):
+            if dst is not None:
+                copy_block(dst, src)
+    except BaseException:
+        store.abort(res)
+        raise
+
+
+def copy_out(lease, dsts: list[np.ndarray] | None, out) -> list:
+    """What `get` returns from a lease: new arrays, or the caller's `out` buffers filled."""
+    if dsts is None:
+        return [np.array(v, copy=True) for v in lease.buffers]
+    for dst, src in zip(dsts, lease.buffers):
+        copy_block(dst, src)
+    return list(out[:len(lease)])
