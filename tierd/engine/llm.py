@@ -55,8 +55,8 @@ class LLM:
     def __init__(self, model: str | Path, *, block_size: int = 16, dtype: str = "auto",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_bytes: int | str = "256MiB", enable_prefix_caching: bool = True,
-                 kv_cache_dtype: str = "auto", kv_store: str | None = None, seed: int = 0,
-                 max_model_len: int | None = None):
+                 kv_cache_dtype: str = "auto", kv_store=None, kv_block_tokens: int = 256,
+                 cache_salt: str = "", seed: int = 0, max_model_len: int | None = None):
         from ..config import parse_size
         self.model_dir = Path(model)
         self.config = cfg = ModelConfig.from_dir(self.model_dir)
@@ -67,9 +67,6 @@ class LLM:
             raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)} or 'auto'")
         if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ConfigError(f"kv_cache_dtype {kv_cache_dtype!r} is not 'auto' or 'fp8'")
-        if kv_store is not None:
-            raise ConfigError("kv_store: loading and storing KV blocks through tierd comes with the "
-                              "engine connector (tierd.connectors.engine); pass kv_store=None")
         if block_size < 1 or block_size & (block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {block_size}")
         self.dtype = _DTYPES[dtype]
@@ -79,8 +76,9 @@ class LLM:
         torch.manual_seed(seed)
         self.model = LlamaModel(cfg, self.model_dir, self.dtype)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        kv_dtype_name = "fp8" if self.fp8 else dtype
         self.namespace = Namespace.from_model_dir(
-            self.model_dir, block_tokens=block_size, kv_dtype="fp8" if self.fp8 else dtype)
+            self.model_dir, block_tokens=block_size, kv_dtype=kv_dtype_name, cache_salt=cache_salt)
         per_token = self.namespace.bytes_per_token
         num_blocks = parse_size(kv_cache_bytes, what="kv_cache_bytes") // (per_token * block_size)
         if num_blocks < 2:
@@ -92,7 +90,15 @@ class LLM:
                           for _ in range(cfg.num_layers)]
         self.block_manager = BlockManager(num_blocks, block_size, self.namespace.root_key,
                                           enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.connector = None
+        if kv_store is not None:
+            from ..connectors.engine import EngineConnector
+            if kv_block_tokens % block_size:
+                raise ConfigError(f"kv_block_tokens {kv_block_tokens} must be a multiple of block_size {block_size}")
+            tier_ns = Namespace.from_model_dir(self.model_dir, block_tokens=kv_block_tokens,
+                                               kv_dtype=kv_dtype_name, cache_salt=cache_salt)
+            self.connector = EngineConnector(kv_store, tier_ns, self.kv_caches, block_size)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, self.connector)
         self.tokenizer = None
         tok = self.model_dir / "tokenizer.json"
         if tok.exists():
@@ -165,6 +171,8 @@ class LLM:
         for seq, n in batch:
             seq.num_computed += n
             self.block_manager.cache_full_blocks(seq)
+            if self.connector is not None:
+                self.connector.save(seq)
             if window is not None:  # later queries (positions >= num_computed) never look back further
                 self.block_manager.free_before(seq, seq.num_computed - window + 1)
         finished = []
@@ -213,7 +221,9 @@ class LLM:
         text = self._decode(out) or ""
         metrics = {"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
                    "time_to_first_token": (seq.first_token_time or seq.arrival_time) - seq.arrival_time,
-                   "finished_time": seq.finished_time, "preemptions": seq.preemptions}
+                   "finished_time": seq.finished_time, "preemptions": seq.preemptions,
+                   "tier_cached_tokens": seq.tier_loaded * (self.connector.block_tokens if self.connector else 0),
+                   "tier_sources": list(seq.tier_sources)}
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids,
                              [CompletionOutput(0, text, out, seq.cumulative_logprob,
                                                seq.logprobs if seq.params.logprobs is not None else None,
@@ -262,6 +272,16 @@ class LLM:
         elif seq in self.scheduler.waiting:
             self.scheduler.waiting.remove(seq)
             self.block_manager.free_seq(seq)
+
+    def kv_connector_stats(self) -> dict:
+        """Counters of the tierd connector (empty without kv_store)."""
+        return dict(self.connector.stats) if self.connector is not None else {}
+
+    def close(self) -> None:
+        """Finish handing blocks to the store and stop the connector."""
+        if self.connector is not None:
+            self.connector.close()
+            self.connector = None
 
     def kv_cache_stats(self) -> dict:
         """Blocks allocated, token slots used, waste = allocated-but-unused slots / allocated."""

@@ -15,8 +15,10 @@ from .sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 connector=None):
         self.bm = block_manager
+        self.connector = connector  # loads cached prefixes from tierd at admission (or None)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -60,6 +62,8 @@ class Scheduler:
             seq = self.waiting[0]
             if not seq.block_table:
                 cached = self.bm.admit(seq)
+                if self.connector is not None:
+                    cached += self.connector.load(seq, self.bm)
                 if not seq.output_token_ids:
                     seq.num_cached_tokens = cached
             n = min(seq.num_tokens - seq.num_computed, budget)

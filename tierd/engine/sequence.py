@@ -36,6 +36,10 @@ class Sequence:
         self.arrival_time = time.time()
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
+        self.tier_keys: list[bytes] = []                  # keys of full tier blocks (connector)
+        self.tier_loaded = 0                              # tier blocks loaded from the store
+        self.tier_saved = 0                               # tier blocks handed to the store
+        self.tier_sources: list[str] = []                 # where loaded blocks were: host, disk
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
@@ -53,4 +57,5 @@ class Sequence:
         self.status = Status.WAITING
         self.num_computed = 0
         self.block_table = []
+        self.tier_loaded = 0
         self.preemptions += 1

@@ -1,0 +1,1 @@
+"""Connectors between inference engines and tierd (installed as `tierd.connectors`)."""

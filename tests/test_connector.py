@@ -1,0 +1,141 @@
+"""The engine loads cached prefixes from tierd instead of recomputing: embedded and through the
+daemon, from host and from disk, across restarts; and never fails because of tierd."""
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tierd import TieredStore  # noqa: E402
+from tierd.engine import LLM, SamplingParams  # noqa: E402
+from tierd.engine.random_model import write_random_model  # noqa: E402
+
+from .daemon import ROOT, DaemonProc  # noqa: E402
+
+G = SamplingParams(temperature=0, max_tokens=8, logprobs=0)
+PROMPT = list(range(1, 200))  # 3 full tier blocks of 64 tokens
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("m") / "llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def cold(model_dir):
+    return LLM(model_dir, kv_cache_bytes="8MiB", enable_prefix_caching=False).generate(
+        prompt_token_ids=PROMPT, sampling_params=G)[0]
+
+
+def lps(out):
+    c = out.outputs[0]
+    return [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
+
+
+def run(model_dir, store, prompt=PROMPT, **kw):
+    llm = LLM(model_dir, kv_cache_bytes="8MiB", kv_store=store, kv_block_tokens=64, **kw)
+    try:
+        out = llm.generate(prompt_token_ids=prompt, sampling_params=G)[0]
+        llm.connector.flush()
+        return out, llm.kv_connector_stats()
+    finally:
+        llm.close()
+
+
+def assert_same(a, b):
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert max(abs(x - y) for x, y in zip(lps(a), lps(b))) < 1e-4
+
+
+def test_embedded_hits_from_host_and_from_disk_match_the_cold_run(model_dir, cold, tmp_path):
+    store = TieredStore(host_bytes="64MiB", disk_path=str(tmp_path / "d"), disk_bytes="64MiB",
+                        disk_slab_bytes="4MiB")
+    try:
+        first, st = run(model_dir, store)
+        assert first.num_cached_tokens == 0 and st["stored_blocks"] == 3
+        host, st = run(model_dir, store)  # a new engine: its own prefix cache is empty
+        assert host.num_cached_tokens == 192 and host.metrics["tier_sources"] == ["host"]
+        assert_same(host, cold)
+        store.sync()
+        store.flush(tier="host")
+        disk, _ = run(model_dir, store)
+        assert disk.num_cached_tokens == 192 and disk.metrics["tier_sources"] == ["disk"]
+        assert_same(disk, cold)
+    finally:
+        store.close()
+
+
+def test_no_hit_after_a_weight_change_or_with_another_cache_salt(model_dir, tmp_path):
+    store = TieredStore(host_bytes="64MiB")
+    try:
+        run(model_dir, store)
+        salted, _ = run(model_dir, store, cache_salt="tenant-b")
+        assert salted.num_cached_tokens == 0
+        tuned = write_random_model(tmp_path / "tuned", seed=0, weight_std=0.081)  # same shapes
+        other, _ = run(tuned, store)
+        assert other.num_cached_tokens == 0
+        again, _ = run(model_dir, store)
+        assert again.num_cached_tokens == 192
+    finally:
+        store.close()
+
+
+def test_through_the_daemon_across_engine_and_daemon_restarts(model_dir, cold, tmp_path):
+    d = DaemonProc(tmp_path).start()
+    try:
+        # engine 1 in its own process stores the prefix
+        r = subprocess.run([sys.executable, "-m", "tests.engine_proc", str(model_dir), d.url, "199"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and r.stdout.startswith("OK"), r.stderr[-2000:]
+        # engine 2, another process (this one), hits it in the daemon's host tier
+        hit, st = run(model_dir, d.url)
+        assert hit.num_cached_tokens == 192 and hit.metrics["tier_sources"] == ["host"]
+        assert_same(hit, cold)
+        assert r.stdout.split()[1] == ",".join(map(str, cold.outputs[0].token_ids))
+        # the daemon is killed after a sync and restarted: the blocks come back from disk
+        from tierd.client import Client
+        with Client(d.socket) as c:
+            assert c.sync() >= 0
+        d.kill()
+        d.start()
+        after, _ = run(model_dir, d.url)
+        assert after.num_cached_tokens == 192 and after.metrics["tier_sources"] == ["disk"]
+        assert_same(after, cold)
+    finally:
+        if d.alive():
+            assert d.stop() == 0
+
+
+def test_daemon_killed_mid_generation_requests_finish_by_recomputing(model_dir, tmp_path):
+    d = DaemonProc(tmp_path).start()
+    prompts = [list(range(i, i + 150)) for i in range(1, 6)]
+    params = SamplingParams(temperature=0, max_tokens=80, logprobs=0)
+    ref = LLM(model_dir, kv_cache_bytes="8MiB").generate(prompt_token_ids=prompts, sampling_params=params)
+    llm = LLM(model_dir, kv_cache_bytes="8MiB", kv_store=d.url, kv_block_tokens=64)
+    try:
+        ids = [llm.add_request(prompt_token_ids=p, params=params) for p in prompts]
+        done = {}
+        for _ in range(5):
+            for o in llm.step():
+                done[o.request_id] = o
+        d.kill()
+        while llm.has_unfinished_requests():
+            for o in llm.step():
+                done[o.request_id] = o
+        # a new request after the crash also completes (recomputed)
+        late = llm.generate(prompt_token_ids=prompts[0], sampling_params=params)[0]
+        st = llm.kv_connector_stats()
+    finally:
+        llm.close()
+    for rid, r in zip(ids, ref):
+        assert done[rid].outputs[0].token_ids == r.outputs[0].token_ids
+    assert late.outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert st["store_failures"] + st["load_failures"] + st["unavailable"] + st["stores_dropped"] > 0
+
+
+def test_no_daemon_at_all_means_plain_recompute(model_dir, cold, tmp_path):
+    out, st = run(model_dir, f"unix://{tmp_path}/nobody-here.sock")
+    assert out.num_cached_tokens == 0 and st["unavailable"] >= 1
+    assert_same(out, cold)
