@@ -1,8 +1,12 @@
-"""`make run`: a small end-to-end demonstration of the embedded store.
+"""`make run`: tierd end to end.
 
-Stores the KV blocks of a few prompts that share a system prompt, syncs them to disk, closes,
-reopens the disk tier in a fresh process, and serves them back bit-exact. The KV bytes are
-synthetic (random fp16 with per-channel scales, like real K/V); the timings are real.
+The default run is a multi-turn chat through the bundled engine with a tierd daemon (or the
+embedded store with --embedded): conversations share a system prompt; the engine is restarted
+and then the daemon, and each turn prints its time to first token, the prompt tokens served from
+cache and the tier they came from. The model has random weights (built once and cached); the
+timings are real.
+
+`--store-only` runs the store alone: put, sync, reopen in a new process, get bit-exact.
 """
 
 from __future__ import annotations
@@ -90,10 +94,17 @@ def read_phase(disk_dir: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m tierd.demo", description=__doc__.splitlines()[0])
     ap.add_argument("--dir", help="disk tier directory (default: a temporary one)")
+    ap.add_argument("--embedded", action="store_true", help="the store in this process, no daemon")
+    ap.add_argument("--store-only", action="store_true", help="the store alone, synthetic KV bytes")
+    ap.add_argument("--conversations", type=int, default=3)
     ap.add_argument("--read-only-phase", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.read_only_phase:
         read_phase(args.dir)
+        return
+    if not args.store_only:
+        from .chat_demo import run_chat_demo
+        run_chat_demo(embedded=args.embedded, conversations=args.conversations)
         return
     print("tierd demo -- synthetic KV bytes, real timings\n")
     with tempfile.TemporaryDirectory(prefix="tierd-demo-") as tmp:

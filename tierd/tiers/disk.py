@@ -171,12 +171,21 @@ class DiskTier:
     def _plan(self, capacity_bytes: int, slab_bytes: int, file_bytes: int) -> None:
         """Geometry: files of `slabs_per_file` slabs, `num_slabs` in all, within capacity."""
         existing = sorted(self.path.glob("slab-*.tds"))
-        if existing:
-            slab_bytes = self._read_super(existing[0], expect_index=0)[4]
         if capacity_bytes < 3 * PAGE:
             raise CapacityError(f"disk tier: capacity of {capacity_bytes} bytes is too small (12 KiB minimum)")
-        slab_bytes = min(slab_bytes, (capacity_bytes - PAGE) // PAGE * PAGE)
-        spf = max(1, (file_bytes - PAGE) // slab_bytes)
+        if existing:  # an existing directory keeps its geometry
+            sb0 = self._read_super(existing[0], expect_index=0)
+            slab_bytes = sb0[4]
+            spf = sb0[3] if len(existing) > 1 else max(sb0[3], (file_bytes - PAGE) // slab_bytes)
+        else:
+            slab_bytes = min(slab_bytes, (capacity_bytes - PAGE) // PAGE * PAGE)
+            spf = max(1, (file_bytes - PAGE) // slab_bytes)
+            n = capacity_bytes // slab_bytes
+            if n and n * slab_bytes + -(-n // spf) * PAGE > capacity_bytes:
+                # the superblocks do not fit beside n whole slabs: shrink the slabs a little
+                # rather than lose one
+                slab_bytes -= align_up(-(-(-(-n // spf) * PAGE) // n))
+                spf = max(1, (file_bytes - PAGE) // slab_bytes)
         n = capacity_bytes // slab_bytes
         while n > 0 and n * slab_bytes + -(-n // spf) * PAGE > capacity_bytes:
             n -= 1
