@@ -23,10 +23,12 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(PY) -m benchmarks.tiers --quick
 	$(PY) -m benchmarks.daemon --quick
 	$(PY) -m benchmarks.kv_waste --quick
 	$(PY) -m benchmarks.engine_throughput --quick
+	$(PY) -m benchmarks.ttft --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

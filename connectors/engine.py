@@ -49,7 +49,8 @@ class EngineConnector:
         self._v = [v.view(torch.uint8).numpy().reshape(v.shape[0], -1) for _, v in kv_caches]
         self._per_block = self._k[0].shape[1]
         self.stats = dict.fromkeys(("lookups", "hit_blocks", "loaded_tokens", "load_failures",
-                                    "stored_blocks", "store_failures", "stores_dropped", "unavailable"), 0)
+                                    "stored_blocks", "store_failures", "stores_dropped", "unavailable",
+                                    "load_s", "loaded_bytes"), 0)
         self._retry_after_s = retry_after_s
         self._down_until = 0.0
         self._backoff = retry_after_s
@@ -95,7 +96,9 @@ class EngineConnector:
     def load(self, seq, block_manager) -> int:
         """Extend a just-admitted sequence's cached prefix with tier blocks: allocate engine
         blocks, copy the tier blocks in, advance num_computed. Returns the tokens loaded."""
-        usable = (seq.num_tokens - 1) // self.block_tokens   # at least one token is computed
+        # Every full block may be loaded; the last prompt token is then recomputed into its
+        # (fresh, unshared) block, because its logits are needed.
+        usable = seq.num_tokens // self.block_tokens
         first = seq.num_computed // self.block_tokens          # tier blocks the engine already has
         if usable <= first:
             return 0
@@ -104,6 +107,7 @@ class EngineConnector:
             return 0
         keys = self.tier_keys(seq, usable)[first:]
         self.stats["lookups"] += 1
+        t0 = time.perf_counter()
         try:
             lease = store.acquire(self.ns, keys)
         except _STORE_ERRORS as e:
@@ -122,17 +126,24 @@ class EngineConnector:
             for j in range(n):
                 tb = np.asarray(lease.buffers[j]).reshape(len(self._k), 2, self.ratio, self._per_block)
                 base = (first + j) * self.ratio
-                sel = [e for e in range(self.ratio) if base + e >= have]
-                bids = [seq.block_table[base + e] for e in sel]
+                e0 = max(0, have - base)                        # engine blocks still to fill
+                bids = seq.block_table[base + e0:base + self.ratio]
+                if bids and bids[-1] - bids[0] == len(bids) - 1 and bids == list(range(bids[0], bids[-1] + 1)):
+                    rows = slice(bids[0], bids[-1] + 1)         # contiguous: plain memcpy per layer
+                else:
+                    rows = bids
                 for layer in range(len(self._k)):
-                    self._k[layer][bids] = tb[layer, 0, sel]
-                    self._v[layer][bids] = tb[layer, 1, sel]
-            loaded = (first + n) * self.block_tokens - seq.num_computed
-            seq.num_computed = (first + n) * self.block_tokens
+                    self._k[layer][rows] = tb[layer, 0, e0:]
+                    self._v[layer][rows] = tb[layer, 1, e0:]
+            upto = min((first + n) * self.block_tokens, seq.num_tokens - 1)
+            loaded = upto - seq.num_computed
+            seq.num_computed = upto
             seq.tier_loaded = first + n
             seq.tier_sources = sorted(set(lease.tiers[:n]))
             self.stats["hit_blocks"] += n
             self.stats["loaded_tokens"] += loaded
+            self.stats["loaded_bytes"] += n * self.ns.block_bytes
+            self.stats["load_s"] += time.perf_counter() - t0
             return loaded
         finally:
             try:

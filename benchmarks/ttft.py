@@ -1,0 +1,161 @@
+"""Time to first token with tierd: recompute vs a prefix in the host tier vs only on disk.
+
+On the bench model (random weights, 150M parameters, fp32, CPU), prompts of 512, 2,048 and
+8,192 tokens (--quick: 512 and 2,048): the TTFT of a fresh engine that recomputes, of a fresh
+engine whose prefix is in tierd's host tier, and of one whose prefix is only on disk. The floor
+is the loaded block bytes over memcpy bandwidth measured in the same run; the load part of a hit
+(lease + copy into the engine cache) is reported beside it. Then a multi-turn trace (a shared
+system prompt, 20 conversations x 5 turns, an engine KV cache too small to keep them all): the
+tokens served from cache beside the trace's theoretical maximum (every full block seen before).
+The store is embedded (the daemon's overhead is benchmarks/daemon.py's subject).
+
+    python -m benchmarks.ttft [--json PATH] [--quick]
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+import numpy as np
+
+from tierd import TieredStore
+from tierd.engine import LLM, SamplingParams
+from tierd.engine.random_model import bench_model_dir
+from tierd.keys import next_key
+
+from .common import Result, parse_args, report
+
+ONE = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+TIER_TOKENS = 256
+
+
+def memcpy_gbps(nbytes: int) -> float:
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    dst[:] = 0
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def ttft(model, prompt, store=None, **kw) -> tuple[float, dict, LLM]:
+    llm = LLM(model, kv_cache_bytes="1GiB", max_num_batched_tokens=1024, kv_store=store,
+              kv_block_tokens=TIER_TOKENS, **kw)
+    out = llm.generate(prompt_token_ids=prompt, sampling_params=ONE)[0]
+    stats = llm.kv_connector_stats()
+    return out.metrics["time_to_first_token"], {"cached": out.num_cached_tokens, **stats}, llm
+
+
+def prompt_lengths_part(model, lengths, store, results) -> list[tuple[int, float, float, float]]:
+    rows = []
+    rng = np.random.default_rng(0)
+    for n in lengths:
+        prompt = rng.integers(100, 32000, n).tolist()
+        t_re, _, llm = ttft(model, prompt)                       # recompute, no tierd
+        llm.close()
+        _, _, llm = ttft(model, prompt, store)                  # fills tierd
+        llm.connector.flush()
+        llm.close()
+        t_host, st_host, llm = ttft(model, prompt, store)       # fresh engine, prefix in host RAM
+        llm.close()
+        store.sync()
+        store.flush(tier="host")
+        t_disk, st_disk, llm = ttft(model, prompt, store)       # fresh engine, prefix only on disk
+        llm.close()
+        store.flush()
+        loaded = st_host["loaded_bytes"]
+        floor_s = loaded / (memcpy_gbps(max(loaded, 1 << 20)) * 1e9)
+        p = {"prompt_tokens": n, "cached_tokens": st_host["cached"], "tier_block_tokens": TIER_TOKENS}
+        results += [
+            Result("TTFT host hit", p, t_host * 1e3, "ms", "recompute TTFT ms", t_re * 1e3, higher_is_better=False),
+            Result("TTFT disk hit", {**p, "cached_tokens": st_disk["cached"]}, t_disk * 1e3, "ms",
+                   "recompute TTFT ms", t_re * 1e3, higher_is_better=False),
+            Result("load part of host hit", {**p, "bytes": loaded}, st_host["load_s"] * 1e3, "ms",
+                   "floor ms (bytes / memcpy)", floor_s * 1e3, higher_is_better=False)]
+        rows.append((n, t_re, t_host, t_disk))
+    return rows
+
+
+def trace_part(model, store, conversations: int, turns: int, quick: bool, results) -> None:
+    rng = np.random.default_rng(1)
+    system_len, user_len, answer_len = (256, 32, 8) if quick else (512, 64, 16)
+    bt = 16  # tier blocks = engine blocks: the maximum is counted at the finest granularity
+    system = rng.integers(100, 32000, system_len).tolist()
+    hist = [list(system) for _ in range(conversations)]
+    seen: set[bytes] = set()
+    llm = LLM(model, kv_cache_bytes="48MiB", kv_store=store, kv_block_tokens=bt)
+    root = llm.connector.ns.root_key
+    params = SamplingParams(temperature=0, max_tokens=answer_len, ignore_eos=True)
+    total = cached = possible = 0
+    for _ in range(turns):
+        for c in range(conversations):
+            prompt = hist[c] + rng.integers(100, 32000, user_len).tolist()
+            keys, k = [], root
+            for i in range((len(prompt) - 1) // bt):       # what could have been served
+                k = next_key(k, prompt[i * bt:(i + 1) * bt])
+                keys.append(k)
+            possible += bt * next((i for i, x in enumerate(keys) if x not in seen), len(keys))
+            out = llm.generate(prompt_token_ids=prompt, sampling_params=params)[0]
+            total += len(prompt)
+            cached += out.num_cached_tokens
+            hist[c] = prompt + out.outputs[0].token_ids
+            k = root
+            for i in range(len(hist[c]) // bt):           # what the run made available
+                k = next_key(k, hist[c][i * bt:(i + 1) * bt])
+                seen.add(k)
+            llm.connector.flush()
+    llm.close()
+    results.append(Result("multi-turn cached tokens", {
+        "conversations": conversations, "turns": turns, "system_tokens": system_len,
+        "prompt_tokens": total, "hit_rate": round(cached / total, 3),
+        "max_hit_rate": round(possible / total, 3)},
+        cached, "tokens", "theoretical max tokens", possible))
+
+
+def plot(rows, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    n = [r[0] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, label in ((1, "recompute"), (2, "tierd host hit"), (3, "tierd disk hit")):
+        ax.plot(n, [r[i] * 1e3 for r in rows], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title("TTFT, bench model (random weights), CPU")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    model = bench_model_dir()
+    lengths = (512, 2048) if args.quick else (512, 2048, 8192)
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="tierd-ttft-") as d:
+        store = TieredStore(host_bytes="2GiB", host_slab_bytes="64MiB", disk_path=d, disk_bytes="4GiB")
+        try:
+            rows = prompt_lengths_part(model, lengths, store, results)
+            trace_part(model, store, 20, 5, args.quick, results)
+        finally:
+            store.close()
+    report("ttft", results, args.json)
+    if args.json:
+        plot(rows, args.json.rsplit(".", 1)[0] + ".png")
+
+
+if __name__ == "__main__":
+    main()
