@@ -16,7 +16,7 @@ import tierd
 from tierd.client import Client, DaemonUnavailableError
 from tierd.errors import LeaseError, UnknownNamespaceError
 
-from .daemon import ROOT, DaemonProc
+from .daemon import ROOT, SMALL_TOML, DaemonProc
 from .helpers import block_for, chain, make_ns
 
 
@@ -311,3 +311,20 @@ def test_peer_with_another_uid_is_refused(tmp_path):
     finally:
         assert d.stop() == 0
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_request_over_its_time_limit_gets_a_timeout_reply(tmp_path):
+    from tierd.protocol import RemoteError
+    d = DaemonProc(tmp_path, toml=SMALL_TOML + "[limits]\nrequest_timeout_s = 0.001\n").start()
+    try:
+        ns = make_ns()
+        with Client(d.socket) as c:
+            for seed in range(20):
+                put_chain(c, ns, chain(ns, 500 + seed, 5))
+            with pytest.raises(RemoteError) as e:
+                c.sync()  # 100 blocks to write: far over a millisecond
+            assert e.value.code == "timeout"
+            assert c.ping()["version"]  # the connection and the daemon carry on
+            assert wait_for(lambda: c.stats()["tiers"]["disk"]["blocks"] == 100)
+    finally:
+        assert d.stop() == 0

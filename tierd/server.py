@@ -349,10 +349,13 @@ class Daemon:
         if fut.cancelled() or fut.exception() is not None:
             return
         obj = fut.result().get("_obj")
-        if isinstance(obj, Lease):
-            self.store.release(obj)
-        elif isinstance(obj, Reservation):
-            self.store.abort(obj)
+        try:
+            if isinstance(obj, Lease):
+                self.store.release(obj)
+            elif isinstance(obj, Reservation):
+                self.store.abort(obj)
+        except TierdError:
+            pass  # already reclaimed with the connection
 
     # -- ops (run on worker threads) -------------------------------------------------------------
     def _ns(self, conn: _Conn, msg: dict) -> Namespace:
