@@ -22,7 +22,7 @@ import numpy as np
 from tierd import TieredStore
 from tierd.engine import LLM, SamplingParams
 from tierd.engine.random_model import bench_model_dir
-from tierd.keys import next_key
+from tierd.keys import block_keys
 
 from .common import Result, parse_args, report
 
@@ -94,19 +94,13 @@ def trace_part(model, store, conversations: int, turns: int, quick: bool, result
     for _ in range(turns):
         for c in range(conversations):
             prompt = hist[c] + rng.integers(100, 32000, user_len).tolist()
-            keys, k = [], root
-            for i in range((len(prompt) - 1) // bt):       # what could have been served
-                k = next_key(k, prompt[i * bt:(i + 1) * bt])
-                keys.append(k)
+            keys = block_keys(root, prompt[:(len(prompt) - 1) // bt * bt], bt)  # what could be served
             possible += bt * next((i for i, x in enumerate(keys) if x not in seen), len(keys))
             out = llm.generate(prompt_token_ids=prompt, sampling_params=params)[0]
             total += len(prompt)
             cached += out.num_cached_tokens
             hist[c] = prompt + out.outputs[0].token_ids
-            k = root
-            for i in range(len(hist[c]) // bt):           # what the run made available
-                k = next_key(k, hist[c][i * bt:(i + 1) * bt])
-                seen.add(k)
+            seen.update(block_keys(root, hist[c], bt))      # what the run made available
             llm.connector.flush()
     llm.close()
     results.append(Result("multi-turn cached tokens", {

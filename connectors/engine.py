@@ -21,7 +21,7 @@ import torch
 
 import tierd
 from tierd.errors import TierdError
-from tierd.keys import next_key
+from tierd.keys import extend_keys
 from tierd.namespace import Namespace
 
 log = logging.getLogger("tierd.connectors.engine")
@@ -85,12 +85,7 @@ class EngineConnector:
 
     # -- keys -------------------------------------------------------------------------------------
     def tier_keys(self, seq, n_blocks: int) -> list[bytes]:
-        keys = seq.tier_keys
-        bt = self.block_tokens
-        while len(keys) < n_blocks:
-            i = len(keys)
-            keys.append(next_key(keys[-1] if keys else self.ns.root_key, seq.token_ids[i * bt:(i + 1) * bt]))
-        return keys
+        return extend_keys(seq.tier_keys, self.ns.root_key, seq.token_ids, self.block_tokens, n_blocks)
 
     # -- load before prefill ------------------------------------------------------------------------
     def load(self, seq, block_manager) -> int:

@@ -110,3 +110,12 @@ def test_bad_root_parent_or_block_size_are_refused():
         block_keys(ROOT, range(8), 4, parent=b"x" * 15)
     with pytest.raises(KeyFormatError):
         block_keys(ROOT, range(8), 4, extra=[b"only-one"])
+
+
+def test_extend_keys_continues_a_chain_incrementally():
+    from tierd.keys import extend_keys
+    toks = list(range(100))
+    keys = extend_keys([], ROOT, toks, 8, 3)
+    assert keys == block_keys(ROOT, toks, 8)[:3]
+    assert extend_keys(keys, ROOT, toks, 8, 12) is keys and keys == block_keys(ROOT, toks, 8)
+    assert extend_keys(keys, ROOT, toks, 8, 5) == block_keys(ROOT, toks, 8)  # never shrinks

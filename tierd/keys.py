@@ -99,6 +99,17 @@ def block_keys(
     return keys
 
 
+def extend_keys(keys: list[bytes], root: bytes, token_ids: Sequence[int], block_tokens: int,
+                n_blocks: int) -> list[bytes]:
+    """Extend `keys` (the keys of the first len(keys) full blocks of `token_ids`) in place to
+    the first `n_blocks` full blocks, hashing only the new blocks. Returns `keys`."""
+    have = len(keys)
+    if n_blocks > have:
+        keys.extend(block_keys(root, token_ids[have * block_tokens:n_blocks * block_tokens], block_tokens,
+                               parent=keys[-1] if keys else None))
+    return keys
+
+
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:
     """Validate a list of keys (16 bytes each) and return them as `bytes`."""
     out = []

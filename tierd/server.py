@@ -180,11 +180,10 @@ class Daemon:
         await loop.run_in_executor(self.executor, self.store.close)
         self.executor.shutdown(wait=False)
         self.metrics.close()
-        for p in (path,):
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
         log.info("stopped")
 
     async def _watchdog(self, interval: float) -> None:

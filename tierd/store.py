@@ -154,6 +154,8 @@ class TieredStore:
         self._ids = itertools.count(1)
         self._closed = False
         self._writes_in_flight = 0
+        self._batch_writing = False   # one disk write batch at a time (see _write_down_batch)
+        self._demote_wanted = False   # set past the host high watermark: wakes the demoter
         self.host = HostTier(cfg.host_bytes, cfg.host_slab_bytes, shm_path=cfg.host_shm_path,
                              shm_mode=cfg.host_shm_mode)
         self._host_owner: dict[int, _Block] = {}
@@ -912,8 +914,6 @@ class TieredStore:
             self._demote_wanted = True
             self._cond.notify_all()
 
-    _demote_wanted = False
-    _batch_writing = False
     WRITE_BATCH = 32  # blocks per parallel disk write batch (bounded by the I/O pool)
     ALLOC_WAIT_S = 5.0  # longest a put waits for in-flight disk writes to free host room
 

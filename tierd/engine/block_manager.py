@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from ..keys import next_key
+from ..keys import extend_keys
 from .sequence import Sequence
 
 
@@ -52,12 +52,7 @@ class BlockManager:
 
     def _keys(self, seq: Sequence, upto_blocks: int) -> list[bytes]:
         """seq.block_keys extended to the first `upto_blocks` full blocks."""
-        bs = self.block_size
-        keys = seq.block_keys
-        while len(keys) < upto_blocks:
-            i = len(keys)
-            keys.append(next_key(keys[-1] if keys else self.root_key, seq.token_ids[i * bs:(i + 1) * bs]))
-        return keys
+        return extend_keys(seq.block_keys, self.root_key, seq.token_ids, self.block_size, upto_blocks)
 
     def admit(self, seq: Sequence) -> int:
         """Give a new (or preempted) sequence the cached blocks of its longest cached prefix;

@@ -17,7 +17,6 @@ import torch
 
 from ..errors import ConfigError
 from ..namespace import Namespace
-from .attention import FP8_MAX
 from .block_manager import BlockManager
 from .config import ModelConfig
 from .model import LlamaModel
@@ -295,4 +294,4 @@ class LLM:
                 "token_slots_allocated": slots, "token_slots_used": used_slots,
                 "waste": (slots - used_slots) / slots if slots else 0.0,
                 "prefix_cache_blocks": len(bm.cached), "prefix_cache_hits": bm.hits,
-                "preemptions": self.scheduler.preemptions, "fp8": self.fp8, "fp8_max": FP8_MAX}
+                "preemptions": self.scheduler.preemptions, "fp8": self.fp8}
