@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench venv clean
+.PHONY: run test bench venv vllm-env clean
 
 venv: $(STAMP)
 
@@ -15,6 +15,25 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
+
+# A separate environment with vLLM, for the connector's conformance test (vLLM is not a
+# dependency of tierd). vLLM's wheel goes in without its dependencies (they would replace the
+# pinned CPU torch); the pure-Python packages its connector API imports are added by name.
+VLLM_VENV ?= .venv-vllm
+VLLM_VERSION ?= 0.33.0
+VLLM_DEPS := packaging psutil pyzmq urllib3 regex numpy 'transformers>=5.16.1,<5.21' cbor2 aiohttp \
+	requests openai-harmony openai pillow pybase64 cachetools msgspec cloudpickle uvloop py-cpuinfo \
+	prometheus-client 'xgrammar==0.2.8' fastapi partial-json-parser llguidance
+
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps vllm==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/pip install --quiet $(VLLM_DEPS)
+	$(VLLM_VENV)/bin/pip install --quiet -e .
+	touch $@
 
 run: $(STAMP)
 	$(PY) -m tierd.demo
@@ -31,4 +50,4 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.ttft --quick
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache

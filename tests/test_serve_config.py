@@ -50,6 +50,12 @@ def test_unknown_environment_variable_is_refused():
         load_serve_config(None, env={"TIERD_HOTS_BYTES": "1GiB"})
 
 
+def test_client_side_variables_do_not_trouble_the_daemon():
+    """TIERD_URL is the connectors' setting; a shell that exports it can still run tierd serve."""
+    cfg = load_serve_config(None, env={"TIERD_URL": "unix:///run/tierd/tierd.sock", "TIERD_HOST_BYTES": "3GiB"})
+    assert cfg.store.host_bytes == "3GiB"
+
+
 def test_world_writable_socket_directory_is_refused(tmp_path):
     d = tmp_path / "open"
     d.mkdir()

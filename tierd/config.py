@@ -263,6 +263,10 @@ def read_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: invalid TOML ({e})") from None
 
 
+# TIERD_* variables that belong to clients and tools, not to `tierd serve`.
+CLIENT_ENV = frozenset({"TIERD_CONFIG", "TIERD_URL"})
+
+
 def load_serve_config(config_path: str | None = None, flags: dict[str, Any] | None = None,
                       env: dict[str, str] | None = None) -> ServeConfig:
     """Defaults < config file < TIERD_* environment < command-line flags. Unknown keys in any
@@ -277,7 +281,7 @@ def load_serve_config(config_path: str | None = None, flags: dict[str, Any] | No
         cfg.config_path = config_path
     env_layer = {}
     for name, value in env.items():
-        if name.startswith("TIERD_") and name not in ("TIERD_CONFIG",):
+        if name.startswith("TIERD_") and name not in CLIENT_ENV:
             key = name[len("TIERD_"):].lower()
             key = next((k for k in SERVE_KEYS if k.replace(".", "_") == key), None)
             if key is None:

@@ -1,0 +1,154 @@
+"""What every connector needs from a Store: back-off while it is unavailable, and stores that
+never make the engine wait.
+
+`StoreLink` wraps a Store (or a URL opened lazily). `get()` returns the store, or None while
+a recent failure's back-off runs, so callers recompute instead of waiting on a dead daemon.
+`submit()` queues one filled block for a background thread; when the bounded queue is full the
+block is dropped and counted, so decode never stalls on a slow store. Any tierd error, OS error
+or lost connection is counted and starts a back-off (1 s, doubling, at most 30 s).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import tierd
+from tierd.errors import TierdError
+
+log = logging.getLogger("tierd.connectors")
+
+STORE_ERRORS = (TierdError, OSError, ConnectionError)
+STAT_KEYS = ("lookups", "hit_blocks", "loaded_tokens", "load_failures", "stored_blocks", "store_failures",
+             "stores_dropped", "unavailable", "load_s", "loaded_bytes")
+
+
+class StoreLink:
+    """A Store (object or URL) with back-off, counters and a bounded background store queue."""
+
+    def __init__(self, store, *, max_pending_blocks: int = 64, retry_after_s: float = 1.0,
+                 max_batch: int = 16, name: str = "tierd-kv-store"):
+        self._url = store if isinstance(store, str) else None
+        self.store = None if isinstance(store, str) else store
+        self._owns_store = isinstance(store, str)
+        self.stats: dict = dict.fromkeys(STAT_KEYS, 0)
+        self._retry_after_s = retry_after_s
+        self._backoff = retry_after_s
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending_blocks)
+        self._max_batch = max_batch
+        self._pending = 0  # blocks queued or being stored
+        self._stop = False
+        self._name = name
+        self._worker: threading.Thread | None = None
+
+    # -- availability ------------------------------------------------------------------------
+    @property
+    def backing_off(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def get(self):
+        """The store, or None while backing off after a failure (the caller recomputes)."""
+        if self.backing_off:
+            return None
+        if self.store is None:
+            try:
+                self.store = tierd.connect(self._url)
+            except STORE_ERRORS as e:
+                self.failed(e, "connect")
+                return None
+        return self.store
+
+    def failed(self, e: Exception, what: str) -> None:
+        with self._lock:
+            self.stats["unavailable"] += 1
+            self._down_until = time.monotonic() + self._backoff
+            wait, self._backoff = self._backoff, min(self._backoff * 2, 30.0)
+        log.warning("tierd store unavailable during %s (%s); recomputing, retry in %.1fs", what, e, wait)
+
+    def ok(self) -> None:
+        self._backoff = self._retry_after_s
+
+    # -- background stores -------------------------------------------------------------------
+    def submit(self, ns, key: bytes, parent: bytes | None, block) -> bool:
+        """Queue one block (bytes already copied out of the engine's cache). False if dropped."""
+        if self._worker is None:
+            with self._lock:
+                if self._worker is None:
+                    self._worker = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                    self._worker.start()
+        with self._lock:
+            try:
+                self._queue.put_nowait((ns, key, parent, block))
+            except queue.Full:
+                self.stats["stores_dropped"] += 1
+                return False
+            self._pending += 1
+        return True
+
+    def _loop(self) -> None:
+        while not self._stop:
+            try:
+                item = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            batch = [item]
+            while len(batch) < self._max_batch:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._put_batch(batch)
+            except Exception:  # never let the store thread die; the blocks are lost, counted
+                log.exception("tierd store thread: unexpected error")
+                self.stats["store_failures"] += len(batch)
+            finally:
+                with self._lock:
+                    self._pending -= len(batch)
+
+    def _put_batch(self, batch) -> None:
+        store = self.get()
+        if store is None:
+            self.stats["stores_dropped"] += len(batch)
+            return
+        # consecutive blocks of one chain (same namespace, each the parent of the next) go in one put
+        runs, run = [], [batch[0]]
+        for it in batch[1:]:
+            if it[0] == run[-1][0] and it[2] == run[-1][1]:
+                run.append(it)
+            else:
+                runs.append(run)
+                run = [it]
+        runs.append(run)
+        for i, run in enumerate(runs):
+            try:
+                store.put(run[0][0], [k for _, k, _, _ in run], [b for _, _, _, b in run], parent=run[0][2])
+                self.stats["stored_blocks"] += len(run)
+                self.ok()
+            except STORE_ERRORS as e:
+                self.stats["store_failures"] += sum(len(r) for r in runs[i:])
+                self.failed(e, "store")
+                return
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued block has been handed to the store. True if none is left."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return not self._pending
+
+    def close(self) -> None:
+        self.flush(5.0)
+        self._stop = True
+        if self._worker is not None:
+            self._worker.join(5)
+        if self._owns_store and self.store is not None:
+            try:
+                self.store.close()
+            except STORE_ERRORS:
+                pass
+            self.store = None

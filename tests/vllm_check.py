@@ -1,0 +1,120 @@
+"""Conformance of `tierd.connectors.vllm.TierdConnector` with the installed vLLM.
+
+Run in an environment where vLLM is installed (`make vllm-env`; test_vllm_connector.py runs it):
+`python -m tests.vllm_check`. Checks, against vLLM's own code: the connector subclasses vLLM's
+`KVConnectorBase_V1` and leaves no abstract method; every method it overrides keeps the base
+class's parameters; vLLM's factory loads it from `kv_connector_module_path`; and the scenarios of
+tests/vllm_driver.py pass with vLLM's real configs, requests, block lists and scheduler outputs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+import sys
+import tempfile
+
+import torch
+
+
+def main() -> int:
+    import vllm
+    from vllm.config import DeviceConfig, KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request
+
+    from tierd.connectors import vllm as tv
+
+    from . import vllm_driver as drv
+
+    # -- the class itself -----------------------------------------------------------------------
+    assert tv.HAVE_VLLM, "tierd.connectors.vllm did not pick up vLLM's base class"
+    assert issubclass(tv.TierdConnector, KVConnectorBase_V1)
+    assert not tv.TierdConnector.__abstractmethods__, tv.TierdConnector.__abstractmethods__
+    checked = []
+    for name, member in vars(tv.TierdConnector).items():
+        base = getattr(KVConnectorBase_V1, name, None)
+        if name.startswith("__") or not callable(member) or base is None:
+            continue
+        ours = [(p.name, p.kind) for p in inspect.signature(member).parameters.values()]
+        theirs = [(p.name, p.kind) for p in inspect.signature(base).parameters.values()]
+        assert ours == theirs, f"{name}: {ours} != vLLM's {theirs}"
+        checked.append(name)
+    missing = {"get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+               "request_finished", "register_kv_caches", "start_load_kv", "wait_for_layer_load",
+               "save_kv_layer", "wait_for_save", "get_finished"} - set(checked)
+    assert not missing, f"not overridden: {missing}"
+
+    # -- loaded by vLLM's factory from kv_connector_module_path, with vLLM's configs -------------
+    tmp = tempfile.mkdtemp()
+    url = f"embedded://?host=16MiB&disk={tmp}/disk&disk_bytes=64MiB"
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(drv.LAYERS)]
+    ktc = KVTransferConfig(kv_connector="TierdConnector", kv_connector_module_path="tierd.connectors.vllm",
+                           kv_role="kv_both", kv_load_failure_policy="recompute",
+                           kv_connector_extra_config=drv.extra_config(url))
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"), kv_transfer_config=ktc)
+    config.cache_config.block_size = drv.BLOCK_SIZE
+    spec = FullAttentionSpec(block_size=drv.BLOCK_SIZE, num_kv_heads=drv.KV_HEADS, head_size=drv.HEAD_DIM,
+                             dtype=torch.float16)
+    kv_cache_config = KVCacheConfig(num_blocks=drv.NUM_BLOCKS, kv_cache_tensors=[],
+                                    kv_cache_groups=[KVCacheGroupSpec(layer_names=layers, kv_cache_spec=spec)])
+    sched = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+    assert type(sched).__name__ == "TierdConnector" and not sched.disabled, sched.disabled
+    worker.register_kv_caches(drv.paged_caches("BHN2D"))
+    assert not worker.disabled, worker.disabled
+
+    class VllmObjects(drv.Objects):
+        def request(self, req_id, tokens, salt=None):
+            return Request(request_id=req_id, prompt_token_ids=list(tokens),
+                           sampling_params=SamplingParams(max_tokens=16), pooling_params=None, cache_salt=salt)
+
+        def blocks(self, block_ids):
+            return KVCacheBlocks(blocks=([KVCacheBlock(block_id=b) for b in block_ids],))
+
+        def append_token(self, request, token):
+            request.append_output_token_ids(token)
+
+        def output(self, new, cached=(), finished=frozenset()):
+            new_reqs = []
+            for r, b, c, _ in new:
+                r.num_computed_tokens = c
+                new_reqs.append(NewRequestData.from_request(r, (list(b),)))
+            cached_reqs = CachedRequestData(
+                req_ids=[c[0] for c in cached], resumed_req_ids=set(), new_token_ids=[[] for _ in cached],
+                all_token_ids={}, new_block_ids=[(list(c[1]),) if c[1] else None for c in cached],
+                num_computed_tokens=[c[2] for c in cached], num_output_tokens=[1 for _ in cached])
+            sched_tokens = {r.request_id: s for r, _, _, s in new} | {c[0]: c[3] for c in cached}
+            return SchedulerOutput(
+                scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
+                num_scheduled_tokens=sched_tokens, total_num_scheduled_tokens=sum(sched_tokens.values()),
+                scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(finished),
+                free_encoder_mm_hashes=[])
+
+    objs = VllmObjects()
+    # metadata crosses to the workers pickled
+    r = objs.request("P", list(range(70)))
+    drv.admit(sched, objs, r, 0, list(range(5)))
+    meta = sched.build_connector_meta(objs.output([(r, range(5), 0, 70)]))
+    assert len(pickle.loads(pickle.dumps(meta)).saves) == 2
+    sched.request_finished(r, list(range(5)))
+
+    store = tv._EMBEDDED[url]
+    drv.run_roundtrip(sched, worker, objs, store)
+    drv.run_load_error(sched, worker, objs, store)
+    worker.shutdown()
+    sched.shutdown()
+    store.close()
+    print(f"vLLM connector conformance: OK (vLLM {vllm.__version__}, torch {torch.__version__}; "
+          f"checked {len(checked)} overridden methods: {', '.join(sorted(checked))})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Plays vLLM's call sequence against `tierd.connectors.vllm.TierdConnector`.
+
+`Objects` builds the objects vLLM hands a connector (requests, scheduler outputs, configs);
+`tests/test_vllm_connector.py` gives it plain stand-ins, `tests/vllm_check.py` gives it vLLM's
+own classes (in an environment where vLLM is installed). The scenarios assert what a user
+relies on: bytes loaded into the paged cache equal the bytes stored, blocks vLLM already has are
+never written, another cache_salt never hits, and a tier block gone between lookup and load is
+reported so vLLM recomputes it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_TOKENS, NUM_BLOCKS = 4, 2, 8, 16, 32, 64
+
+
+def extra_config(url: str, model: str = "vllm-driver-model") -> dict:
+    return {"url": url, "block_tokens": BLOCK_TOKENS,
+            "namespace": {"model": model, "num_layers": LAYERS, "num_kv_heads": KV_HEADS,
+                          "head_dim": HEAD_DIM, "kv_dtype": "float16"}}
+
+
+def paged_caches(layout: str = "BHN2D", seed: int = 0) -> dict[str, torch.Tensor]:
+    """Per-layer paged caches in one of vLLM's layouts, filled with random values."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {
+        "BHN2D": (NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM),
+        "2BNHD": (2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM),
+        "B2NHD": (NUM_BLOCKS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM),
+        "2BHND": (2, NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, HEAD_DIM),
+    }
+    return {f"model.layers.{i}.self_attn.attn": torch.randn(shapes[layout], generator=g).half()
+            for i in range(LAYERS)}
+
+
+def block_kv(conn, block_id: int) -> torch.Tensor:
+    """(layers, 2, block_size, kv_heads, head_dim) copy of one vLLM block, via the worker's views."""
+    return torch.stack([torch.stack([k[block_id], v[block_id]]) for k, v in conn._layers]).clone()
+
+
+class Objects:
+    """Stand-ins; vllm_check.py subclasses this with vLLM's real classes."""
+
+    def request(self, req_id: str, tokens: list[int], salt: str | None = None):
+        from types import SimpleNamespace
+        return SimpleNamespace(request_id=req_id, prompt_token_ids=list(tokens), all_token_ids=list(tokens),
+                               cache_salt=salt, num_computed_tokens=0)
+
+    def blocks(self, block_ids: list[int]):
+        return None
+
+    def append_token(self, request, token: int) -> None:
+        request.all_token_ids.append(token)
+
+    def output(self, new: list[tuple], cached: list[tuple] = (), finished: set[str] = frozenset()):
+        """new: (request, block_ids, num_computed, num_scheduled); cached: (req_id, new_block_ids,
+        num_computed, num_scheduled)."""
+        from types import SimpleNamespace
+        new_reqs = [SimpleNamespace(req_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
+                                    block_ids=(list(b),), num_computed_tokens=c) for r, b, c, _ in new]
+        cached_reqs = SimpleNamespace(req_ids=[c[0] for c in cached], resumed_req_ids=set(),
+                                      new_block_ids=[(list(c[1]),) if c[1] else None for c in cached],
+                                      num_computed_tokens=[c[2] for c in cached])
+        sched = {r.request_id: s for r, _, _, s in new} | {c[0]: c[3] for c in cached}
+        return SimpleNamespace(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
+                               num_scheduled_tokens=sched, finished_req_ids=set(finished))
+
+
+def step(sched, worker, out) -> None:
+    """One engine step: the scheduler builds metadata; the worker loads, 'runs', and saves."""
+    meta = sched.build_connector_meta(out)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    for name in range(LAYERS):
+        worker.wait_for_layer_load(f"model.layers.{name}.self_attn.attn")
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+
+
+def admit(sched, objs, request, num_local: int, block_ids: list[int]) -> int:
+    ext, is_async = sched.get_num_new_matched_tokens(request, num_local)
+    assert is_async is False
+    sched.update_state_after_alloc(request, objs.blocks(block_ids), ext)
+    return ext
+
+
+def run_roundtrip(sched, worker, objs: Objects, store) -> None:
+    """Store a prompt's blocks, then load them into other blocks for a second request."""
+    torch.manual_seed(1)
+    prompt = torch.randint(0, 32000, (100,)).tolist()
+    # request A: nothing cached; 100 tokens in blocks 0..6; one prefill step fills tier blocks 0-2
+    a = objs.request("A", prompt)
+    assert admit(sched, objs, a, 0, list(range(7))) == 0
+    step(sched, worker, objs.output([(a, range(7), 0, 100)]))
+    assert worker.link.flush(30)
+    assert worker.stats["stored_blocks"] == 3, worker.stats
+    sched.request_finished(a, list(range(7)))
+    stored = {b: block_kv(worker, b) for b in range(7)}
+
+    # request B: same 96-token prefix, new tail; loads 3 tier blocks into blocks 10..15
+    b = objs.request("B", prompt[:96] + [7] * 24)
+    ext = admit(sched, objs, b, 0, list(range(10, 18)))
+    assert ext == 96
+    before = block_kv(worker, 16)
+    step(sched, worker, objs.output([(b, range(10, 18), 96, 24)]))
+    for i in range(6):
+        assert torch.equal(block_kv(worker, 10 + i), stored[i]), f"block {10 + i} != stored block {i}"
+    assert torch.equal(block_kv(worker, 16), before), "a block past the hit was written"
+    assert worker.get_block_ids_with_load_errors() == set()
+    sched.request_finished(b, list(range(10, 18)))
+
+    # request C: vLLM's own prefix cache holds 32 tokens (blocks 0, 1): only the rest is loaded,
+    # and blocks 0 and 1 (shared with other requests in vLLM) are never written
+    c = objs.request("C", prompt + [5, 6, 7])
+    for k, v in worker._layers:
+        k[0].fill_(3.0)
+        v[1].fill_(-3.0)
+    sentinel = {0: block_kv(worker, 0), 1: block_kv(worker, 1)}
+    ext = admit(sched, objs, c, 32, [0, 1, 20, 21, 22, 23, 24])
+    assert ext == 64
+    step(sched, worker, objs.output([(c, [0, 1, 20, 21, 22, 23, 24], 96, 7)]))
+    assert torch.equal(block_kv(worker, 0), sentinel[0]) and torch.equal(block_kv(worker, 1), sentinel[1])
+    for i in range(2, 6):
+        assert torch.equal(block_kv(worker, 18 + i), stored[i])
+    sched.request_finished(c, [0, 1, 20, 21, 22, 23, 24])
+
+    # the last prompt token is always computed: a prompt of exactly 3 tier blocks loads 95 tokens
+    d = objs.request("D", prompt[:96])
+    assert admit(sched, objs, d, 0, list(range(30, 36))) == 95
+    step(sched, worker, objs.output([(d, range(30, 36), 95, 1)]))
+    for i in range(6):
+        assert torch.equal(block_kv(worker, 30 + i), stored[i])
+    sched.request_finished(d, list(range(30, 36)))
+
+    # another cache_salt never hits
+    e = objs.request("E", prompt, salt="tenant-2")
+    assert admit(sched, objs, e, 0, list(range(40, 47))) == 0
+    sched.request_finished(e, list(range(40, 47)))
+
+    # decode steps fill more tier blocks: A's continuation stores tier block 3 once 128 tokens exist
+    f = objs.request("F", prompt + list(range(1000, 1027)))     # 127 tokens
+    assert admit(sched, objs, f, 0, list(range(48, 56))) == 96
+    stored_before = worker.stats["stored_blocks"]
+    step(sched, worker, objs.output([(f, range(48, 56), 96, 31)]))
+    objs.append_token(f, 9)                                       # the sampled token
+    step(sched, worker, objs.output([], cached=[("F", [], 127, 1)]))
+    assert worker.link.flush(30)
+    assert worker.stats["stored_blocks"] == stored_before + 1, worker.stats
+    sched.request_finished(f, list(range(48, 56)))
+
+
+def run_load_error(sched, worker, objs: Objects, store) -> None:
+    """Blocks evicted between the scheduler's lookup and the worker's load are reported."""
+    torch.manual_seed(2)
+    prompt = torch.randint(0, 32000, (70,)).tolist()
+    a = objs.request("G", prompt)
+    admit(sched, objs, a, 0, list(range(5)))
+    step(sched, worker, objs.output([(a, range(5), 0, 70)]))
+    assert worker.link.flush(30)
+    sched.request_finished(a, list(range(5)))
+    b = objs.request("H", prompt)
+    assert admit(sched, objs, b, 0, list(range(50, 55))) == 64
+    store.flush()                                   # every block gone before the worker loads
+    step(sched, worker, objs.output([(b, range(50, 55), 64, 6)]))
+    assert worker.get_block_ids_with_load_errors() == {50, 51, 52, 53}
+    assert worker.get_block_ids_with_load_errors() == set()   # reported once
+    sched.request_finished(b, list(range(50, 55)))
