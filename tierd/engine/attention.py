@@ -116,6 +116,9 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         mask = mask | (pos <= (meta.dec_lens.unsqueeze(1) - 1) - sliding_window)
     scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    # padded slots past a length hold whatever the cache holds there (NaN included): 0 * NaN is
+    # NaN, so they are zeroed rather than only weighted by 0
+    v = v.masked_fill(mask[:, :, None, None], 0)
     return torch.einsum("bkgc,bckd->bkgd", probs, v).reshape(B, heads, d)
 
 

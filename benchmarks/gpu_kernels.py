@@ -1,0 +1,110 @@
+"""GPU figures of the kernels and the transfer path, each beside its same-run floor or peer:
+
+- store / load of tier blocks through `BlockTransfer` (gather + D2H into a registered host
+  buffer; H2D + scatter) beside a plain pinned torch copy of the same bytes;
+- gather / scatter kernels (many blocks, all layers, one launch) beside one device-to-device
+  copy of the same bytes;
+- paged decode attention (v1 and v2) beside the torch reference on the same inputs.
+
+Needs CUDA and CuPy (run by benchmarks/gpu_check.sh on a GPU machine); elsewhere it says so and
+exits 0.
+
+    python -m benchmarks.gpu_kernels [--json PATH] [--quick]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+
+from .common import Result, parse_args, report
+
+
+def cuda_time(fn, repeats: int = 10) -> float:
+    """Median seconds of fn() measured with CUDA events (after one warm-up)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return float(np.median(times))
+
+
+def main() -> int:
+    args = parse_args(__doc__.splitlines()[0])
+    import tierd.kernels as K
+    if not K.available():
+        print("gpu_kernels: CUDA and CuPy are needed; nothing measured")
+        return 0
+    from tierd.kernels import cases, reference
+    from tierd.kernels.transfer import BlockTransfer
+    dev = torch.device("cuda")
+    results: list[Result] = []
+
+    # -- transfer path: a Llama-8B-shaped layer stack (32 layers, 8 kv heads, head 128), fp16 --
+    layers, kvh, hd, bs, ratio = (8 if args.quick else 32), 8, 128, 16, 16
+    n_tier = 8 if args.quick else 32
+    num_blocks = n_tier * ratio + 16
+    ks = [torch.randn((num_blocks, bs, kvh, hd), device=dev, dtype=torch.float16) for _ in range(layers)]
+    vs = [torch.randn_like(k) for k in ks]
+    tr = BlockTransfer(ks, vs, ratio)
+    total = n_tier * tr.block_bytes
+    host = np.zeros(total, dtype=np.uint8)
+    registered = tr.register_host(host)
+    bufs = [host[i * tr.block_bytes:(i + 1) * tr.block_bytes] for i in range(n_tier)]
+    ids = torch.randperm(num_blocks)[:n_tier * ratio].view(n_tier, ratio)
+    pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    dsrc = torch.empty(total, dtype=torch.uint8, device=dev)
+    params = dict(layers=layers, blocks=n_tier * ratio, MiB=round(total / 2 ** 20), registered=registered)
+    t_store = cuda_time(lambda: tr.gather_into(ids, bufs))
+    t_d2h = cuda_time(lambda: pinned.copy_(dsrc, non_blocking=True))
+    results.append(Result("store (gather + D2H)", params, total / t_store / 1e9, "GB/s",
+                          "pinned D2H copy", total / t_d2h / 1e9))
+
+    def load():
+        ev = tr.scatter_from(ids, bufs)
+        ev.synchronize()
+    t_load = cuda_time(load)
+    t_h2d = cuda_time(lambda: dsrc.copy_(pinned, non_blocking=True))
+    results.append(Result("load (H2D + scatter)", params, total / t_load / 1e9, "GB/s",
+                          "pinned H2D copy", total / t_h2d / 1e9))
+    # check the round trip while we are here
+    ks2 = [torch.zeros_like(k) for k in ks]
+    vs2 = [torch.zeros_like(v) for v in vs]
+    BlockTransfer(ks2, vs2, ratio).scatter_from(ids, bufs).synchronize()
+    ok = all(torch.equal(ks2[i][ids.flatten().to(dev)], ks[i][ids.flatten().to(dev)]) for i in range(layers))
+    print(f"transfer round trip bit-exact: {ok}")
+
+    # -- gather / scatter kernels alone vs a device-to-device copy of the same bytes --
+    staging = torch.empty((n_tier, tr.block_bytes), dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(staging)
+    t_d2d = cuda_time(lambda: dst.copy_(staging))
+    t_g = cuda_time(lambda: K.ops.gather_blocks(ks, vs, ids, list(staging)))
+    t_s = cuda_time(lambda: K.ops.scatter_blocks(ks, vs, ids, list(staging)))
+    for name, t in (("gather_blocks kernel", t_g), ("scatter_blocks kernel", t_s)):
+        results.append(Result(name, params, total / t / 1e9, "GB/s", "device-to-device copy", total / t_d2d / 1e9))
+
+    # -- paged decode: kernel vs torch reference --
+    for heads, kv, ctx, version in ((32, 8, 2048, "v1"), (32, 8, 16384, "v2"), (64, 8, 4096, "v1")):
+        if args.quick and ctx > 4096:
+            continue
+        a = cases.decode_inputs(dev, batch=16, heads=heads, kv_heads=kv, head_dim=128, block_size=16,
+                                num_blocks=16 * ctx // 16 + 64, max_len=ctx, dtype=torch.float16)
+        t_k = cuda_time(lambda: K.ops.paged_attention_decode(**a, version=version), repeats=5)
+        t_r = cuda_time(lambda: reference.paged_attention_decode(**a), repeats=3)
+        results.append(Result(f"paged decode {version}", dict(batch=16, heads=heads, kv_heads=kv, max_ctx=ctx),
+                              t_k * 1e3, "ms", "torch reference", t_r * 1e3, higher_is_better=False))
+    tr.close()
+    report("gpu_kernels", results, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

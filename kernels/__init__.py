@@ -1,0 +1,46 @@
+"""tierd's CUDA kernels (installed as `tierd.kernels`), each with its torch reference.
+
+    reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0)
+    paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+    gather_blocks(k_caches, v_caches, block_ids, slots) / scatter_blocks(...)
+    quantize_fp8(x, scale) / dequantize_fp8(x, scale, dtype)
+
+Each is a `KernelOp`: on a CUDA device with CuPy it compiles the kernel (NVRTC, once per
+architecture), checks it against the reference on random data at first use, and runs it only if
+they agree; on CPU, without CuPy, or after a failed check it runs the reference. `status()` says
+which runs where.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import cases, ops, reference
+from .dispatch import KernelOp, close, same_bytes
+from .loader import available
+
+reshape_and_cache = KernelOp("reshape_and_cache", reference.reshape_and_cache, ops.reshape_and_cache,
+                             case=cases.reshape_self_check, available=available)
+paged_attention_decode = KernelOp("paged_attention_decode", reference.paged_attention_decode,
+                                  ops.paged_attention_decode, case=cases.attention_case,
+                                  compare=close(atol=1e-3), available=available)
+gather_blocks = KernelOp("gather_blocks", reference.gather_blocks, ops.gather_blocks, case=cases.gather_case,
+                         available=available)
+scatter_blocks = KernelOp("scatter_blocks", reference.scatter_blocks, ops.scatter_blocks, case=cases.scatter_case,
+                          available=available)
+quantize_fp8 = KernelOp("quantize_fp8", reference.quantize_fp8, ops.quantize_fp8, case=cases.quantize_case,
+                        available=available)
+dequantize_fp8 = KernelOp("dequantize_fp8", reference.dequantize_fp8, ops.dequantize_fp8,
+                          case=cases.dequantize_case, available=available)
+
+OPS = (reshape_and_cache, paged_attention_decode, gather_blocks, scatter_blocks, quantize_fp8, dequantize_fp8)
+
+
+def status(device: torch.device | str = "cuda") -> dict[str, str]:
+    """op name -> "kernel", "reference: <why>" or "unchecked" for `device`."""
+    device = torch.device(device)
+    return {op.name: op.status(device) for op in OPS}
+
+
+__all__ = ["KernelOp", "close", "same_bytes", "available", "status", "reference", "ops", "cases",
+           *[op.name for op in OPS]]

@@ -1,0 +1,124 @@
+"""Random inputs for the kernels' self-checks and tests: each `*_case(device, fn, ...)` builds
+seeded inputs on `device`, runs `fn` (a kernel or its reference) and returns its outputs."""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import quantize_fp8
+
+
+def _gen(seed: int, device="cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def poisoned_caches(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, *, seed: int = 0,
+                    fp8_scales: tuple[float, float] | None = None, device="cpu"):
+    """Random K/V caches (made on `device`) whose slots past each sequence's length in its used
+    blocks hold NaN, so any read past a length shows in the output. With fp8_scales the caches
+    are quantised."""
+    g = _gen(seed, device)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k = torch.randn(shape, generator=g, dtype=torch.float32, device=device)
+    v = torch.randn(shape, generator=g, dtype=torch.float32, device=device)
+    for b in range(block_tables.shape[0]):
+        n = int(seq_lens[b])
+        last = (n - 1) // block_size
+        blk, off = int(block_tables[b, last]), n - last * block_size
+        k[blk, off:] = float("nan")
+        v[blk, off:] = float("nan")
+        # block table entries past the length point at blocks that are all NaN
+        for j in range(last + 1, block_tables.shape[1]):
+            k[int(block_tables[b, j])] = float("nan")
+            v[int(block_tables[b, j])] = float("nan")
+    if fp8_scales is not None:
+        return quantize_fp8(k, fp8_scales[0]), quantize_fp8(v, fp8_scales[1])
+    return k.to(dtype), v.to(dtype)
+
+
+def decode_inputs(device, *, batch: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
+                  num_blocks: int, max_len: int, dtype: torch.dtype, fp8: bool = False, seed: int = 0):
+    """vLLM-style decode case: `batch` sequences of random lengths, the last at max_len; random
+    block tables over `num_blocks` blocks (distinct across sequences), unused slots NaN."""
+    g = _gen(seed)
+    lens = torch.randint(1, max_len + 1, (batch,), generator=g)
+    lens[-1] = max_len
+    per_seq = (max_len + block_size - 1) // block_size
+    if batch * per_seq > num_blocks:
+        raise ValueError("not enough blocks for distinct block tables")
+    tables = torch.randperm(num_blocks, generator=g)[:batch * per_seq].view(batch, per_seq).to(torch.int32)
+    scales = (0.05, 0.07) if fp8 else None
+    k, v = poisoned_caches(num_blocks, block_size, kv_heads, head_dim, dtype, tables, lens, seed=seed + 1,
+                           fp8_scales=scales, device=device)
+    q = torch.randn((batch, heads, head_dim), generator=g).to(dtype)
+    to = (lambda t: t.to(device))
+    return dict(q=to(q), k_cache=to(k), v_cache=to(v), block_tables=to(tables), seq_lens=to(lens.to(torch.int32)),
+                scale=head_dim ** -0.5, k_scale=scales[0] if scales else 1.0, v_scale=scales[1] if scales else 1.0)
+
+
+def attention_case(device, fn):
+    outs = []
+    for dtype, fp8, version in ((torch.float16, False, "v1"), (torch.float16, True, "v2"),
+                                (torch.float32, False, "v2")):
+        a = decode_inputs(device, batch=3, heads=8, kv_heads=2, head_dim=64, block_size=16, num_blocks=160,
+                          max_len=700, dtype=dtype, fp8=fp8, seed=3)
+        outs.append(fn(a["q"], a["k_cache"], a["v_cache"], a["block_tables"], a["seq_lens"], a["scale"],
+                       a["k_scale"], a["v_scale"], version=version).float())
+    return outs
+
+
+def reshape_case(device, fn, *, tokens: int = 37, heads: int = 4, head_dim: int = 64, block_size: int = 16,
+                 num_blocks: int = 8, dtype: torch.dtype = torch.float16, fp8: bool = False, seed: int = 5):
+    g = _gen(seed)
+    # key and value as strided views of a fused qkv projection, as models produce them
+    q_heads = 2 * heads
+    qkv = torch.randn((tokens, (q_heads + 2 * heads) * head_dim), generator=g).to(dtype).to(device)
+    key = qkv[:, q_heads * head_dim:(q_heads + heads) * head_dim].view(tokens, heads, head_dim)
+    value = qkv[:, (q_heads + heads) * head_dim:].view(tokens, heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    slots[::5] = -1                                   # padding tokens
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+    k_cache = torch.zeros((num_blocks, block_size, heads, head_dim), dtype=cache_dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    fn(key, value, k_cache, v_cache, slots.to(device), 0.03 if fp8 else 1.0, 0.04 if fp8 else 1.0)
+    return [k_cache, v_cache]
+
+
+def reshape_self_check(device, fn):
+    return [*reshape_case(device, fn), *reshape_case(device, fn, dtype=torch.bfloat16, fp8=True, seed=6)]
+
+
+def block_copy_case(device, fn, *, scatter: bool, layers: int = 3, ratio: int = 2, block_size: int = 16,
+                    kv_heads: int = 2, head_dim: int = 64, num_blocks: int = 24, n_tier: int = 5,
+                    dtype: torch.dtype = torch.float16, seed: int = 7):
+    g = _gen(seed)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    ks = [torch.randn(shape, generator=g).to(dtype).to(device) for _ in range(layers)]
+    vs = [torch.randn(shape, generator=g).to(dtype).to(device) for _ in range(layers)]
+    ids = torch.randperm(num_blocks, generator=g)[:n_tier * ratio].view(n_tier, ratio)
+    ids[1, 0] = -1                                    # a part the engine already holds
+    unit = block_size * kv_heads * head_dim
+    slots = [torch.randn((layers * 2 * ratio * unit,), generator=g).to(dtype).to(device) for _ in range(n_tier)]
+    fn(ks, vs, ids, slots)
+    return [*ks, *vs, *slots]
+
+
+def gather_case(device, fn):
+    return block_copy_case(device, fn, scatter=False)
+
+
+def scatter_case(device, fn):
+    return block_copy_case(device, fn, scatter=True, dtype=torch.bfloat16, seed=8)
+
+
+def quantize_case(device, fn):
+    g = _gen(9)
+    x = (torch.randn((4099,), generator=g) * 40).to(device)
+    return [fn(x, 0.07), fn(x.half(), 0.5), fn(x.bfloat16(), 0.01)]
+
+
+def dequantize_case(device, fn):
+    g = _gen(10)
+    x = quantize_fp8(torch.randn((4099,), generator=g) * 100, 1.0).to(device)
+    return [fn(x, 0.07, torch.float32), fn(x, 0.5, torch.float16), fn(x, 0.01, torch.bfloat16)]

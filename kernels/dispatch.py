@@ -1,0 +1,114 @@
+"""Kernel or reference: each op runs its CUDA kernel only on devices where the kernel has
+matched its torch reference on random data; everywhere else, and after any failure, the
+reference runs. A wrong kernel therefore costs speed, never a wrong result.
+
+At the first call on a device, `KernelOp` runs its self-check: the op's `case` builds the same
+random inputs twice (fixed seed), runs the reference on one copy and the kernel on the other,
+and compares the outputs (bit-exact for cache ops, within a tolerance for attention). A
+mismatch, or an exception from compiling or launching, logs one warning and pins the device to
+the reference. A kernel that raises later falls back the same way for that call and after.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+log = logging.getLogger("tierd.kernels")
+
+# case(device, fn) -> output tensors of running fn on freshly made (seeded) inputs on device
+Case = Callable[[torch.device, Callable], Sequence[torch.Tensor]]
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN payloads included)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.detach().cpu().contiguous().view(torch.uint8), b.detach().cpu().contiguous().view(torch.uint8))
+
+
+def close(atol: float, rtol: float = 0.0) -> Callable[[torch.Tensor, torch.Tensor], bool]:
+    def cmp(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape == b.shape and bool(torch.allclose(a.float().cpu(), b.float().cpu(), atol=atol, rtol=rtol))
+    return cmp
+
+
+def _device_of(args, kwargs) -> torch.device | None:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device
+        if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+            return a[0].device
+    return None
+
+
+class KernelOp:
+    """One op with a reference, an optional kernel for `devices` (device types), and a self-check."""
+
+    def __init__(self, name: str, reference: Callable, kernel: Callable | None = None, *,
+                 case: Case | None = None, compare: Callable[[torch.Tensor, torch.Tensor], bool] = same_bytes,
+                 devices: tuple[str, ...] = ("cuda",), available: Callable[[], bool] = lambda: True):
+        self.name = name
+        self.reference = reference
+        self.kernel = kernel
+        self.case = case
+        self.compare = compare
+        self.devices = devices
+        self.available = available
+        self._state: dict[str, str] = {}      # device -> "kernel" or "reference: why"
+        self._lock = threading.Lock()
+
+    def __call__(self, *args, **kwargs):
+        device = _device_of(args, kwargs)
+        if device is not None and self.use_kernel(device):
+            try:
+                return self.kernel(*args, **kwargs)
+            except ValueError:
+                pass  # an input the kernel does not take (layout, dtype): the reference does
+            except Exception as e:  # noqa: BLE001 -- any kernel failure means the reference
+                self._pin(device, f"raised {e!r}")
+        return self.reference(*args, **kwargs)
+
+    def status(self, device: torch.device) -> str:
+        return self._state.get(str(device), "unchecked")
+
+    def use_kernel(self, device: torch.device) -> bool:
+        if self.kernel is None or device.type not in self.devices:
+            return False
+        key = str(device)
+        state = self._state.get(key)
+        if state is None:
+            with self._lock:
+                state = self._state.get(key)
+                if state is None:
+                    state = self._state[key] = self._self_check(device)
+        return state == "kernel"
+
+    def _self_check(self, device: torch.device) -> str:
+        if not self.available():
+            return "reference: CUDA or CuPy not available"
+        if self.case is None:
+            return "reference: no self-check case"
+        try:
+            want = self.case(device, self.reference)
+            got = self.case(device, self.kernel)
+            for i, (w, g) in enumerate(zip(want, got, strict=True)):
+                if not self.compare(w, g):
+                    diff = (w.float().cpu() - g.float().cpu()).abs().nan_to_num(nan=float("inf")).max().item() \
+                        if w.shape == g.shape else f"shape {tuple(g.shape)} != {tuple(w.shape)}"
+                    raise AssertionError(f"output {i} differs from the reference (max abs diff {diff})")
+        except Exception as e:  # noqa: BLE001
+            why = f"reference: self-check failed: {e}"
+            log.warning("tierd kernel %s on %s failed its self-check (%s); using the torch reference",
+                        self.name, device, e)
+            return why
+        log.info("tierd kernel %s on %s passed its self-check", self.name, device)
+        return "kernel"
+
+    def _pin(self, device: torch.device, why: str) -> None:
+        with self._lock:
+            self._state[str(device)] = f"reference: {why}"
+        log.warning("tierd kernel %s on %s %s; using the torch reference from now on", self.name, device, why)

@@ -1,0 +1,137 @@
+"""CUDA implementations of the ops in `reference`, same signatures, for CUDA tensors.
+
+Each one checks what it relies on (contiguity, dtypes, devices) and raises ValueError otherwise;
+the dispatcher then uses the reference. They are selected only after passing the self-check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .loader import f32, i32, i64, launch, ptr
+from .reference import PARTITION
+
+_SUFFIX = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+V1_MAX_TOKENS = 8192   # longer contexts use split-K (v1 keeps every logit in shared memory)
+
+
+def _suffix(dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
+    if dtype not in _SUFFIX:
+        raise ValueError(f"no kernel for {dtype}")
+    if cache_dtype == torch.float8_e4m3fn:
+        return _SUFFIX[dtype] + "_fp8"
+    if cache_dtype != dtype:
+        raise ValueError(f"cache dtype {cache_dtype} with compute dtype {dtype}")
+    return _SUFFIX[dtype]
+
+
+def _threads(n: int) -> int:
+    return max(32, min(1024, (n + 31) // 32 * 32))
+
+
+def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> None:
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("key/value need a contiguous last dimension")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("caches must be contiguous")
+    t, h, d = key.shape
+    if t == 0:
+        return
+    slots = slot_mapping.to(torch.int64).contiguous()
+    name = "reshape_and_cache_" + _suffix(key.dtype, k_cache.dtype)
+    launch(key.device, "reshape_and_cache.cu", name, (t,), (_threads(h * d),),
+           (ptr(key), ptr(value), ptr(k_cache), ptr(v_cache), ptr(slots), i64(key.stride(0)),
+            i64(key.stride(1)), i64(value.stride(0)), i64(value.stride(1)), i32(h), i32(d),
+            f32(k_scale), f32(v_scale)))
+
+
+def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
+                           k_scale: float = 1.0, v_scale: float = 1.0, *, version: str | None = None,
+                           max_seq_len: int | None = None) -> torch.Tensor:
+    if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
+        raise ValueError("q needs contiguous heads")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("caches must be contiguous")
+    b, heads, d = q.shape
+    _, bs, kv_heads, _ = k_cache.shape
+    if heads % kv_heads:
+        raise ValueError(f"{heads} heads over {kv_heads} kv heads")
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(device=q.device, dtype=torch.int32).contiguous()
+    if max_seq_len is None:
+        max_seq_len = int(lens.max())
+    out = torch.empty((b, heads, d), dtype=q.dtype, device=q.device)
+    suffix = _suffix(q.dtype, k_cache.dtype)
+    common = (ptr(q), ptr(k_cache), ptr(v_cache), ptr(tables), ptr(lens), i32(tables.shape[1]), i32(heads),
+              i32(kv_heads), i32(d), i32(bs), i64(q.stride(0)), f32(scale), f32(k_scale), f32(v_scale))
+    threads = 128
+    if version is None:
+        version = "v1" if max_seq_len <= V1_MAX_TOKENS else "v2"
+    if version == "v1":
+        launch(q.device, "paged_attention.cu", f"paged_attention_v1_{suffix}", (heads, b), (threads,),
+               (ptr(out), *common), shared_mem=4 * (d + 32 + max_seq_len))
+        return out
+    parts = (max_seq_len + PARTITION - 1) // PARTITION
+    exp_sums = torch.empty((b, heads, parts), dtype=torch.float32, device=q.device)
+    max_logits = torch.empty_like(exp_sums)
+    tmp = torch.empty((b, heads, parts, d), dtype=torch.float32, device=q.device)
+    launch(q.device, "paged_attention.cu", f"paged_attention_v2_{suffix}", (heads, b, parts), (threads,),
+           (ptr(exp_sums), ptr(max_logits), ptr(tmp), *common), shared_mem=4 * (d + 32 + PARTITION))
+    launch(q.device, "paged_attention.cu", f"paged_attention_v2_reduce_{_SUFFIX[q.dtype]}", (heads, b), (threads,),
+           (ptr(out), ptr(exp_sums), ptr(max_logits), ptr(tmp), ptr(lens), i32(heads), i32(d), i32(parts)),
+           shared_mem=4 * (32 + parts))
+    return out
+
+
+def _block_copy(kernel: str, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
+                block_ids: torch.Tensor, slots: Sequence[torch.Tensor]) -> None:
+    device = k_caches[0].device
+    if not all(c.is_contiguous() and c.device == device for c in (*k_caches, *v_caches)):
+        raise ValueError("caches must be contiguous and on one device")
+    if not all(s.device == device and s.is_contiguous() for s in slots):
+        raise ValueError("slots must be contiguous device memory")
+    n_tier, ratio = block_ids.shape
+    if n_tier == 0:
+        return
+    unit = k_caches[0][0].numel() * k_caches[0].element_size()
+    if any(s.numel() * s.element_size() < 2 * len(k_caches) * ratio * unit for s in slots):
+        raise ValueError("a slot is smaller than a tier block")
+    k_ptrs = torch.tensor([c.data_ptr() for c in k_caches], dtype=torch.int64).to(device)
+    v_ptrs = torch.tensor([c.data_ptr() for c in v_caches], dtype=torch.int64).to(device)
+    slot_ptrs = torch.tensor([s.data_ptr() for s in slots], dtype=torch.int64).to(device)
+    ids = block_ids.to(device=device, dtype=torch.int64).contiguous()
+    launch(device, "gather_scatter.cu", kernel, (n_tier * ratio, 2 * len(k_caches)), (256,),
+           (ptr(k_ptrs), ptr(v_ptrs), ptr(ids), ptr(slot_ptrs), i32(ratio), i64(unit)))
+
+
+def gather_blocks(k_caches, v_caches, block_ids, slots) -> None:
+    _block_copy("gather_blocks", k_caches, v_caches, block_ids, slots)
+
+
+def scatter_blocks(k_caches, v_caches, block_ids, slots) -> None:
+    _block_copy("scatter_blocks", k_caches, v_caches, block_ids, slots)
+
+
+def _grid(n: int) -> tuple[int]:
+    return (max(1, min(65535, (n + 255) // 256)),)
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    if x.numel():
+        launch(x.device, "fp8.cu", f"quantize_fp8_{_SUFFIX[x.dtype]}", _grid(x.numel()), (256,),
+               (ptr(out), ptr(x), i64(x.numel()), f32(scale)))
+    return out
+
+
+def dequantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    if x.numel():
+        launch(x.device, "fp8.cu", f"dequantize_fp8_{_SUFFIX[dtype]}", _grid(x.numel()), (256,),
+               (ptr(out), ptr(x), i64(x.numel()), f32(scale)))
+    return out

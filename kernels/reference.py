@@ -1,0 +1,78 @@
+"""Torch references for every kernel in this package: what the CPU path runs, and the ground
+truth each CUDA kernel is checked against before it is used.
+
+Layouts (shared with `tierd.engine.attention`): per-layer caches (num_blocks, block_size,
+kv_heads, head_dim); fp8 caches hold float8_e4m3fn with one scale per tensor (value = stored *
+scale); a tier block is [num_layers, 2, ratio * block_size, kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tierd.engine.attention import FP8_MAX, dequantize_fp8, quantize_fp8, reshape_and_cache  # noqa: F401
+
+PARTITION = 512  # tokens per split-K partition of paged_attention v2
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           k_scale: float = 1.0, v_scale: float = 1.0, *, version: str | None = None,
+                           max_seq_len: int | None = None) -> torch.Tensor:
+    """Decode attention: q (B, heads, d) over each sequence's first seq_lens[b] cached tokens.
+    Computed in float32 and returned in q's dtype. Reads nothing past a sequence's length.
+    (`version` and `max_seq_len` steer the kernel; the reference has one way.)"""
+    B, heads, d = q.shape
+    _, bs, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    for b in range(B):
+        n = int(seq_lens[b])
+        blocks = block_tables[b, :(n + bs - 1) // bs].long()
+        k = k_cache[blocks].reshape(-1, kv_heads, d)[:n]
+        v = v_cache[blocks].reshape(-1, kv_heads, d)[:n]
+        if k_cache.dtype == torch.float8_e4m3fn:
+            k, v = k.float() * k_scale, v.float() * v_scale
+        k, v = k.float(), v.float()
+        qh = q[b].float().view(kv_heads, group, d)
+        scores = torch.einsum("kgd,nkd->kgn", qh, k) * scale
+        p = torch.softmax(scores, dim=-1)
+        out[b] = torch.einsum("kgn,nkd->kgd", p, v).reshape(heads, d).to(q.dtype)
+    return out
+
+
+def gather_blocks(k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
+                  block_ids: torch.Tensor, slots: Sequence[torch.Tensor]) -> None:
+    """Copy engine blocks into tier slots. block_ids: (n_tier, ratio) engine block per part of
+    each tier block (-1: leave that part of the slot as it is); slots[t]: the tier block's slot,
+    any tensor of its bytes (viewed as [layers, 2, ratio, block_size, kv_heads, head_dim])."""
+    _copy_blocks(k_caches, v_caches, block_ids, slots, to_slots=True)
+
+
+def scatter_blocks(k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
+                   block_ids: torch.Tensor, slots: Sequence[torch.Tensor]) -> None:
+    """The reverse of gather_blocks: tier slots into engine blocks (-1 parts are skipped)."""
+    _copy_blocks(k_caches, v_caches, block_ids, slots, to_slots=False)
+
+
+def _copy_blocks(k_caches, v_caches, block_ids, slots, *, to_slots: bool) -> None:
+    layers, ratio = len(k_caches), block_ids.shape[1]
+    unit = k_caches[0].shape[1:]
+    for t, slot in enumerate(slots):
+        s = _slot_view(slot, layers, ratio, unit, k_caches[0].dtype)
+        for r in range(ratio):
+            b = int(block_ids[t, r])
+            if b < 0:
+                continue
+            for layer in range(layers):
+                for kv, caches in ((0, k_caches), (1, v_caches)):
+                    if to_slots:
+                        s[layer, kv, r] = caches[layer][b]
+                    else:
+                        caches[layer][b] = s[layer, kv, r]
+
+
+def _slot_view(slot: torch.Tensor, layers: int, ratio: int, unit: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    return slot.reshape(-1).view(torch.uint8).view(dtype).view(layers, 2, ratio, *unit)

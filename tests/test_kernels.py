@@ -1,0 +1,337 @@
+"""Kernels: nvcc compiles every source for sm_80 and sm_90; the torch references pass vLLM's
+kernel-test grid on CPU (small sizes) against dense float64 attention, NaN-poisoned slots
+included; the dispatcher never returns a wrong kernel's result. The `gpu` tests run the CUDA
+kernels against the references on the full grid where CUDA and CuPy are present."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import tierd.kernels as K
+from tierd.kernels import cases, reference
+from tierd.kernels.dispatch import KernelOp, close, same_bytes
+from tierd.kernels.loader import KERNEL_DIR, SOURCES, source_text
+
+HEAD_PAIRS = [(32, 8), (40, 40), (64, 8)]
+HEAD_SIZES = [64, 80, 96, 112, 128, 256]
+BLOCK_SIZES = [16, 32]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+# -- nvcc ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("source", SOURCES)
+def test_nvcc_compiles_every_kernel_with_warnings_as_errors(source, arch, tmp_path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found on PATH: the CUDA sources were not compiled")
+    r = subprocess.run([nvcc, "-std=c++17", f"-arch={arch}", "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Werror",
+                        f"-I{KERNEL_DIR}", "-c", str(KERNEL_DIR / source), "-o", str(tmp_path / "k.o")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+
+
+def test_the_text_nvrtc_gets_compiles_too(tmp_path):
+    """The loader inlines common.cuh; that text must compile on its own (no include path)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found on PATH")
+    src = tmp_path / "inlined.cu"
+    src.write_text(source_text("gather_scatter.cu"))
+    r = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-Werror", "all-warnings", "-c", str(src),
+                        "-o", str(tmp_path / "k.o")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+
+
+# -- references on CPU ----------------------------------------------------------------------------
+def dense_decode(a: dict) -> torch.Tensor:
+    """Independent float64 decode attention: gathers each sequence token by token."""
+    q, k_cache, v_cache = a["q"], a["k_cache"], a["v_cache"]
+    tables, lens = a["block_tables"], a["seq_lens"]
+    b_, heads, d = q.shape
+    bs, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty((b_, heads, d), dtype=torch.float64)
+    for b in range(b_):
+        n = int(lens[b])
+        slots = [(int(tables[b, t // bs]), t % bs) for t in range(n)]
+        k = torch.stack([k_cache[blk, off].double() for blk, off in slots]) * a["k_scale"]
+        v = torch.stack([v_cache[blk, off].double() for blk, off in slots]) * a["v_scale"]
+        for h in range(heads):
+            kh = h // (heads // kv_heads)
+            p = torch.softmax((k[:, kh] @ q[b, h].double()) * a["scale"], dim=0)
+            out[b, h] = p @ v[:, kh]
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("heads", HEAD_PAIRS, ids=lambda p: f"{p[0]}q{p[1]}kv")
+def test_reference_decode_grid(heads, head_size, block_size, dtype):
+    a = cases.decode_inputs("cpu", batch=7, heads=heads[0], kv_heads=heads[1], head_dim=head_size,
+                            block_size=block_size, num_blocks=7 * (97 // block_size + 1) + 20, max_len=97,
+                            dtype=dtype, seed=head_size + block_size)
+    assert a["k_cache"].isnan().any()                       # the poison is there ...
+    out = reference.paged_attention_decode(**a)
+    assert not out.isnan().any()                            # ... and never read
+    atol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(out.double(), dense_decode(a), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("heads", HEAD_PAIRS, ids=lambda p: f"{p[0]}q{p[1]}kv")
+def test_reference_decode_fp8_cache(heads):
+    a = cases.decode_inputs("cpu", batch=7, heads=heads[0], kv_heads=heads[1], head_dim=128, block_size=16,
+                            num_blocks=80, max_len=150, dtype=torch.float16, fp8=True, seed=1)
+    assert a["k_cache"].dtype == torch.float8_e4m3fn
+    out = reference.paged_attention_decode(**a)
+    torch.testing.assert_close(out.double(), dense_decode(a), atol=1e-2, rtol=0)
+
+
+def test_reference_decode_matches_the_engine_path():
+    """The kernels' reference and the engine's batched decode agree (one ground truth)."""
+    from tierd.engine.attention import AttentionMetadata, paged_attention
+    a = cases.decode_inputs("cpu", batch=4, heads=8, kv_heads=2, head_dim=64, block_size=16, num_blocks=64,
+                            max_len=120, dtype=torch.float32, seed=4)
+    seqs = [(i, 1, int(a["seq_lens"][i]), a["block_tables"][i].long()) for i in range(4)]
+    meta = AttentionMetadata(seqs, 16)
+    q = a["q"]
+    out = paged_attention(q, a["k_cache"], a["v_cache"], meta, a["scale"])
+    torch.testing.assert_close(out, reference.paged_attention_decode(**a), atol=1e-5, rtol=0)
+
+
+def test_reference_reshape_and_cache_strided_padding_and_fp8():
+    for fp8 in (False, True):
+        k_cache, v_cache = cases.reshape_case("cpu", reference.reshape_and_cache, fp8=fp8)
+        g = torch.Generator().manual_seed(5)
+        tokens, heads, d = 37, 4, 64
+        qkv = torch.randn((tokens, 4 * heads * d), generator=g).half()
+        slots = torch.randperm(8 * 16, generator=g)[:tokens]
+        slots[::5] = -1
+        want_k = torch.zeros((8 * 16, heads, d))
+        written = torch.zeros(8 * 16, dtype=torch.bool)
+        for t in range(tokens):
+            if slots[t] >= 0:
+                want_k[slots[t]] = qkv[t, 2 * heads * d:3 * heads * d].view(heads, d).float()
+                written[slots[t]] = True
+        got = k_cache.view(-1, heads, d).float() * (0.03 if fp8 else 1.0)
+        atol = 0.03 * 448 / 8 if fp8 else 0          # one fp8 step at the top of the range
+        torch.testing.assert_close(got[written], want_k[written], atol=atol, rtol=0.07 if fp8 else 0)
+        assert not got[~written].any()                 # padding wrote nothing
+
+
+def test_reference_gather_scatter_round_trip_in_tier_layout():
+    layers, ratio, bs, h, d = 3, 2, 16, 2, 64
+    ks, vs, ids, slots = None, None, None, None
+    g = torch.Generator().manual_seed(0)
+    ks = [torch.randn((24, bs, h, d), generator=g).half() for _ in range(layers)]
+    vs = [torch.randn((24, bs, h, d), generator=g).half() for _ in range(layers)]
+    ids = torch.tensor([[3, 7], [11, 2], [-1, 5]])
+    slots = [torch.zeros(layers * 2 * ratio * bs * h * d, dtype=torch.float16) for _ in range(3)]
+    reference.gather_blocks(ks, vs, ids, slots)
+    # tierd's layout: [layers, 2, ratio * block_size tokens, kv_heads, head_dim]
+    s0 = slots[0].view(layers, 2, ratio * bs, h, d)
+    for layer in range(layers):
+        assert torch.equal(s0[layer, 0], torch.cat([ks[layer][3], ks[layer][7]]))
+        assert torch.equal(s0[layer, 1], torch.cat([vs[layer][3], vs[layer][7]]))
+    assert not slots[2].view(layers, 2, ratio, -1)[:, :, 0].any()     # the -1 part left alone
+    ks2 = [torch.zeros_like(k) for k in ks]
+    vs2 = [torch.zeros_like(v) for v in vs]
+    reference.scatter_blocks(ks2, vs2, ids, slots)
+    for layer in range(layers):
+        for b in (3, 7, 11, 2, 5):
+            assert torch.equal(ks2[layer][b], ks[layer][b]) and torch.equal(vs2[layer][b], vs[layer][b])
+        assert not ks2[layer][0].any()
+
+
+def test_reference_fp8_saturates_and_round_trips():
+    x = torch.tensor([0.0, 1.0, -1.0, 1e6, -1e6, 0.3])
+    q = reference.quantize_fp8(x, 0.5)
+    back = reference.dequantize_fp8(q, 0.5, torch.float32)
+    assert back[3] == 448 * 0.5 and back[4] == -448 * 0.5     # saturated, not inf
+    torch.testing.assert_close(back[[0, 1, 2, 5]], x[[0, 1, 2, 5]], atol=0.02, rtol=0.07)
+
+
+# -- the dispatcher: a wrong kernel is harmless ----------------------------------------------------
+def test_a_wrong_kernel_is_never_used(caplog):
+    calls = []
+
+    def wrong(*args, **kwargs):
+        calls.append(1)
+        return reference.paged_attention_decode(*args, **kwargs) + 0.01
+
+    op = KernelOp("decode", reference.paged_attention_decode, wrong, case=cases.attention_case,
+                  compare=close(atol=1e-3), devices=("cpu",))
+    a = cases.decode_inputs("cpu", batch=2, heads=4, kv_heads=2, head_dim=64, block_size=16, num_blocks=32,
+                            max_len=50, dtype=torch.float32)
+    with caplog.at_level(logging.WARNING, logger="tierd.kernels"):
+        out = op(**a)
+        out2 = op(**a)
+    assert torch.equal(out, reference.paged_attention_decode(**a)) and torch.equal(out2, out)
+    assert op.status(torch.device("cpu")).startswith("reference: self-check failed")
+    assert len(calls) == 3                   # only the self-check's three sub-cases ran it
+    assert sum("failed its self-check" in r.message for r in caplog.records) == 1   # logged once
+
+
+def test_a_wrong_in_place_kernel_never_touches_the_callers_buffers():
+    def wrong_gather(ks, vs, ids, slots):
+        for s in slots:
+            s.fill_(7)
+
+    op = KernelOp("gather", reference.gather_blocks, wrong_gather, case=cases.gather_case, devices=("cpu",))
+    want = cases.gather_case(torch.device("cpu"), reference.gather_blocks)
+    got = cases.gather_case(torch.device("cpu"), op)
+    assert all(same_bytes(w, g) for w, g in zip(want, got))
+
+
+def test_a_kernel_that_cannot_compile_or_raises_later_falls_back():
+    def broken(*a, **k):
+        raise RuntimeError("nvrtc: error: identifier undefined")
+
+    op = KernelOp("q", reference.quantize_fp8, broken, case=cases.quantize_case, devices=("cpu",))
+    x = torch.randn(100)
+    assert same_bytes(op(x, 0.1), reference.quantize_fp8(x, 0.1))
+    assert "self-check failed" in op.status(torch.device("cpu"))
+
+    state = {"n": 0}
+
+    def flaky(x, scale):
+        state["n"] += 1
+        if state["n"] > 3:                  # passes the self-check's three calls, then fails
+            raise RuntimeError("an illegal memory access was encountered")
+        return reference.quantize_fp8(x, scale)
+
+    op = KernelOp("q", reference.quantize_fp8, flaky, case=cases.quantize_case, devices=("cpu",))
+    assert same_bytes(op(x, 0.1), reference.quantize_fp8(x, 0.1))
+    assert op.status(torch.device("cpu")).startswith("reference: raised")
+    assert same_bytes(op(x, 0.1), reference.quantize_fp8(x, 0.1)) and state["n"] == 4
+
+
+def test_a_correct_kernel_is_used_after_its_check():
+    used = []
+
+    def good(x, scale):
+        used.append(1)
+        return reference.quantize_fp8(x, scale)
+
+    op = KernelOp("q", reference.quantize_fp8, good, case=cases.quantize_case, devices=("cpu",))
+    op(torch.randn(10), 0.2)
+    assert op.status(torch.device("cpu")) == "kernel" and len(used) == 4
+
+
+def test_on_cpu_the_real_ops_run_their_references():
+    a = cases.decode_inputs("cpu", batch=2, heads=4, kv_heads=2, head_dim=64, block_size=16, num_blocks=32,
+                            max_len=40, dtype=torch.float32)
+    assert torch.equal(K.paged_attention_decode(**a), reference.paged_attention_decode(**a))
+    assert K.status("cpu")["paged_attention_decode"] == "unchecked"   # no kernel for CPU tensors
+
+
+# -- on a GPU -------------------------------------------------------------------------------------
+needs_gpu = pytest.mark.skipif(not K.available(), reason="needs CUDA and CuPy")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_every_op_passes_its_self_check():
+    dev = torch.device("cuda")
+    for op in K.OPS:
+        assert op.use_kernel(dev), f"{op.name}: {op.status(dev)}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["kv16", "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("heads", HEAD_PAIRS, ids=lambda p: f"{p[0]}q{p[1]}kv")
+def test_gpu_decode_grid(heads, head_size, block_size, dtype, fp8, version):
+    a = cases.decode_inputs("cuda", batch=7, heads=heads[0], kv_heads=heads[1], head_dim=head_size,
+                            block_size=block_size, num_blocks=4096, max_len=1500, dtype=dtype, fp8=fp8,
+                            seed=head_size * block_size)
+    out = K.ops.paged_attention_decode(**a, version=version)
+    want = reference.paged_attention_decode(**a)
+    assert not out.isnan().any()
+    atol = 1e-2 if fp8 else {torch.bfloat16: 1.6e-2}.get(dtype, 1e-3)
+    torch.testing.assert_close(out.float(), want.float(), atol=atol, rtol=0)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fp8", [False, True], ids=["kv16", "fp8"])
+def test_gpu_cache_ops_are_exact(dtype, fp8):
+    dev = torch.device("cuda")
+    for w, g in zip(cases.reshape_case(dev, reference.reshape_and_cache, dtype=dtype, fp8=fp8, num_blocks=4096),
+                    cases.reshape_case(dev, K.ops.reshape_and_cache, dtype=dtype, fp8=fp8, num_blocks=4096)):
+        assert same_bytes(w, g)
+    for scatter in (False, True):
+        fn_ref = reference.scatter_blocks if scatter else reference.gather_blocks
+        fn = K.ops.scatter_blocks if scatter else K.ops.gather_blocks
+        kw = dict(scatter=scatter, dtype=dtype, num_blocks=4096, n_tier=64, layers=4)
+        for w, g in zip(cases.block_copy_case(dev, fn_ref, **kw), cases.block_copy_case(dev, fn, **kw)):
+            assert same_bytes(w, g)
+    if dtype != torch.float32 or not fp8:
+        return
+    for w, g in zip(cases.quantize_case(dev, reference.quantize_fp8), cases.quantize_case(dev, K.ops.quantize_fp8)):
+        assert same_bytes(w, g)
+    for w, g in zip(cases.dequantize_case(dev, reference.dequantize_fp8),
+                    cases.dequantize_case(dev, K.ops.dequantize_fp8)):
+        assert same_bytes(w, g)
+
+
+def test_sources_are_packaged():
+    assert {p.name for p in Path(KERNEL_DIR).glob("*.cu")} == set(SOURCES)
+
+
+# -- the transfer path --------------------------------------------------------------------------------
+def _transfer_roundtrip(store, device):
+    from tierd import Namespace
+    from tierd.kernels.transfer import BlockTransfer
+    layers, ratio, bs, h, d = 3, 2, 16, 2, 32
+    ns = Namespace("transfer-test", "float16", layers, h, d, block_tokens=ratio * bs)
+    g = torch.Generator().manual_seed(0)
+    ks = [torch.randn((40, bs, h, d), generator=g).half().to(device) for _ in range(layers)]
+    vs = [torch.randn((40, bs, h, d), generator=g).half().to(device) for _ in range(layers)]
+    src = BlockTransfer(ks, vs, ratio)
+    assert src.block_bytes == ns.block_bytes
+    keys = ns.block_keys(list(range(4 * ratio * bs)))
+    ids = torch.tensor([[1, 9], [4, 3], [30, 31], [7, 8]])
+    assert src.store(store, ns, keys, ids) == 4
+    assert src.store(store, ns, keys, ids) == 0                 # already there
+    ks2 = [torch.zeros_like(k) for k in ks]
+    vs2 = [torch.zeros_like(v) for v in vs]
+    dst = BlockTransfer(ks2, vs2, ratio)
+    dst_ids = torch.tensor([[20, 21], [-1, 23], [0, 5], [11, 12]])
+    assert dst.load(store, ns, keys, dst_ids) == 4
+    for (s, t) in [(1, 20), (9, 21), (3, 23), (30, 0), (31, 5), (7, 11), (8, 12)]:
+        for layer in range(layers):
+            assert torch.equal(ks2[layer][t].cpu(), ks[layer][s].cpu())
+            assert torch.equal(vs2[layer][t].cpu(), vs[layer][s].cpu())
+    assert not ks2[0][22].any()                                # the -1 part stayed as it was
+    # the slot bytes are tierd's block layout, readable by any other client
+    (block,) = store.get(ns, keys[1:2])
+    t = torch.from_numpy(block).view(torch.float16).view(ns.block_shape)
+    assert torch.equal(t[2, 1], torch.cat([vs[2][4], vs[2][3]]).cpu())
+
+
+def test_transfer_store_and_load_embedded(host_store):
+    _transfer_roundtrip(host_store, "cpu")
+
+
+def test_transfer_store_and_load_through_the_daemon(daemon):
+    import tierd
+    with tierd.connect(daemon.url) as c:
+        _transfer_roundtrip(c, "cpu")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_transfer_store_and_load(host_store):
+    _transfer_roundtrip(host_store, "cuda")
