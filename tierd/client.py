@@ -30,7 +30,7 @@ log = logging.getLogger("tierd.client")
 
 _ERRORS = {cls.code: cls for cls in (
     E.ConfigError, E.NamespaceError, E.UnknownNamespaceError, E.BlockError, E.KeyFormatError,
-    E.CapacityError, E.DiskTierError, E.LeaseError, E.StoreClosedError)}
+    E.CapacityError, E.DiskTierError, E.DiskDegradedError, E.LeaseError, E.StoreClosedError)}
 
 
 class DaemonUnavailableError(E.TierdError, ConnectionError):

@@ -84,6 +84,7 @@ class StoreConfig:
     disk_direct_io: bool = True          # O_DIRECT where the filesystem allows it
     disk_admit_min_hits: int = 0         # SSD admission: demote to disk only blocks hit >= N times
     disk_io_threads: int = 4
+    disk_fault_file: str = ""            # failpoints for fault tests (see tiers/disk.py); off
     eviction_policy: str = "lru"         # "lru" or "s3fifo"
     demotion_interval_s: float = 0.5     # background pass period (also woken on high watermark)
     host_shm_path: str | None = None     # None: an anonymous memfd; else a file other processes map
@@ -202,6 +203,7 @@ SERVE_KEYS: dict[str, tuple[str, str, Any]] = {
     "disk.direct_io": ("store", "disk_direct_io", _bool),
     "disk.admit_min_hits": ("store", "disk_admit_min_hits", int),
     "disk.io_threads": ("store", "disk_io_threads", int),
+    "disk.fault_file": ("store", "disk_fault_file", str),
     "policy.eviction": ("store", "eviction_policy", str),
     "limits.max_frame_bytes": ("serve", "max_frame_bytes", int),
     "limits.max_keys_per_request": ("serve", "max_keys_per_request", int),

@@ -59,6 +59,12 @@ class DiskTierError(TierdError, OSError):
     code = "disk"
 
 
+class DiskDegradedError(DiskTierError):
+    """The disk tier is failing (I/O errors, no space, gone): blocks are served from RAM only
+    and a sync cannot make them durable."""
+    code = "disk_degraded"
+
+
 class NotASlabFileError(DiskTierError):
     """A file in the disk directory is not a tierd slab file (or of an unknown version)."""
 

@@ -59,6 +59,10 @@ class _StoreCollector:
                       ["tier"], [(["disk"], disk["corrupt_dropped"])] if disk else [])
         yield counter("tierd_disk_io_errors", "Failed disk reads or writes.", [],
                       [([], disk["io_errors"])] if disk else [])
+        yield gauge("tierd_disk_degraded", "1 while the disk tier is failing (serving from host RAM only).", [],
+                    [([], 1 if disk["degraded"] else 0)] if disk else [])
+        yield counter("tierd_disk_degraded_episodes", "Times the disk tier became degraded.", [],
+                      [([], disk["degraded_episodes"])] if disk else [])
         ns = st["namespaces"]
         yield counter("tierd_hits", "Blocks served.", ["namespace"], [([n], v["hits"]) for n, v in ns.items()])
         yield counter("tierd_misses", "Blocks asked for and not served.", ["namespace"],

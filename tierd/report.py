@@ -42,5 +42,8 @@ def format_stats(stats: dict) -> str:
         extra += [f"disk {disk['path']} ({'O_DIRECT' if disk['direct_io'] else 'buffered'}, "
                   f"codec {disk['codec']}, index from {disk['recovered_from']})",
                   f"ssd admission rejected {disk['admission_rejected']}, io errors {disk['io_errors']}"]
+        if disk.get("degraded"):
+            extra.append(f"DISK TIER DEGRADED for {disk['degraded_seconds']:.0f}s: {disk['degraded']} "
+                         "(serving from host RAM only)")
     out.append("  ".join(extra[:3]) + ("\n" + "\n".join(extra[3:]) if extra[3:] else ""))
     return "\n\n".join(out)

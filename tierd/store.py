@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -24,7 +25,7 @@ import numpy as np
 
 from .arena import slot_bytes_for
 from .config import StoreConfig
-from .errors import (CapacityError, ConfigError, LeaseError, StoreClosedError, TierdError,
+from .errors import (CapacityError, ConfigError, DiskDegradedError, LeaseError, StoreClosedError, TierdError,
                      UnknownNamespaceError)
 from .keys import check_keys
 from .namespace import Namespace
@@ -168,12 +169,14 @@ class TieredStore:
         self._tier_counters = {t: dict.fromkeys(
             ("evictions", "demotions", "promotions", "bytes_in", "bytes_out", "corrupt_dropped",
              "admission_rejected", "io_errors"), 0) for t in TIERS}
+        self._disk_fault: str | None = None   # why the disk tier is degraded; None: healthy
+        self._disk_fault_since = 0.0
+        self._disk_retry_at = 0.0
+        self._disk_checked_at = 0.0
+        self._disk_fault_count = 0
         try:
             if cfg.disk_path:
-                self.disk = DiskTier(cfg.disk_path, cfg.disk_bytes, cfg.disk_slab_bytes,
-                                     cfg.disk_file_bytes, direct_io=cfg.disk_direct_io,
-                                     codec=cfg.disk_codec, zstd_level=cfg.disk_zstd_level,
-                                     io_threads=cfg.disk_io_threads)
+                self.disk = self._open_disk()
                 self._tier_counters["disk"]["corrupt_dropped"] = self.disk.corrupt_at_open
                 self._adopt_recovered()
         except BaseException:
@@ -181,6 +184,83 @@ class TieredStore:
             raise
         self._maintainer = threading.Thread(target=self._maintain, name="tierd-demoter", daemon=True)
         self._maintainer.start()
+
+    def _open_disk(self) -> DiskTier:
+        cfg = self.config
+        return DiskTier(cfg.disk_path, cfg.disk_bytes, cfg.disk_slab_bytes, cfg.disk_file_bytes,
+                        direct_io=cfg.disk_direct_io, codec=cfg.disk_codec, zstd_level=cfg.disk_zstd_level,
+                        io_threads=cfg.disk_io_threads, fault_file=cfg.disk_fault_file)
+
+    # -- disk health --------------------------------------------------------------------------
+    DISK_RETRY_S = 1.0      # while degraded, one write batch per interval probes the disk
+    DISK_CHECK_S = 0.5      # how often the maintainer checks the directory is still there
+
+    def _disk_error(self, what: str, e: BaseException) -> None:
+        """A disk fault (lock held): count it; the first one of an episode degrades the disk
+        tier (logged once) until a later write succeeds."""
+        self._tier_counters["disk"]["io_errors"] += 1
+        now = time.monotonic()
+        if self._disk_fault is None:
+            self._disk_fault = f"{what}: {e}"
+            self._disk_fault_since = now
+            self._disk_fault_count += 1
+            log.error("disk tier degraded (%s); serving from host RAM only, retrying every %.0fs",
+                      self._disk_fault, self.DISK_RETRY_S)
+        self._disk_retry_at = now + self.DISK_RETRY_S
+
+    def _disk_healthy(self) -> None:
+        if self._disk_fault is not None:
+            log.warning("disk tier recovered after %.1fs (was: %s)", time.monotonic() - self._disk_fault_since,
+                        self._disk_fault)
+            self._disk_fault = None
+
+    def _disk_waiting(self) -> bool:
+        """Degraded and not yet time for the next probe: leave the disk alone."""
+        return self._disk_fault is not None and time.monotonic() < self._disk_retry_at
+
+    def _check_disk(self) -> None:
+        """Maintainer (lock held): notice a vanished directory; once it is back, start a fresh
+        disk tier there (the old one's blocks went with it)."""
+        now = time.monotonic()
+        if self.disk is None or now < self._disk_checked_at + self.DISK_CHECK_S:
+            return
+        self._disk_checked_at = now
+        if not self.disk._closed:
+            try:
+                self.disk.check_present()
+            except OSError as e:
+                self._disk_error("directory check", e)
+                self._abandon_disk()
+            else:
+                if self._disk_fault is not None and now >= self._disk_retry_at:
+                    try:
+                        self.disk.probe()
+                    except OSError as e:
+                        self._disk_error("probe", e)
+                    else:
+                        self._disk_healthy()
+                return
+        if os.path.isdir(self.config.disk_path) and now >= self._disk_retry_at:
+            try:
+                self.disk = self._open_disk()
+            except (OSError, TierdError) as e:
+                self._disk_error("reopen", e)
+                return
+            self._adopt_recovered()
+            self._disk_healthy()
+
+    def _abandon_disk(self) -> None:
+        """Forget every disk copy (their files are gone) and close the old tier."""
+        while self._writes_in_flight or self._batch_writing:
+            self._cond.wait(0.1)
+        for b in [b for b in self._blocks.values() if b.disk is not None]:
+            self._drop_disk(b, evicted=False)
+        self._disk_owner.clear()
+        self._disk_policy = make_policy(self.config.eviction_policy)
+        try:
+            self.disk.abandon()
+        except OSError:
+            pass
 
     # -- namespaces -------------------------------------------------------------------------
     def register(self, ns: Namespace) -> None:
@@ -459,21 +539,32 @@ class TieredStore:
     def _write_down_batch(self, blocks: list[_Block]) -> int:
         """Copy READY host-only blocks to disk, in parallel on the I/O pool; host copies stay.
         Lock held on entry and exit, released during the writes. Returns blocks written."""
-        disk = self.disk
         # One batch at a time: blocks reach the disk tier (and its eviction order) in the
         # order they were chosen, and each batch's writes stay one sequential run.
         while self._batch_writing:
             self._cond.wait()
+        disk = self.disk
+        if disk is None or disk._closed or self._disk_waiting():
+            return 0
         jobs = []
         for b in blocks:
             if b.host_state != READY or b.disk is not None or b.disk_writing:
                 continue
             st = b.st
-            slot = self._disk_alloc(st)  # never releases the lock
+            try:
+                slot = self._disk_alloc(st)  # never releases the lock
+            except OSError as e:
+                self._disk_error("slab header write", e)
+                break
             if slot is None:
                 break
             if st.ns is not None:
-                disk.remember_namespace(st.ns_id, st.desc)
+                try:
+                    disk.remember_namespace(st.ns_id, st.desc)
+                except OSError as e:
+                    disk.free_slot(slot)
+                    self._disk_error("namespace file", e)
+                    break
             b.disk_writing = True
             b.host_pins += 1
             self._writes_in_flight += 1
@@ -497,15 +588,15 @@ class TieredStore:
         finally:
             self._cond.acquire()
             self._batch_writing = False
-        written = 0
+        written = failed = 0
         for (b, slot, _, _), entry in zip(jobs, results):
             b.disk_writing = False
             b.host_pins -= 1
             self._writes_in_flight -= 1
             if not isinstance(entry, DiskEntry):
                 disk.free_slot(slot)
-                self._tier_counters["disk"]["io_errors"] += 1
-                log.warning("disk tier: write failed (%s); block kept in host RAM only", entry)
+                self._disk_error("write", entry)      # the block stays in host RAM only
+                failed += 1
                 continue
             b.disk = entry
             self._disk_owner[slot] = b
@@ -515,6 +606,8 @@ class TieredStore:
             c["demotions"] += 1
             c["bytes_in"] += b.st.block_bytes
             written += 1
+        if written and not failed:
+            self._disk_healthy()
         self._cond.notify_all()
         return written
 
@@ -734,8 +827,7 @@ class TieredStore:
                         self._tier_counters["disk"]["corrupt_dropped"] += 1
                         self._discard_disk_copy(b)
                     else:
-                        self._tier_counters["disk"]["io_errors"] += 1
-                        log.warning("disk tier: read failed (%s)", err)
+                        self._disk_error("read", err)   # a miss; the copy may read later
             for b, _ in plan[cut:]:
                 if b.host_state == READY:
                     b.host_pins -= 1
@@ -891,21 +983,36 @@ class TieredStore:
 
     def sync(self, max_blocks: int | None = None) -> int:
         """Write every host-only block (at most `max_blocks`) to disk and make all disk
-        writes durable; a reopen then serves them. Returns the number of blocks written."""
+        writes durable; a reopen then serves them. Returns the number of blocks written.
+        Raises DiskDegradedError when the disk tier cannot take them (nothing is acknowledged
+        durable that is not)."""
         if self.disk is None:
             return 0
         written = 0
         with self._cond:
             self._check_open()
+            if self._disk_fault is not None:
+                self._disk_retry_at = 0.0       # an explicit sync probes the disk at once
             todo = [b for b in self._blocks.values()
                     if b.host_state == READY and b.disk is None and not b.disk_writing]
             todo = todo[:max_blocks] if max_blocks is not None else todo
             # insertion order: a chain's ancestors come before its descendants
             for i in range(0, len(todo), self.WRITE_BATCH):
                 written += self._write_down_batch(todo[i:i + self.WRITE_BATCH])
+                if self._disk_fault is not None:
+                    break
             while self._writes_in_flight:
                 self._cond.wait()
-        self.disk.flush()
+            fault, disk = self._disk_fault, self.disk
+        if fault is not None:
+            raise DiskDegradedError(f"sync: disk tier degraded ({fault}); "
+                                    f"{len(todo) - written} blocks are in host RAM only")
+        try:
+            disk.flush()
+        except OSError as e:
+            with self._cond:
+                self._disk_error("fdatasync", e)
+            raise DiskDegradedError(f"sync: disk tier degraded (fdatasync: {e})") from None
         return written
 
     # -- background demotion ----------------------------------------------------------------
@@ -926,12 +1033,18 @@ class TieredStore:
                 if self._closed:
                     return
                 self._demote_wanted = False
-                wrote = self._demote_pass()
+                try:
+                    self._check_disk()
+                    wrote = self._demote_pass()
+                except Exception:  # noqa: BLE001 -- the maintainer must outlive any one pass
+                    log.exception("tierd maintainer: unexpected error; continuing")
+                    wrote = 0
             if wrote and self.disk is not None:
                 try:
                     self.disk.flush()
                 except OSError as e:
-                    log.warning("disk tier: fdatasync failed: %s", e)
+                    with self._cond:
+                        self._disk_error("fdatasync", e)
 
     def _demote_pass(self) -> int:
         """Host above its high watermark: demote coldest blocks until the low watermark;
@@ -1016,6 +1129,10 @@ class TieredStore:
                         "waste_bytes": d.waste_bytes() + pad, "path": str(self.disk.path),
                         "direct_io": self.disk.direct_io, "codec": self.disk.codec_name,
                         "recovered_from": self.disk.recovered_from,
+                        "degraded": self._disk_fault or "",
+                        "degraded_seconds": (time.monotonic() - self._disk_fault_since
+                                             if self._disk_fault else 0.0),
+                        "degraded_episodes": self._disk_fault_count,
                         **self._tier_counters["disk"]}
                 disk["waste_ratio"] = disk["waste_bytes"] / max(1, disk["capacity_bytes"])
                 tiers["disk"] = disk

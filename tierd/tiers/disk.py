@@ -110,13 +110,56 @@ def unpack_slot_header(page) -> tuple | None:
     return fields
 
 
+class FaultInjector:
+    """Failpoints under the disk tier, for fault tests (`disk.fault_file`; off by default).
+
+    The control file holds `op=ERRNO` pairs, e.g. `write=EIO read=EIO flush=ENOSPC` or
+    `all=EROFS`; ops: write, read, flush, meta (namespace and checkpoint files). An empty or
+    missing file means no faults. It is re-read when its mtime changes, so a test (or an
+    operator rehearsing an incident) flips faults on and off while the daemon runs."""
+
+    OPS = ("write", "read", "flush", "meta")
+
+    def __init__(self, path: str):
+        self.path = path
+        self._stamp = None
+        self._faults: dict[str, int] = {}
+
+    def check(self, op: str) -> None:
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            stamp = None
+        if stamp != self._stamp:
+            self._stamp = stamp
+            self._faults = self._parse() if stamp is not None else {}
+        code = self._faults.get(op) or self._faults.get("all")
+        if code:
+            raise OSError(code, f"{os.strerror(code)} (injected by {self.path})")
+
+    def _parse(self) -> dict[str, int]:
+        faults = {}
+        try:
+            text = Path(self.path).read_text()
+        except OSError:
+            return {}
+        for item in text.split():
+            op, _, name = item.partition("=")
+            code = getattr(errno, name.strip().upper(), None)
+            if (op in self.OPS or op == "all") and isinstance(code, int):
+                faults[op] = code
+        return faults
+
+
 class DiskTier:
     name = "disk"
 
     def __init__(self, path: str, capacity_bytes: int, slab_bytes: int, file_bytes: int, *,
                  direct_io: bool = True, codec: str = "none", zstd_level: int = 1,
-                 io_threads: int = 4):
+                 io_threads: int = 4, fault_file: str = ""):
         self.path = Path(path)
+        self.faults = FaultInjector(fault_file) if fault_file else None
         self.codec_name = codec
         self.zstd_level = zstd_level
         self._lock_fd = -1
@@ -131,6 +174,8 @@ class DiskTier:
             self.recovered: list[DiskEntry] = []
             self.recovered_from = "new"
             self._open_files()
+            st = os.stat(self.path)
+            self._dir_id = (st.st_dev, st.st_ino)
             self.namespaces = self._load_namespaces()
             self._recover(io_threads)
             self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tierd-disk")
@@ -322,6 +367,8 @@ class DiskTier:
         body = _SLAB.pack(SLAB_MAGIC, FORMAT_VERSION, 0, slot_bytes, gen)
         page[:_SLAB.size + _CSUM.size] = body + _CSUM.pack(_csum(body))
         fd, off = self._slab_loc(slab)
+        if self.faults:
+            self.faults.check("write")
         os.pwrite(fd, page, off)
 
     def alloc_slot(self, slot_bytes: int) -> int | None:
@@ -384,6 +431,8 @@ class DiskTier:
         stg[:PAGE] = 0
         stg[:len(header)] = np.frombuffer(header, dtype=np.uint8)
         fd, off = self._slot_loc(slot)
+        if self.faults:
+            self.faults.check("write")
         n = os.pwrite(fd, memoryview(stg)[:length], off)
         if n != length:
             raise OSError(errno.EIO, f"short write to disk tier ({n} of {length} bytes)")
@@ -395,6 +444,8 @@ class DiskTier:
         fd, off = self._slot_loc(e.slot)
         want = PAGE + align_up(e.payload_len)
         stg = self._staging(want)
+        if self.faults:
+            self.faults.check("read")
         n = os.preadv(fd, [memoryview(stg)[:want]], off)
         if n < PAGE + e.payload_len:
             raise CorruptBlockError(f"slot truncated ({n} of {want} bytes readable)")
@@ -423,10 +474,14 @@ class DiskTier:
         page = self._page()
         page[:] = b"\0" * PAGE
         fd, off = self._slot_loc(slot)
+        if self.faults:
+            self.faults.check("write")
         os.pwrite(fd, page, off)
 
     def flush(self) -> None:
         """Make every completed write durable."""
+        if self.faults:
+            self.faults.check("flush")
         for fd in self._fds:
             os.fdatasync(fd)
 
@@ -446,10 +501,13 @@ class DiskTier:
         """Persist a namespace description (atomic replace) the first time it reaches disk."""
         if self.namespaces.get(ns_id) == desc:
             return
-        self.namespaces[ns_id] = desc
-        self._atomic_write(NAMESPACES_NAME, msgpack.packb(self.namespaces, use_bin_type=True))
+        known = {**self.namespaces, ns_id: desc}
+        self._atomic_write(NAMESPACES_NAME, msgpack.packb(known, use_bin_type=True))
+        self.namespaces = known   # only once it is on disk
 
     def _atomic_write(self, name: str, data: bytes) -> None:
+        if self.faults:
+            self.faults.check("meta")
         tmp = self.path / (name + ".tmp")
         with open(tmp, "wb") as f:
             f.write(data)
@@ -580,6 +638,46 @@ class DiskTier:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # closing releases the flock
             self._lock_fd = -1
+
+    def check_present(self) -> None:
+        """Raise OSError if the directory was removed or replaced, or a slab file unlinked: the
+        writes would then land in files nobody will ever open again."""
+        try:
+            st = os.stat(self.path)
+        except OSError as e:
+            raise OSError(e.errno, f"disk directory {self.path} is gone") from None
+        if (st.st_dev, st.st_ino) != self._dir_id:
+            raise OSError(errno.ENOENT, f"disk directory {self.path} was replaced")
+        for fd in self._fds:
+            if os.fstat(fd).st_nlink == 0:
+                raise OSError(errno.ENOENT, f"a slab file in {self.path} was deleted")
+
+    def probe(self) -> None:
+        """Raise OSError unless the disk takes a small durable write now: a file created,
+        written, fsynced and removed in the directory, and every slab file synced."""
+        self.check_present()
+        if self.faults:
+            for op in ("write", "flush", "meta"):
+                self.faults.check(op)
+        p = self.path / ".probe"
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, b"\0" * PAGE)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+        for fd in self._fds:
+            os.fdatasync(fd)
+
+    def abandon(self) -> None:
+        """Let go of a directory that vanished: close everything, write nothing."""
+        self._closed = True
+        self.pool.shutdown(wait=True)
+        self._release_fds()
 
     def usage(self) -> dict:
         return {"capacity_bytes": self.capacity_bytes, "used_bytes": self.alloc.used_bytes,

@@ -1,0 +1,192 @@
+"""Disk faults under a running daemon: I/O errors and a read-only disk (through the disk tier's
+failpoints), a full filesystem (a real size-capped tmpfs) and a vanished directory. The daemon
+keeps serving from host RAM, says it is degraded in stats and metrics, logs once per episode,
+refuses to call anything durable that is not, and recovers by itself when the fault clears."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+import tierd
+from tierd.errors import DiskDegradedError
+
+from .daemon import SMALL_TOML, DaemonProc
+from .helpers import block_for, chain, make_ns
+
+
+def fault_daemon(tmp_path, **kw) -> tuple[DaemonProc, object]:
+    faults = tmp_path / "faults"
+    faults.write_text("")
+    toml = SMALL_TOML.replace("[disk]\n", f'[disk]\nfault_file = "{faults}"\n')
+    return DaemonProc(tmp_path, toml=toml, **kw).start(), faults
+
+
+def wait_for(pred, timeout_s: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def disk_stats(c) -> dict:
+    return c.stats()["tiers"]["disk"]
+
+
+def put_chains(c, ns, seeds, n_blocks=4) -> dict[bytes, bytes]:
+    stored = {}
+    for seed in seeds:
+        keys = chain(ns, seed, n_blocks)
+        c.put(ns, keys, [block_for(ns, k) for k in keys])
+        stored.update({k: block_for(ns, k).tobytes() for k in keys})
+    return stored
+
+
+def check_served_exact(c, ns, keys) -> int:
+    """Every served block is bit-exact; returns how many were served."""
+    served = 0
+    for k in keys:
+        got = c.get(ns, [k])
+        if got:
+            assert got[0].tobytes() == block_for(ns, k).tobytes()
+            served += 1
+    return served
+
+
+def metric(d: DaemonProc, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported")
+
+
+@pytest.mark.parametrize("fault", ["write=EIO", "all=EROFS"])
+def test_write_faults_degrade_then_recover_by_themselves(tmp_path, fault):
+    d, faults = fault_daemon(tmp_path)
+    ns = make_ns()
+    try:
+        with tierd.connect(d.url) as c:
+            put_chains(c, ns, range(4))
+            assert c.sync() > 0 and disk_stats(c)["degraded"] == ""
+            faults.write_text(fault)
+            # enough blocks to push the 8 MiB host tier past its watermark: demotions fail
+            stored = put_chains(c, ns, range(100, 260))
+            wait_for(lambda: disk_stats(c)["degraded"], what="degraded")
+            with pytest.raises(DiskDegradedError):
+                c.sync()
+            assert metric(d, "tierd_disk_degraded") == 1
+            # still serving: new puts and gets work from host RAM, nothing served wrong
+            more = put_chains(c, ns, range(300, 305))
+            assert check_served_exact(c, ns, list(more)) == len(more)
+            check_served_exact(c, ns, list(stored))
+            faults.write_text("")                                       # the fault clears
+            wait_for(lambda: disk_stats(c)["degraded"] == "", what="recovery")
+            c.sync()
+            s = disk_stats(c)
+            assert s["degraded_episodes"] == 1 and s["io_errors"] >= 1
+            assert metric(d, "tierd_disk_degraded") == 0
+    finally:
+        d.stop()
+    log = d.log.read_text()
+    assert log.count("disk tier degraded") == 1, log[-3000:]       # once, not per failed write
+    assert "disk tier recovered" in log
+
+
+def test_read_faults_are_misses_and_never_wrong_bytes(tmp_path):
+    d, faults = fault_daemon(tmp_path)
+    ns = make_ns()
+    try:
+        with tierd.connect(d.url) as c:
+            stored = put_chains(c, ns, range(6))
+            c.sync()
+            c.flush("host")                                  # only the disk copies remain
+            faults.write_text("read=EIO")
+            keys = list(stored)
+            assert c.lookup(ns, keys[:4]) == 4               # the index still knows them
+            with c.acquire(ns, keys[:4]) as lease:
+                assert len(lease) == 0                       # ... but a failing read is a miss
+            assert disk_stats(c)["degraded"].startswith("read")
+            faults.write_text("")
+            assert check_served_exact(c, ns, keys) == len(keys)   # the copies were fine
+    finally:
+        d.stop()
+
+
+def _mount_tmpfs(path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    return r.returncode == 0
+
+
+def test_a_full_filesystem_degrades_and_recovers(tmp_path):
+    mnt = tmp_path / "small"
+    if not _mount_tmpfs(mnt, "24m"):
+        pytest.skip("cannot mount a size-capped tmpfs here (needs root and mount rights)")
+    try:
+        d = DaemonProc(tmp_path, disk_bytes="16MiB")
+        d.disk = str(mnt / "disk")
+        d.args[d.args.index("--disk-path") + 1] = d.disk
+        d.start()
+        try:
+            with tierd.connect(d.url) as c:
+                ns = make_ns()
+                put_chains(c, ns, range(3))
+                c.sync()
+                filler = mnt / "filler"
+                subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M", "count=64"], capture_output=True)
+                assert shutil.disk_usage(mnt).free < 64 * 1024
+                # slab files are preallocated: blocks of a known namespace still reach the disk
+                put_chains(c, ns, range(10, 13))
+                assert c.sync() > 0
+                # a new namespace must be written to the namespace file: ENOSPC
+                ns2 = make_ns(model="second-model")
+                stored2 = put_chains(c, ns2, range(3))
+                with pytest.raises(DiskDegradedError, match="No space left"):
+                    c.sync()
+                assert check_served_exact(c, ns2, list(stored2)) == len(stored2)   # from RAM
+                filler.unlink()
+                c.sync()                                     # explicit sync probes at once
+                assert disk_stats(c)["degraded"] == ""
+        finally:
+            d.stop()
+        # what sync acknowledged survives a restart
+        d.start()
+        with tierd.connect(d.url) as c:
+            assert check_served_exact(c, ns2, list(stored2)) == len(stored2)
+        d.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_vanished_disk_directory_degrades_then_a_fresh_one_is_used(tmp_path):
+    d = DaemonProc(tmp_path).start()
+    ns = make_ns()
+    try:
+        with tierd.connect(d.url) as c:
+            put_chains(c, ns, range(4))
+            c.sync()
+            shutil.rmtree(d.disk)                            # an operator's mistake, a lost mount
+            wait_for(lambda: disk_stats(c)["degraded"], what="degraded")
+            with pytest.raises(DiskDegradedError):
+                c.sync()
+            stored = put_chains(c, ns, range(50, 54))
+            assert check_served_exact(c, ns, list(stored)) == len(stored)   # RAM still serves
+            import os
+            os.makedirs(d.disk)                              # the directory is back
+            wait_for(lambda: disk_stats(c)["degraded"] == "", what="reopen")
+            assert c.sync() > 0
+            assert disk_stats(c)["blocks"] > 0
+    finally:
+        d.stop()
+    d.start()
+    with tierd.connect(d.url) as c:
+        assert check_served_exact(c, ns, list(stored)) == len(stored)   # synced after the reopen
+    d.stop()
