@@ -4,7 +4,9 @@ never make the engine wait.
 `StoreLink` wraps a Store (or a URL opened lazily). `get()` returns the store, or None while
 a recent failure's back-off runs, so callers recompute instead of waiting on a dead daemon.
 `submit()` queues one filled block for a background thread; when the bounded queue is full the
-block is dropped and counted, so decode never stalls on a slow store. Any tierd error, OS error
+block is dropped and counted, so decode never stalls on a slow store. Daemon URLs get a 2 s
+request timeout unless they name one (`unix:///...?timeout_s=0.5`): a stalled daemon costs a
+request at most that much once per back-off period. Any tierd error, OS error
 or lost connection is counted and starts a back-off (1 s, doubling, at most 30 s).
 """
 
@@ -21,6 +23,7 @@ from tierd.errors import TierdError
 log = logging.getLogger("tierd.connectors")
 
 STORE_ERRORS = (TierdError, OSError, ConnectionError)
+DEFAULT_TIMEOUT_S = 2.0   # per request to a daemon, for connectors (the Client's own default is 60 s)
 STAT_KEYS = ("lookups", "hit_blocks", "loaded_tokens", "load_failures", "stored_blocks", "store_failures",
              "stores_dropped", "unavailable", "load_s", "loaded_bytes")
 
@@ -29,7 +32,10 @@ class StoreLink:
     """A Store (object or URL) with back-off, counters and a bounded background store queue."""
 
     def __init__(self, store, *, max_pending_blocks: int = 64, retry_after_s: float = 1.0,
-                 max_batch: int = 16, name: str = "tierd-kv-store"):
+                 max_batch: int = 16, name: str = "tierd-kv-store", timeout_s: float = DEFAULT_TIMEOUT_S):
+        if isinstance(store, str) and store.startswith("unix:") and "timeout_s=" not in store:
+            # a stalled daemon may cost a request at most this much before it recomputes
+            store += ("&" if "?" in store else "?") + f"timeout_s={timeout_s:g}"
         self._url = store if isinstance(store, str) else None
         self.store = None if isinstance(store, str) else store
         self._owns_store = isinstance(store, str)

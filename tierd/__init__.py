@@ -31,8 +31,9 @@ def connect(url: str = "embedded://"):
     """A Store for `url`.
 
     `embedded://?host=8GiB&disk=/var/cache/tierd&disk_bytes=100GiB&policy=s3fifo&codec=zstd`
-    opens a TieredStore in this process; `unix:///run/tierd/tierd.sock` connects to a daemon
-    (`tierd.client.Client`). Both have the same interface.
+    opens a TieredStore in this process; `unix:///run/tierd/tierd.sock?timeout_s=2` connects to a
+    daemon (`tierd.client.Client`; `timeout_s` bounds each request, 60 s by default). Both have
+    the same interface.
     """
     parts = urlsplit(url)
     if parts.scheme == "embedded":
@@ -52,5 +53,15 @@ def connect(url: str = "embedded://"):
         path = parts.path or parts.netloc
         if not path:
             raise ConfigError(f"{url}: no socket path; use unix:///run/tierd/tierd.sock")
-        return Client(path)
+        kw = {}
+        for k, v in parse_qsl(parts.query, keep_blank_values=True):
+            if k != "timeout_s":
+                raise ConfigError(f"{url}: unknown parameter {k!r}; known: timeout_s")
+            try:
+                kw["timeout_s"] = float(v)
+            except ValueError:
+                raise ConfigError(f"{url}: timeout_s must be a number of seconds") from None
+            if not kw["timeout_s"] > 0:
+                raise ConfigError(f"{url}: timeout_s must be positive")
+        return Client(path, **kw)
     raise ConfigError(f"{url}: unknown scheme {parts.scheme!r}; use embedded:// or unix://")

@@ -186,6 +186,10 @@ class DiskTier:
     # -- opening ---------------------------------------------------------------------------
     def _open_dir(self) -> None:
         p = self.path
+        if os.path.islink(p):
+            raise DiskTierError(
+                f"disk tier: {p} is a symbolic link to {os.path.realpath(p)}; refusing to write "
+                "slab files through it (set disk_path to the real directory)")
         try:
             if p.exists() and not p.is_dir():
                 raise DiskTierError(f"disk tier: {p} exists and is not a directory; set disk_path to a directory")
@@ -654,16 +658,18 @@ class DiskTier:
 
     def probe(self) -> None:
         """Raise OSError unless the disk takes a small durable write now: a file created,
-        written, fsynced and removed in the directory, and every slab file synced."""
+        written, fsynced, read back and removed in the directory, and every slab file synced."""
         self.check_present()
         if self.faults:
-            for op in ("write", "flush", "meta"):
+            for op in ("write", "flush", "meta", "read"):
                 self.faults.check(op)
         p = self.path / ".probe"
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, b"\0" * PAGE)
             os.fsync(fd)
+            if len(os.pread(fd, PAGE, 0)) != PAGE:
+                raise OSError(errno.EIO, "probe file reads back short")
         finally:
             os.close(fd)
             try:
