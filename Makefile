@@ -48,6 +48,10 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.kv_waste --quick
 	$(PY) -m benchmarks.engine_throughput --quick
 	$(PY) -m benchmarks.ttft --quick
+	$(PY) -m benchmarks.load --quick
+	$(PY) -m benchmarks.recovery --quick
+	$(PY) -m benchmarks.engine_faults --quick
+	$(PY) -m benchmarks.gpu_kernels --quick
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache
