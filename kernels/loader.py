@@ -80,8 +80,8 @@ def launch(device: torch.device, source: str, name: str, grid, block, args, shar
     if shared_mem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = shared_mem
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index or 0)
-    with cupy.cuda.Device(device.index or 0):
-        fn(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem, stream=stream)
+    with cupy.cuda.Device(device.index or 0), stream:   # RawKernel launches on CuPy's current stream
+        fn(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
 
 
 def ptr(t: torch.Tensor) -> np.uint64:
