@@ -4,7 +4,7 @@ never make the engine wait.
 `StoreLink` wraps a Store (or a URL opened lazily). `get()` returns the store, or None while
 a recent failure's back-off runs, so callers recompute instead of waiting on a dead daemon.
 `submit()` queues one filled block for a background thread; when the bounded queue is full the
-block is dropped and counted, so decode never stalls on a slow store. Daemon URLs get a 2 s
+block is dropped and counted, so decode never stalls on a slow store. Daemon URLs get a 10 s
 request timeout unless they name one (`unix:///...?timeout_s=0.5`): a stalled daemon costs a
 request at most that much once per back-off period. Any tierd error, OS error
 or lost connection is counted and starts a back-off (1 s, doubling, at most 30 s).
@@ -23,7 +23,8 @@ from tierd.errors import TierdError
 log = logging.getLogger("tierd.connectors")
 
 STORE_ERRORS = (TierdError, OSError, ConnectionError)
-DEFAULT_TIMEOUT_S = 2.0   # per request to a daemon, for connectors (the Client's own default is 60 s)
+DEFAULT_TIMEOUT_S = 10.0  # per request to a daemon, for connectors (the Client's own default is 60 s);
+# long enough for a large prefix promoted from disk in one acquire, short enough to bound a stall
 STAT_KEYS = ("lookups", "hit_blocks", "loaded_tokens", "load_failures", "stored_blocks", "store_failures",
              "stores_dropped", "unavailable", "load_s", "loaded_bytes")
 
