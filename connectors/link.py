@@ -6,7 +6,7 @@ a recent failure's back-off runs, so callers recompute instead of waiting on a d
 `submit()` queues one filled block for a background thread; when the bounded queue is full the
 block is dropped and counted, so decode never stalls on a slow store. Daemon URLs get a 10 s
 request timeout unless they name one (`unix:///...?timeout_s=0.5`): a stalled daemon costs a
-request at most that much once per back-off period. Any tierd error, OS error
+request at most twice that (the client retries once) once per back-off period. Any tierd error, OS error
 or lost connection is counted and starts a back-off (1 s, doubling, at most 30 s).
 """
 
