@@ -60,6 +60,13 @@ def check_served_exact(c, ns, keys) -> int:
     return served
 
 
+def cli(*args) -> subprocess.CompletedProcess:
+    import sys
+    from .daemon import ROOT
+    return subprocess.run([sys.executable, "-m", "tierd", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+
+
 def metric(d: DaemonProc, name: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=5).read().decode()
     for line in text.splitlines():
@@ -83,6 +90,12 @@ def test_write_faults_degrade_then_recover_by_themselves(tmp_path, fault):
             with pytest.raises(DiskDegradedError):
                 c.sync()
             assert metric(d, "tierd_disk_degraded") == 1
+            # operators see it: `tierd stats` says so, `tierd sync` fails with a one-line reason
+            stats_out = cli("stats", "--socket", d.socket)
+            assert stats_out.returncode == 0 and "DISK TIER DEGRADED" in stats_out.stdout
+            sync_out = cli("sync", "--socket", d.socket)
+            assert sync_out.returncode != 0 and "degraded" in sync_out.stderr
+            assert len(sync_out.stderr.strip().splitlines()) == 1
             # still serving: new puts and gets work from host RAM, nothing served wrong
             more = put_chains(c, ns, range(300, 305))
             assert check_served_exact(c, ns, list(more)) == len(more)
