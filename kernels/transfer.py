@@ -33,6 +33,7 @@ class BlockTransfer:
         self.block_bytes = 2 * len(self.k) * ratio * unit
         self.cuda = self.device.type == "cuda"
         self._registered: list[int] = []
+        self._attached: set[int] = set()
         if self.cuda:
             self.d2h = torch.cuda.Stream(self.device)
             self.h2d = torch.cuda.Stream(self.device)
@@ -51,6 +52,15 @@ class BlockTransfer:
         else:
             log.warning("cudaHostRegister of %d bytes failed (%s); host copies will not overlap", size, rc)
         return ok
+
+    def attach(self, store) -> bool:
+        """Page-lock `store`'s host arena (embedded or the daemon's, as mapped by the client) once,
+        on CUDA only, so that copies to and from its slots are asynchronous. Done by store/load."""
+        if not self.cuda or id(store) in self._attached:
+            return False
+        self._attached.add(id(store))
+        array = getattr(store, "host_array", lambda: None)()
+        return array is not None and self.register_host(array)
 
     def close(self) -> None:
         for ptr in self._registered:
@@ -99,6 +109,7 @@ class BlockTransfer:
     # -- with a Store -------------------------------------------------------------------------------
     def store(self, store, ns, keys: Sequence[bytes], block_ids: torch.Tensor, *, parent: bytes | None = None) -> int:
         """Reserve, gather, commit. Returns the number of blocks newly stored."""
+        self.attach(store)
         res = store.reserve(ns, keys, parent=parent)
         try:
             todo = [i for i, s in enumerate(res.status) if s == "reserved"]
@@ -112,6 +123,7 @@ class BlockTransfer:
 
     def load(self, store, ns, keys: Sequence[bytes], block_ids: torch.Tensor) -> int:
         """Acquire the leading present blocks, scatter them, release. Returns how many."""
+        self.attach(store)
         lease = store.acquire(ns, keys)
         try:
             n = len(lease)

@@ -301,6 +301,8 @@ def _transfer_roundtrip(store, device):
     vs = [torch.randn((40, bs, h, d), generator=g).half().to(device) for _ in range(layers)]
     src = BlockTransfer(ks, vs, ratio)
     assert src.block_bytes == ns.block_bytes
+    assert store.host_array().dtype.itemsize == 1 and store.host_array().nbytes >= 4 * ns.block_bytes
+    assert src.attach(store) == (device == "cuda")   # page-locked on CUDA only
     keys = ns.block_keys(list(range(4 * ratio * bs)))
     ids = torch.tensor([[1, 9], [4, 3], [30, 31], [7, 8]])
     assert src.store(store, ns, keys, ids) == 4

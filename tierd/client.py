@@ -233,6 +233,10 @@ class Client:
             v.flags.writeable = False
         return v
 
+    def host_array(self) -> np.ndarray:
+        """The daemon's host arena as mapped here, one uint8 array (for cudaHostRegister)."""
+        return self._arena
+
     # -- Store interface -----------------------------------------------------------------------
     def register(self, ns: Namespace) -> None:
         self._ns_name(ns)

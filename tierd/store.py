@@ -191,6 +191,10 @@ class TieredStore:
                         direct_io=cfg.disk_direct_io, codec=cfg.disk_codec, zstd_level=cfg.disk_zstd_level,
                         io_threads=cfg.disk_io_threads, fault_file=cfg.disk_fault_file)
 
+    def host_array(self):
+        """The whole host arena as one uint8 array (for page-locking it, e.g. cudaHostRegister)."""
+        return self.host.arena.array
+
     # -- disk health --------------------------------------------------------------------------
     DISK_RETRY_S = 1.0      # while degraded, one write batch per interval probes the disk
     DISK_CHECK_S = 0.5      # how often the maintainer checks the directory is still there
