@@ -1,27 +1,33 @@
 #!/usr/bin/env bash
-# One script for a GPU machine (H100/H200): the gpu tests, then the kernel and transfer figures.
-# Needs Python with a CUDA build of torch, CuPy and tierd's dependencies (set PYTHON to choose
-# the interpreter). Writes benchmarks/results/gpu_check.log, gpu_tests.xml, gpu_kernels.json
-# (or under $OUT when set). Budget: about 8 minutes.
+# One script for a GPU machine (H100/H200): the gpu tests, each op's self-check, then the kernel
+# and transfer figures. Needs Python with a CUDA build of torch, CuPy and tierd's dependencies
+# (set PYTHON to choose the interpreter; zstandard is optional here). Writes gpu_check.log,
+# gpu_tests.xml and gpu_kernels.json under benchmarks/results (or $OUT when set). About 8 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+SRC=$(pwd)
 PY=${PYTHON:-python3}
-RES=${OUT:-benchmarks/results}
+RES=$(realpath -m "${OUT:-benchmarks/results}")
 mkdir -p "$RES"
 LOG="$RES/gpu_check.log"
 export PYTHONUNBUFFERED=1
+# Run from a copy of the tests outside the checkout, so that `tierd` is the installed package
+# (tierd.kernels is a package-dir mapping that a source tree on sys.path would hide).
+WORK=$(mktemp -d /tmp/tierd-gpu.XXXXXX)
+cp -r tests benchmarks pyproject.toml "$WORK/"
 {
     echo "== gpu_check $(date -u +%FT%TZ) on $(hostname)"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-    if ! $PY -c "import tierd.kernels" 2>/dev/null; then
-        # tierd.kernels is a package-dir mapping: install (no deps, no network) beside the checkout
-        $PY -m pip install -q --no-deps --no-build-isolation --target /tmp/tierd-site . \
-            && export PYTHONPATH=/tmp/tierd-site${PYTHONPATH:+:$PYTHONPATH}
+    if ! (cd "$WORK" && $PY -c "import tierd.kernels") 2>/dev/null; then
+        $PY -m pip install -q --no-deps --no-build-isolation --target "$WORK/site" "$SRC" \
+            && export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
     fi
+    cd "$WORK"
     $PY - <<'PY'
 import torch, tierd.kernels as K
-print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name(0))
-print("kernels available:", K.available())
+print("torch", torch.__version__, "cuda", torch.version.cuda,
+      "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+print("kernels available (CUDA and CuPy):", K.available())
 PY
     echo "== gpu tests"
     timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider --junitxml="$RES/gpu_tests.xml" tests/test_kernels.py
@@ -36,3 +42,4 @@ for op in K.OPS:
     timeout 150 $PY -m benchmarks.gpu_kernels --json "$RES/gpu_kernels.json"
     echo "gpu_kernels exit: $?"
 } 2>&1 | tee "$LOG"
+rm -rf "$WORK"

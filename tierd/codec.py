@@ -10,7 +10,11 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-import zstandard
+
+try:  # a declared dependency; imported softly so tools that never touch zstd import without it
+    import zstandard
+except ImportError:  # pragma: no cover - exercised only where the package is missing
+    zstandard = None
 
 CODEC_NONE = 0
 CODEC_ZSTD = 1
@@ -20,7 +24,9 @@ CODEC_NAMES = {CODEC_NONE: "none", CODEC_ZSTD: "zstd", CODEC_ZSTD_SHUFFLE2: "zst
 _local = threading.local()  # zstd contexts are not thread-safe: one pair per thread
 
 
-def _ctx(level: int) -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
+def _ctx(level: int):
+    if zstandard is None:
+        raise RuntimeError("the zstd codec needs the 'zstandard' package (pip install zstandard)")
     ctxs = getattr(_local, "ctxs", None)
     if ctxs is None:
         ctxs = _local.ctxs = {}
