@@ -67,6 +67,8 @@ class ClientLease:
     def __init__(self, lid, ns, keys, buffers, tiers, client, generation):
         self.id, self.namespace, self.keys = lid, ns, keys
         self.buffers, self.tiers = buffers, tiers
+        self.gpu_offsets: list[int] = []     # per block: offset in the daemon's HBM tier, or -1
+        self.gpu_buffers: list = []          # per block: (block_bytes,) CUDA view, or None
         self._client, self._generation, self._open = client, generation, True
 
     def __len__(self) -> int:
@@ -97,6 +99,7 @@ class Client:
         self._namespaces: dict[str, Namespace] = {}
         self._arena = None
         self._arena_mmap = None
+        self._gpu_arena = None
         self._generation = 0
         self._deferred: list[dict] = []
         self.reconnects = 0
@@ -121,6 +124,11 @@ class Client:
         self.server_version = reply.get("server")
         self.limits = reply.get("limits", {})
         self._map_arena(reply["arenas"][0])
+        gpu = [a for a in reply["arenas"][1:] if a.get("tier") == "gpu"]
+        self._gpu_arena = None
+        if gpu:
+            from .tiers.gpu import open_ipc   # torch and CuPy: only where the daemon has HBM
+            self._gpu_arena = open_ipc(gpu[0])
 
     def _map_arena(self, desc: dict) -> None:
         if self._arena_mmap is not None:
@@ -300,7 +308,12 @@ class Client:
             r = self._call("acquire", ns=nsobj.name, keys=keys)
             views = [self._view(off, nsobj.block_bytes, False) for off in r["offsets"]]
             gen = self._generation
-        return ClientLease(r["lease"], nsobj, keys[:len(views)], views, r["tiers"], self, gen)
+            lease = ClientLease(r["lease"], nsobj, keys[:len(views)], views, r["tiers"], self, gen)
+            offs = r.get("gpu_offsets")
+            if offs and self._gpu_arena is not None:
+                lease.gpu_offsets = list(offs)
+                lease.gpu_buffers = [self._gpu_arena[o:o + nsobj.block_bytes] if o >= 0 else None for o in offs]
+        return lease
 
     def release(self, lease: ClientLease) -> None:
         with self._lock:

@@ -65,6 +65,17 @@ def total_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _device_bytes(device: str) -> int | None:
+    """Memory of a torch device (for `gpu_bytes = "10%"`); None if it cannot be told."""
+    if not str(device).startswith("cuda"):
+        return total_ram_bytes()
+    try:
+        import torch
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    except Exception:  # no torch, no CUDA: a percentage cannot be resolved
+        return None
+
+
 @dataclass(slots=True)
 class StoreConfig:
     """Everything a `TieredStore` needs; sizes in bytes after `resolved()`."""
@@ -85,6 +96,10 @@ class StoreConfig:
     disk_admit_min_hits: int = 0         # SSD admission: demote to disk only blocks hit >= N times
     disk_io_threads: int = 4
     disk_fault_file: str = ""            # failpoints for fault tests (see tiers/disk.py); off
+    gpu_bytes: int | str = 0             # HBM tier (0: none): bytes, or % of the device's memory
+    gpu_slab_bytes: int | str = "64MiB"
+    gpu_device: str = "cuda"             # torch device of the HBM tier ("cpu" only for tests)
+    gpu_admit_hits: int = 1              # copy a block to the HBM tier when served after N earlier serves
     eviction_policy: str = "lru"         # "lru" or "s3fifo"
     demotion_interval_s: float = 0.5     # background pass period (also woken on high watermark)
     host_shm_path: str | None = None     # None: an anonymous memfd; else a file other processes map
@@ -109,6 +124,11 @@ class StoreConfig:
             c.disk_bytes = parse_size(c.disk_bytes, total=disk_total, what="disk_bytes")
         else:
             c.disk_bytes = 0
+        c.gpu_bytes = parse_size(c.gpu_bytes, total=_device_bytes(c.gpu_device) if c.gpu_bytes else None,
+                                 what="gpu_bytes")
+        c.gpu_slab_bytes = parse_size(c.gpu_slab_bytes, what="gpu_slab_bytes")
+        if c.gpu_admit_hits < 0:
+            raise ConfigError("gpu_admit_hits must be >= 0")
         c.disk_slab_bytes = parse_size(c.disk_slab_bytes, what="disk_slab_bytes")
         c.disk_file_bytes = parse_size(c.disk_file_bytes, what="disk_file_bytes")
         for name in ("host_slab_bytes", "disk_slab_bytes"):
@@ -204,6 +224,10 @@ SERVE_KEYS: dict[str, tuple[str, str, Any]] = {
     "disk.admit_min_hits": ("store", "disk_admit_min_hits", int),
     "disk.io_threads": ("store", "disk_io_threads", int),
     "disk.fault_file": ("store", "disk_fault_file", str),
+    "gpu.bytes": ("store", "gpu_bytes", str),
+    "gpu.slab_bytes": ("store", "gpu_slab_bytes", str),
+    "gpu.device": ("store", "gpu_device", str),
+    "gpu.admit_hits": ("store", "gpu_admit_hits", int),
     "policy.eviction": ("store", "eviction_policy", str),
     "limits.max_frame_bytes": ("serve", "max_frame_bytes", int),
     "limits.max_keys_per_request": ("serve", "max_keys_per_request", int),

@@ -50,6 +50,8 @@ class _StoreCollector:
         moves = []
         if disk:
             moves = [(["host", "disk"], disk["demotions"]), (["disk", "host"], disk["promotions"])]
+        if tiers.get("gpu"):
+            moves.append((["host", "gpu"], tiers["gpu"]["promotions"]))
         yield counter("tierd_block_moves", "Blocks copied between tiers (demotion, promotion).",
                       ["from_tier", "to_tier"], moves)
         yield counter("tierd_transfer_bytes", "Payload bytes written into / read out of each tier.",

@@ -119,6 +119,12 @@ class Daemon:
                         "that filesystem; use /dev/shm or /run/tierd", cfg.arena_dir, fs or "an unknown filesystem")
         store_cfg = replace(cfg.store, host_shm_path=self.arena_path, host_shm_mode=0o660)
         self.store = TieredStore(store_cfg)
+        self.gpu_descriptor = None
+        if self.store.gpu is not None:
+            try:
+                self.gpu_descriptor = self.store.gpu.descriptor()   # CUDA IPC handle (None on CPU)
+            except Exception as e:  # noqa: BLE001 -- clients then read HBM blocks from host copies
+                log.warning("cannot export the HBM tier to clients (%s); they will use host copies", e)
         self.executor = ThreadPoolExecutor(32, thread_name_prefix="tierd-op")
         self.metrics = Metrics(self.stats)
         self.conns: dict[int, _Conn] = {}
@@ -387,9 +393,12 @@ class Daemon:
         names = self._register(conn, msg.get("namespaces", []))
         conn.greeted = True
         host = self.store.host
+        arenas = [{"tier": "host", "path": self.arena_path, "capacity_bytes": host.capacity_bytes}]
+        if self.gpu_descriptor is not None:
+            arenas.append(self.gpu_descriptor)
         return {"version": P.PROTOCOL_VERSION, "server": __version__, "pid": os.getpid(),
                 "namespaces": names,
-                "arenas": [{"tier": "host", "path": self.arena_path, "capacity_bytes": host.capacity_bytes}],
+                "arenas": arenas,
                 "limits": {"max_frame_bytes": self.cfg.max_frame_bytes,
                            "max_keys_per_request": self.cfg.max_keys_per_request}}
 
@@ -425,7 +434,10 @@ class Daemon:
     def _op_acquire(self, conn: _Conn, msg: dict) -> dict:
         ns = self._ns(conn, msg)
         lease = self.store.acquire(ns, P.keys_field(msg, self.cfg.max_keys_per_request), owner=conn.id)
-        return {"lease": lease.id, "offsets": lease.offsets, "tiers": lease.tiers, "_obj": lease}
+        reply = {"lease": lease.id, "offsets": lease.offsets, "tiers": lease.tiers, "_obj": lease}
+        if any(o >= 0 for o in lease.gpu_offsets):
+            reply["gpu_offsets"] = lease.gpu_offsets
+        return reply
 
     def _op_release(self, conn: _Conn, msg: dict) -> dict:
         self.store.release(self.store.find_lease(P.field(msg, "lease", int), conn.id))

@@ -80,6 +80,8 @@ class _Block:
     host_children: int = 0       # resident descendants (one level) per tier: evict those first
     disk_children: int = 0
     hits: int = 0
+    gpu_slot: int = -1           # copy in the HBM tier (always beside a host copy), or -1
+    gpu_pins: int = 0            # leases reading the HBM copy
 
 
 class Reservation:
@@ -122,6 +124,8 @@ class Lease:
         self.buffers = buffers
         self.offsets = offsets  # byte offset of each leased slot in the host arena
         self.tiers = tiers  # where each block was found: "host" or "disk" (promoted)
+        self.gpu_offsets: list[int] = []     # per block: byte offset in the HBM tier, or -1
+        self.gpu_buffers: list = []          # per block: (block_bytes,) device view, or None
         self._blocks = blocks
         self.owner = owner
         self._store = store
@@ -168,13 +172,19 @@ class TieredStore:
         self._admission = AdmissionFilter(cfg.disk_admit_min_hits)
         self._tier_counters = {t: dict.fromkeys(
             ("evictions", "demotions", "promotions", "bytes_in", "bytes_out", "corrupt_dropped",
-             "admission_rejected", "io_errors"), 0) for t in TIERS}
+             "admission_rejected", "io_errors"), 0) for t in (*TIERS, "gpu")}
+        self.gpu = None
+        self._gpu_owner: dict[int, _Block] = {}
+        self._gpu_policy = make_policy("lru")
         self._disk_fault: str | None = None   # why the disk tier is degraded; None: healthy
         self._disk_fault_since = 0.0
         self._disk_retry_at = 0.0
         self._disk_checked_at = 0.0
         self._disk_fault_count = 0
         try:
+            if cfg.gpu_bytes:
+                from .tiers.gpu import GpuTier   # imports torch: only when an HBM tier is wanted
+                self.gpu = GpuTier(cfg.gpu_bytes, cfg.gpu_slab_bytes, cfg.gpu_device)
             if cfg.disk_path:
                 self.disk = self._open_disk()
                 self._tier_counters["disk"]["corrupt_dropped"] = self.disk.corrupt_at_open
@@ -393,6 +403,8 @@ class TieredStore:
 
     # -- host slots -------------------------------------------------------------------------
     def _drop_host(self, b: _Block, *, evicted: bool) -> None:
+        if b.gpu_slot >= 0:
+            self._drop_gpu(b, evicted=False)   # inclusive: no HBM copy without the host copy
         if b.host_state == READY:
             self._host_policy.remove(b.ikey, evicted=evicted)
             self._leave(b, "host")
@@ -402,6 +414,59 @@ class TieredStore:
         if evicted:
             self._tier_counters["host"]["evictions"] += 1
         self._forget_if_gone(b)
+
+    # -- the HBM tier (an inclusive cache of host blocks) ------------------------------------------
+    def _drop_gpu(self, b: _Block, *, evicted: bool) -> None:
+        self.gpu.alloc.free(b.gpu_slot)
+        del self._gpu_owner[b.gpu_slot]
+        self._gpu_policy.remove(b.ikey, evicted=evicted)
+        b.gpu_slot = -1
+        if evicted:
+            self._tier_counters["gpu"]["evictions"] += 1
+
+    def _gpu_alloc(self, st: _NsState) -> int | None:
+        sb = st.host_slot_bytes
+        alloc = self.gpu.alloc
+        if sb > alloc.usable_slab_bytes:
+            return None
+        for _ in range(64 + 2 * len(self._gpu_owner)):
+            slot = alloc.alloc(sb)
+            if slot is not None:
+                return slot
+            slab = alloc.empty_slab_elsewhere(sb)
+            if slab is not None:
+                alloc.release_slab(slab)
+                continue
+            key = self._gpu_policy.victim(
+                lambda k: self._blocks[k].gpu_pins == 0 and alloc.slot_bytes_of(self._blocks[k].gpu_slot) == sb)
+            if key is None:
+                key = self._gpu_policy.victim(lambda k: self._blocks[k].gpu_pins == 0)
+                if key is None:
+                    return None
+            self._drop_gpu(self._blocks[key], evicted=True)
+        return None
+
+    def _gpu_lease(self, b: _Block) -> int:
+        """For a leased host-resident block: its HBM offset (copying it there once it has been
+        served `gpu_admit_hits` times), pinned for the lease; -1 if it is not in HBM."""
+        if b.gpu_slot < 0:
+            if b.hits - 1 < self.config.gpu_admit_hits:   # hits counts this serve too
+                return -1
+            slot = self._gpu_alloc(b.st)
+            if slot is None:
+                return -1
+            self.gpu.fill(slot, self.host.view(b.host_slot, b.st.block_bytes))
+            b.gpu_slot = slot
+            self._gpu_owner[slot] = b
+            self._gpu_policy.insert(b.ikey)
+            c = self._tier_counters["gpu"]
+            c["promotions"] += 1
+            c["bytes_in"] += b.st.block_bytes
+        else:
+            self._gpu_policy.hit(b.ikey)
+            self._tier_counters["gpu"]["bytes_out"] += b.st.block_bytes
+        b.gpu_pins += 1
+        return self.gpu.alloc.offset(b.gpu_slot)
 
     def _host_alloc(self, st: _NsState) -> int | None:
         """A free host slot for `st`, evicting (demoting) in policy order if needed.
@@ -853,6 +918,10 @@ class TieredStore:
             tiers = ["disk" if e is not None else "host" for _, e in plan[:cut]]
             lease = Lease(lid, st.ns, keys[:cut], views, leased, tiers, owner, self,
                           [self.host.alloc.offset(b.host_slot) for b in leased])
+            if self.gpu is not None:
+                lease.gpu_offsets = [self._gpu_lease(b) for b in leased]
+                lease.gpu_buffers = [self.gpu.buffer[o:o + st.block_bytes] if o >= 0 else None
+                                     for o in lease.gpu_offsets]
             self._leases[lid] = lease
             self._cond.notify_all()
             return lease
@@ -894,8 +963,10 @@ class TieredStore:
             self._release_locked(lease)
 
     def _release_locked(self, lease: Lease) -> None:
-        for b in lease._blocks:
+        for i, b in enumerate(lease._blocks):
             b.host_pins -= 1
+            if i < len(lease.gpu_offsets) and lease.gpu_offsets[i] >= 0:
+                b.gpu_pins -= 1
         lease._blocks = None
         self._cond.notify_all()
 
@@ -945,10 +1016,10 @@ class TieredStore:
 
     # -- operator actions ---------------------------------------------------------------------
     def flush(self, tier: str = "all", namespace=None) -> int:
-        """Drop blocks from `tier` ("host", "disk" or "all"), of one namespace or all.
+        """Drop blocks from `tier` ("gpu", "host", "disk" or "all"), of one namespace or all.
         Leased or in-flight blocks are skipped. Returns the number of blocks dropped."""
         if tier not in ("host", "disk", "all", "gpu"):
-            raise TierdError(f"flush: unknown tier {tier!r}; use host, disk or all")
+            raise TierdError(f"flush: unknown tier {tier!r}; use gpu, host, disk or all")
         with self._cond:
             self._check_open()
             ns_id = None if namespace is None else self._ns_for_flush(namespace)
@@ -958,6 +1029,9 @@ class TieredStore:
                 if ns_id is not None and b.st.ns_id != ns_id:
                     continue
                 hit = False
+                if tier == "gpu" and b.gpu_slot >= 0 and b.gpu_pins == 0:
+                    self._drop_gpu(b, evicted=False)
+                    hit = True
                 if tier in ("host", "all") and self._host_evictable(b):
                     self._drop_host(b, evicted=False)
                     hit = True
@@ -1123,6 +1197,14 @@ class TieredStore:
                     **self._tier_counters["host"]}
             host["waste_ratio"] = host["waste_bytes"] / max(1, host["capacity_bytes"])
             tiers = {"host": host}
+            if self.gpu is not None:
+                g = self.gpu.alloc
+                tiers["gpu"] = {"capacity_bytes": self.gpu.capacity_bytes, "used_bytes": g.used_bytes,
+                                "free_bytes": self.gpu.capacity_bytes - g.used_bytes,
+                                "blocks": len(self._gpu_owner), "slab_bytes": g.slab_bytes,
+                                "waste_bytes": g.waste_bytes(), "device": str(self.gpu.device),
+                                **self._tier_counters["gpu"]}
+                tiers["gpu"]["waste_ratio"] = tiers["gpu"]["waste_bytes"] / max(1, self.gpu.capacity_bytes)
             if self.disk is not None:
                 d = self.disk.alloc
                 pad = sum(st.counters["disk_blocks"] * (st.disk_slot_bytes - st.block_bytes)
@@ -1176,6 +1258,8 @@ class TieredStore:
             entries = [b.disk for b in self._blocks.values() if b.disk is not None]
         if self.disk is not None:
             self.disk.close(entries)
+        if self.gpu is not None:
+            self.gpu.close()
         self.host.close()
 
     def __enter__(self) -> "TieredStore":

@@ -1,0 +1,78 @@
+"""The HBM tier: one device allocation carved into slab-class slots, an inclusive cache of
+host-tier blocks (a block in HBM always has its host copy, so dropping it loses nothing).
+
+In the daemon the allocation is exported with a CUDA IPC handle (`descriptor()`); a client on
+the same node opens it (`open_ipc`) and copies leased blocks device-to-device. `device="cpu"`
+gives the same tier in host memory without IPC: that is how the tier's logic is tested on
+machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..arena import SlabAllocator, plan_slabs
+from ..config import ALIGN
+from ..errors import ConfigError
+
+GPU_SLOT_ALIGN = ALIGN   # slots keep 4 KiB alignment, as on the host, so 16-byte accesses hold
+
+
+class GpuTier:
+    name = "gpu"
+
+    def __init__(self, capacity_bytes: int, slab_bytes: int, device: str = "cuda"):
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("gpu_bytes is set but CUDA is not available; set gpu_bytes = 0")
+        capacity_bytes = capacity_bytes // ALIGN * ALIGN
+        num_slabs, slab_bytes = plan_slabs(capacity_bytes, slab_bytes, "gpu tier")
+        self.capacity_bytes = capacity_bytes
+        self.buffer = torch.zeros(capacity_bytes, dtype=torch.uint8, device=self.device)
+        self.alloc = SlabAllocator(num_slabs, slab_bytes, capacity_bytes=capacity_bytes)
+
+    def view(self, slot: int, nbytes: int) -> torch.Tensor:
+        """(nbytes,) uint8 view of a slot on the device."""
+        off = self.alloc.offset(slot)
+        return self.buffer[off:off + nbytes]
+
+    def fill(self, slot: int, src) -> None:
+        """Copy a host buffer (numpy uint8) into a slot; returns when the copy is done."""
+        t = torch.from_numpy(src)
+        self.view(slot, t.numel()).copy_(t)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def descriptor(self) -> dict | None:
+        """What a client on this node needs to map the tier (CUDA only: an IPC handle)."""
+        if self.device.type != "cuda":
+            return None
+        import cupy
+        with cupy.cuda.Device(self.device.index or 0):
+            handle = cupy.cuda.runtime.ipcGetMemHandle(self.buffer.data_ptr())
+        return {"tier": "gpu", "ipc_handle": bytes(handle), "capacity_bytes": self.capacity_bytes,
+                "device": self.device.index or 0,
+                "device_uuid": str(torch.cuda.get_device_properties(self.device).uuid)}
+
+    def close(self) -> None:
+        self.buffer = None
+
+
+def open_ipc(desc: dict) -> torch.Tensor | None:
+    """Map a daemon's HBM tier: a (capacity_bytes,) uint8 CUDA tensor, or None where this process
+    cannot (no CUDA or CuPy, or another device)."""
+    if not desc or not torch.cuda.is_available():
+        return None
+    try:
+        import cupy
+        dev = int(desc["device"])
+        if str(torch.cuda.get_device_properties(dev).uuid) != desc.get("device_uuid"):
+            return None
+        with cupy.cuda.Device(dev):
+            ptr = cupy.cuda.runtime.ipcOpenMemHandle(desc["ipc_handle"],
+                                                     cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
+            mem = cupy.cuda.UnownedMemory(ptr, desc["capacity_bytes"], owner=None, device_id=dev)
+            arr = cupy.ndarray((desc["capacity_bytes"],), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+        return torch.as_tensor(arr, device=f"cuda:{dev}")
+    except Exception:  # noqa: BLE001 -- the host tier still serves every block
+        return None
