@@ -424,18 +424,29 @@ class TieredStore:
         if evicted:
             self._tier_counters["gpu"]["evictions"] += 1
 
+    @staticmethod
+    def _slot_or_reclaim(alloc, slot_bytes: int) -> tuple[int | None, bool]:
+        """A free slot of `slot_bytes`; else (None, True) once an empty slab of another class went
+        back to the free pool (try again); else (None, False): something must be evicted."""
+        slot = alloc.alloc(slot_bytes)
+        if slot is not None:
+            return slot, False
+        slab = alloc.empty_slab_elsewhere(slot_bytes)
+        if slab is not None:
+            alloc.release_slab(slab)
+            return None, True
+        return None, False
+
     def _gpu_alloc(self, st: _NsState) -> int | None:
         sb = st.host_slot_bytes
         alloc = self.gpu.alloc
         if sb > alloc.usable_slab_bytes:
             return None
         for _ in range(64 + 2 * len(self._gpu_owner)):
-            slot = alloc.alloc(sb)
+            slot, retry = self._slot_or_reclaim(alloc, sb)
             if slot is not None:
                 return slot
-            slab = alloc.empty_slab_elsewhere(sb)
-            if slab is not None:
-                alloc.release_slab(slab)
+            if retry:
                 continue
             key = self._gpu_policy.victim(
                 lambda k: self._blocks[k].gpu_pins == 0 and alloc.slot_bytes_of(self._blocks[k].gpu_slot) == sb)
@@ -475,12 +486,10 @@ class TieredStore:
         alloc = self.host.alloc
         deadline = None
         for _ in range(64 + 2 * len(self._host_owner)):
-            slot = alloc.alloc(sb)
+            slot, retry = self._slot_or_reclaim(alloc, sb)
             if slot is not None:
                 return slot
-            slab = alloc.empty_slab_elsewhere(sb)
-            if slab is not None:
-                alloc.release_slab(slab)
+            if retry:
                 continue
             victim = None
             cls = alloc.classes.get(sb)
