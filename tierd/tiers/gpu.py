@@ -25,11 +25,33 @@ class GpuTier:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("gpu_bytes is set but CUDA is not available; set gpu_bytes = 0")
+        if self.device.type == "cuda":
+            try:
+                import cupy  # noqa: F401
+            except ImportError:
+                raise ConfigError("the HBM tier needs CuPy (pip install 'tierd[cuda]'), or set gpu_bytes = 0") from None
         capacity_bytes = capacity_bytes // ALIGN * ALIGN
         num_slabs, slab_bytes = plan_slabs(capacity_bytes, slab_bytes, "gpu tier")
         self.capacity_bytes = capacity_bytes
-        self.buffer = torch.zeros(capacity_bytes, dtype=torch.uint8, device=self.device)
+        self._raw = None
+        if self.device.type == "cuda":
+            self.buffer = self._cuda_buffer(capacity_bytes)
+        else:
+            self.buffer = torch.zeros(capacity_bytes, dtype=torch.uint8, device=self.device)
         self.alloc = SlabAllocator(num_slabs, slab_bytes, capacity_bytes=capacity_bytes)
+
+    def _cuda_buffer(self, nbytes: int) -> torch.Tensor:
+        """One cudaMalloc of its own (not torch's caching allocator, which may hand out the middle
+        of a larger segment: an IPC handle names a whole allocation, so the buffer must be one)."""
+        import cupy
+        dev = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", dev)
+        with cupy.cuda.Device(dev):
+            self._raw = cupy.cuda.runtime.malloc(nbytes)
+            mem = cupy.cuda.UnownedMemory(self._raw, nbytes, owner=self, device_id=dev)
+            arr = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+            arr.fill(0)
+        return torch.as_tensor(arr, device=self.device)
 
     def view(self, slot: int, nbytes: int) -> torch.Tensor:
         """(nbytes,) uint8 view of a slot on the device."""
@@ -48,14 +70,19 @@ class GpuTier:
         if self.device.type != "cuda":
             return None
         import cupy
-        with cupy.cuda.Device(self.device.index or 0):
-            handle = cupy.cuda.runtime.ipcGetMemHandle(self.buffer.data_ptr())
+        with cupy.cuda.Device(self.device.index):
+            handle = cupy.cuda.runtime.ipcGetMemHandle(self._raw)
         return {"tier": "gpu", "ipc_handle": bytes(handle), "capacity_bytes": self.capacity_bytes,
-                "device": self.device.index or 0,
+                "device": self.device.index,
                 "device_uuid": str(torch.cuda.get_device_properties(self.device).uuid)}
 
     def close(self) -> None:
         self.buffer = None
+        if self._raw is not None:
+            import cupy
+            with cupy.cuda.Device(self.device.index):
+                cupy.cuda.runtime.free(self._raw)
+            self._raw = None
 
 
 def open_ipc(desc: dict) -> torch.Tensor | None:
