@@ -63,10 +63,15 @@ def run(seconds: float, clients: int = 32, workdir: str | None = None) -> dict:
         loaded = run_clients(d.socket, procs, clients // procs, seconds)
         stop.set()
         t.join()
-        time.sleep(0.3)
         with tierd.connect(f"unix://{d.socket}") as c:
-            st = c.stats()
-        after_fds = proc.num_fds() - 1          # minus the stats connection
+            deadline = time.monotonic() + 10     # the daemon closes departed clients' sockets
+            while True:
+                st = c.stats()
+                after_fds = proc.num_fds() - 1   # minus this stats connection
+                if after_fds <= baseline_fds + 1 and not st["leases"] and not st["reservations"] \
+                        or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
     finally:
         d.stop()
     pct = lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else float("nan")  # noqa: E731
