@@ -132,8 +132,10 @@ class FaultInjector:
         except FileNotFoundError:
             stamp = None
         if stamp != self._stamp:
-            self._stamp = stamp
+            # the faults before the stamp: an I/O thread that sees the new stamp must also see
+            # the new faults (parallel reads check at once)
             self._faults = self._parse() if stamp is not None else {}
+            self._stamp = stamp
         code = self._faults.get(op) or self._faults.get("all")
         if code:
             raise OSError(code, f"{os.strerror(code)} (injected by {self.path})")
@@ -642,6 +644,11 @@ class DiskTier:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # closing releases the flock
             self._lock_fd = -1
+
+    @property
+    def closed(self) -> bool:
+        """Closed or abandoned: no I/O may go to it any more."""
+        return self._closed
 
     def check_present(self) -> None:
         """Raise OSError if the directory was removed or replaced, or a slab file unlinked: the
