@@ -46,15 +46,14 @@ import logging
 import os
 import re
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from tierd.errors import NamespaceError, TierdError
 from tierd.keys import extend_keys
+from tierd.kernels.transfer import host_tensor
 from tierd.namespace import DEFAULT_BLOCK_TOKENS, Namespace, canonical_dtype, model_fingerprint
 
 from .link import STORE_ERRORS, StoreLink
@@ -404,11 +403,7 @@ class TierdConnector(KVConnectorBase_V1):
     def _tier_view(self, buf) -> torch.Tensor:
         """A tier block (uint8 buffer) as (layers, 2, ratio, block_size, kv_heads, head_dim)."""
         ns = self.namespace("")
-        arr = np.asarray(buf).reshape(-1)
-        with warnings.catch_warnings():   # lease buffers are read-only; we only read them
-            warnings.simplefilter("ignore", UserWarning)
-            t = torch.from_numpy(arr)
-        return t.view(self._dtype).view(ns.num_layers, 2, self.ratio, self.block_size,
+        return host_tensor(buf).view(self._dtype).view(ns.num_layers, 2, self.ratio, self.block_size,
                                         ns.num_kv_heads, ns.head_dim)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:

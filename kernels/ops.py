@@ -6,6 +6,7 @@ the dispatcher then uses the reference. They are selected only after passing the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -86,6 +87,13 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: f
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _cache_ptrs(device: torch.device, ptrs: tuple[int, ...]) -> torch.Tensor:
+    """The layers' cache addresses on the device: the caches live as long as the engine, so one
+    upload serves every transfer (slots change per call and are uploaded each time)."""
+    return torch.tensor(ptrs, dtype=torch.int64).to(device)
+
+
 def _block_copy(kernel: str, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
                 block_ids: torch.Tensor, slots: Sequence[torch.Tensor]) -> None:
     device = k_caches[0].device
@@ -99,8 +107,8 @@ def _block_copy(kernel: str, k_caches: Sequence[torch.Tensor], v_caches: Sequenc
     unit = k_caches[0][0].numel() * k_caches[0].element_size()
     if any(s.numel() * s.element_size() < 2 * len(k_caches) * ratio * unit for s in slots):
         raise ValueError("a slot is smaller than a tier block")
-    k_ptrs = torch.tensor([c.data_ptr() for c in k_caches], dtype=torch.int64).to(device)
-    v_ptrs = torch.tensor([c.data_ptr() for c in v_caches], dtype=torch.int64).to(device)
+    k_ptrs = _cache_ptrs(device, tuple(c.data_ptr() for c in k_caches))
+    v_ptrs = _cache_ptrs(device, tuple(c.data_ptr() for c in v_caches))
     slot_ptrs = torch.tensor([s.data_ptr() for s in slots], dtype=torch.int64).to(device)
     ids = block_ids.to(device=device, dtype=torch.int64).contiguous()
     launch(device, "gather_scatter.cu", kernel, (n_tier * ratio, 2 * len(k_caches)), (256,),

@@ -15,6 +15,7 @@ Engine caches: lists of K and V tensors (num_blocks, block_size, kv_heads, head_
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -23,6 +24,15 @@ import torch
 from . import gather_blocks, scatter_blocks
 
 log = logging.getLogger("tierd.kernels")
+
+
+def host_tensor(buf) -> torch.Tensor:
+    """A flat uint8 CPU tensor over a host buffer (a slot or lease view), without a copy. Lease
+    views are read-only; torch warns about that, and callers only read them."""
+    arr = np.asarray(buf).reshape(-1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(arr)
 
 
 class BlockTransfer:
@@ -70,7 +80,7 @@ class BlockTransfer:
     # -- the two directions -----------------------------------------------------------------------
     def gather_into(self, block_ids: torch.Tensor, buffers: Sequence[np.ndarray]) -> None:
         """Copy engine blocks into host buffers (one per tier block); returns when they are there."""
-        host = [torch.from_numpy(np.asarray(b).reshape(-1)) for b in buffers]
+        host = [host_tensor(b) for b in buffers]
         if not self.cuda:
             gather_blocks(self.k, self.v, block_ids, host)
             return
@@ -88,10 +98,7 @@ class BlockTransfer:
     def scatter_from(self, block_ids: torch.Tensor, buffers: Sequence[np.ndarray]) -> torch.cuda.Event | None:
         """Copy host buffers into engine blocks. On CUDA returns the event the compute stream
         already waits on (the buffers may be released once it has fired: `event.synchronize()`)."""
-        import warnings
-        with warnings.catch_warnings():      # lease buffers are read-only; they are only read
-            warnings.simplefilter("ignore", UserWarning)
-            host = [torch.from_numpy(np.asarray(b).reshape(-1)) for b in buffers]
+        host = [host_tensor(b) for b in buffers]
         if not self.cuda:
             scatter_blocks(self.k, self.v, block_ids, host)
             return None

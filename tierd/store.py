@@ -239,7 +239,7 @@ class TieredStore:
         if self.disk is None or now < self._disk_checked_at + self.DISK_CHECK_S:
             return
         self._disk_checked_at = now
-        if not self.disk._closed:
+        if not self.disk.closed:
             try:
                 self.disk.check_present()
             except OSError as e:
@@ -622,7 +622,7 @@ class TieredStore:
         while self._batch_writing:
             self._cond.wait()
         disk = self.disk
-        if disk is None or disk._closed or self._disk_waiting():
+        if disk is None or disk.closed or self._disk_waiting():
             return 0
         jobs = []
         for b in blocks:
