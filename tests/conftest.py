@@ -1,8 +1,16 @@
+import os
+import tempfile
+
 import pytest
 
 from tierd import TieredStore
 
 from .helpers import make_ns, small_config
+
+
+# Weight digests the tests compute are remembered in a file of this run, not the user's cache.
+os.environ.setdefault("TIERD_DIGEST_CACHE", os.path.join(tempfile.mkdtemp(prefix="tierd-digests-"),
+                                                         "digests.json"))
 
 
 @pytest.fixture

@@ -8,7 +8,10 @@ from safetensors.numpy import save_file
 
 from tierd import Namespace
 from tierd.errors import NamespaceError
-from tierd.namespace import model_fingerprint
+import hashlib
+import os
+
+from tierd.namespace import content_digests, model_fingerprint
 
 from .helpers import make_ns
 
@@ -74,6 +77,87 @@ def test_fine_tune_with_identical_shapes_changes_the_fingerprint(tmp_path):
     tuned = write_model(tmp_path / "tuned", seed=0, scale=1.001)
     assert model_fingerprint(base) != model_fingerprint(tuned)
     assert Namespace.from_model_dir(base).id != Namespace.from_model_dir(tuned).id
+
+
+def _flip_one_byte_in_the_middle(path):
+    """A change that sampling misses: one byte between two sampled regions."""
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        off = size // 2 + 12345
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_every_weight_byte_is_in_the_fingerprint_and_sampling_is_an_opt_in(tmp_path):
+    base = write_model(tmp_path / "base", n_files=1)
+    tuned = write_model(tmp_path / "tuned", n_files=1)
+    _flip_one_byte_in_the_middle(next(tuned.glob("*.safetensors")))
+    assert model_fingerprint(base) != model_fingerprint(tuned)
+    assert Namespace.from_model_dir(base).id != Namespace.from_model_dir(tuned).id
+    # sampling (opt-in) cannot see it: that is why it is not the default
+    assert model_fingerprint(base, mode="sampled") == model_fingerprint(tuned, mode="sampled")
+    assert model_fingerprint(base, mode="sampled") != model_fingerprint(base)
+    with pytest.raises(NamespaceError, match="fingerprint mode"):
+        model_fingerprint(base, mode="quick")
+
+
+def test_digests_are_remembered_by_file_identity(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIERD_DIGEST_CACHE", str(tmp_path / "cache" / "digests.json"))
+    d = write_model(tmp_path / "m", n_files=1)
+    (w,) = d.glob("*.safetensors")
+    real = hashlib.sha256(w.read_bytes()).hexdigest()
+    assert content_digests([w]) == {w: real}
+    cached = json.loads((tmp_path / "cache" / "digests.json").read_text())
+    st = w.stat()
+    assert cached == {f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}": real}
+    # a remembered digest is used as it is (the file is not read again) ...
+    from tierd import namespace as nsmod
+    nsmod._memo.clear()
+    fake = "ab" * 32
+    (tmp_path / "cache" / "digests.json").write_text(json.dumps({next(iter(cached)): fake}))
+    assert content_digests([w]) == {w: fake}
+    # ... until the file changes: another mtime is another identity, hashed again
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert content_digests([w]) == {w: real}
+
+
+def test_a_hugging_face_snapshot_is_fingerprinted_by_its_blob_names(tmp_path):
+    """A snapshot's weight files link to blobs named by their SHA-256: the same fingerprint as a
+    plain copy of the same files, without reading them."""
+    plain = write_model(tmp_path / "plain", n_files=2)
+    repo = tmp_path / "hub" / "models--org--m"
+    snap = repo / "snapshots" / ("c0ffee" * 6 + "abcd")
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in sorted(plain.iterdir()):
+        data = f.read_bytes()
+        if f.suffix == ".safetensors":
+            blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+            blob.write_bytes(data)
+            (snap / f.name).symlink_to(os.path.relpath(blob, snap))
+        else:
+            (snap / f.name).write_bytes(data)
+    assert model_fingerprint(snap) == model_fingerprint(plain)
+    # the name is trusted (that is the point: no reading): a blob under another name is another model
+    w = sorted(snap.glob("*.safetensors"))[0]
+    blob = w.resolve()
+    other = blob.with_name("0" * 64)
+    blob.rename(other)
+    w.unlink()
+    w.symlink_to(os.path.relpath(other, snap))
+    assert model_fingerprint(snap) != model_fingerprint(plain)
+
+
+def test_layout_and_kv_scales_are_identity_but_leave_canonical_ids_alone():
+    ns = make_ns()
+    assert "layout" not in ns.to_dict() and "kv_scales" not in ns.to_dict()
+    cpu = make_ns(layout="vllm-cpu-vec")
+    scaled = make_ns(kv_dtype="fp8", kv_scales="ckpt:1234")
+    assert len({ns.id, cpu.id, scaled.id, make_ns(kv_dtype="fp8").id}) == 4
+    assert Namespace.from_dict(cpu.to_dict()).id == cpu.id
+    assert Namespace.from_dict(scaled.to_dict()) == scaled
 
 
 def test_config_change_changes_the_fingerprint(tmp_path):

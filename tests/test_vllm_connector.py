@@ -48,22 +48,26 @@ def embedded_url(tmp_path):
         store.close()
 
 
-@pytest.mark.parametrize("layout", ["BHN2D", "2BNHD", "B2NHD", "2BHND"])
-def test_roundtrip_embedded_every_layout(embedded_url, layout):
-    sched, worker = pair(embedded_url, layout)
+@pytest.mark.parametrize("layout,load_async", [("BHN2D", True), ("2BNHD", False), ("B2NHD", True),
+                                               ("2BHND", False)])
+def test_roundtrip_embedded_every_layout(embedded_url, layout, load_async):
+    sched, worker = pair(embedded_url, layout, load_async=load_async)
     drv.run_roundtrip(sched, worker, drv.Objects(), tv._EMBEDDED[embedded_url])
     assert sched.stats["hit_blocks"] > 0 and worker.stats["loaded_bytes"] > 0
     worker.shutdown()
     sched.shutdown()
 
 
-def test_roundtrip_and_load_errors_through_the_daemon(daemon):
-    sched, worker = pair(daemon.url)      # two connections, as vLLM's scheduler and worker processes
+@pytest.mark.parametrize("load_async", [True, False])
+def test_roundtrip_and_load_errors_through_the_daemon(daemon, load_async):
+    # separate connections, as vLLM's scheduler and worker processes have
+    sched, worker = pair(daemon.url, load_async=load_async)
     with tierd.connect(daemon.url) as admin:
         drv.run_roundtrip(sched, worker, drv.Objects(), admin)
         drv.run_load_error(sched, worker, drv.Objects(), admin)
-    worker.shutdown()
-    sched.shutdown()
+        worker.shutdown()
+        sched.shutdown()
+        assert admin.stats()["reservations"] == 0      # every reservation committed or aborted
 
 
 def test_blocks_are_shared_with_the_bundled_engine_layout(embedded_url):
@@ -74,7 +78,7 @@ def test_blocks_are_shared_with_the_bundled_engine_layout(embedded_url):
     r = objs.request("X", prompt)
     drv.admit(sched, objs, r, 0, [5, 9, 2])
     drv.step(sched, worker, objs.output([(r, [5, 9, 2], 0, 39)]))
-    assert worker.link.flush(30)
+    assert worker.flush(30)
     store = tv._EMBEDDED[embedded_url]
     ns = worker.namespace("")
     (block,) = store.get(ns, ns.block_keys(prompt)[:1])
@@ -91,7 +95,7 @@ def test_daemon_down_means_no_hits_no_stores_and_no_exceptions(tmp_path):
     r = objs.request("A", list(range(100)))
     assert drv.admit(sched, objs, r, 0, list(range(7))) == 0
     drv.step(sched, worker, objs.output([(r, range(7), 0, 100)]))
-    assert worker.link.flush(10)
+    assert worker.flush(10)
     assert sched.stats["unavailable"] >= 1
     assert worker.stats["stored_blocks"] == 0
     # the scheduler saw the daemon down, so it planned no copies for the worker
@@ -118,19 +122,27 @@ def test_layer_order_is_numeric():
     assert sorted(names, key=tv._layer_index)[-1] == "model.layers.10.self_attn.attn"
 
 
-def _vllm_python() -> str | None:
-    py = os.environ.get("TEST_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
-    return py if Path(py).exists() else None
+VLLM_ENVS = {"cpu-build": ".venv-vllm", "latest": ".venv-vllm-latest"}
 
 
-def test_conformance_with_the_installed_vllm(tmp_path):
-    """vLLM's real base class, factory, configs, requests and scheduler outputs (in the separate
-    environment `make vllm-env` builds; CI builds it)."""
-    py = _vllm_python()
+def vllm_python(env: str = "cpu-build") -> str | None:
+    """The Python of a vLLM environment `make vllm-env` builds ($TEST_VLLM_PYTHON overrides the
+    CPU build's)."""
+    if env == "cpu-build" and os.environ.get("TEST_VLLM_PYTHON"):
+        return os.environ["TEST_VLLM_PYTHON"]
+    py = ROOT / VLLM_ENVS[env] / "bin" / "python"
+    return str(py) if py.exists() else None
+
+
+@pytest.mark.parametrize("env", sorted(VLLM_ENVS))
+def test_conformance_with_the_installed_vllm(tmp_path, env):
+    """vLLM's real base class, factory, configs, requests and scheduler outputs, in both vLLM
+    environments (`make vllm-env` builds them; CI builds them and fails if it cannot)."""
+    py = vllm_python(env)
     if py is None:
-        pytest.skip("no vLLM environment (.venv-vllm or $TEST_VLLM_PYTHON); `make vllm-env` builds one")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING", TMPDIR=str(tmp_path))
-    r = subprocess.run([py, "-m", "tests.vllm_check"], cwd=ROOT, env=env, capture_output=True, text=True,
+        pytest.skip(f"no {VLLM_ENVS[env]} environment; `make vllm-env` builds it")
+    env_vars = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING", TMPDIR=str(tmp_path))
+    r = subprocess.run([py, "-m", "tests.vllm_check"], cwd=ROOT, env=env_vars, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "vLLM connector conformance: OK" in r.stdout

@@ -10,6 +10,8 @@ reported so vLLM recomputes it.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_TOKENS, NUM_BLOCKS = 4, 2, 8, 16, 32, 64
@@ -47,8 +49,15 @@ class Objects:
         return SimpleNamespace(request_id=req_id, prompt_token_ids=list(tokens), all_token_ids=list(tokens),
                                cache_salt=salt, num_computed_tokens=0)
 
+    load_errors: set
+
     def blocks(self, block_ids: list[int]):
-        return None
+        from types import SimpleNamespace
+        return SimpleNamespace(get_block_ids=lambda: (list(block_ids),))
+
+    def take_errors(self) -> set[int]:
+        errors, self.load_errors = getattr(self, "load_errors", set()), set()
+        return errors
 
     def append_token(self, request, token: int) -> None:
         request.all_token_ids.append(token)
@@ -67,21 +76,45 @@ class Objects:
                                num_scheduled_tokens=sched, finished_req_ids=set(finished))
 
 
-def step(sched, worker, out) -> None:
-    """One engine step: the scheduler builds metadata; the worker loads, 'runs', and saves."""
+def step(sched, worker, objs, out=None, finished: set[str] = frozenset()) -> set[str]:
+    """One engine step as vLLM's worker runs it: the scheduler builds metadata; the worker binds
+    it, loads, 'runs', saves, and reports finished asynchronous loads and load errors (kept in
+    `objs.load_errors`). Returns the requests whose asynchronous load finished."""
+    if out is None:
+        out, objs = objs, None
     meta = sched.build_connector_meta(out)
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)
     for name in range(LAYERS):
         worker.wait_for_layer_load(f"model.layers.{name}.self_attn.attn")
     worker.wait_for_save()
+    _, recving = worker.get_finished(set(finished))
+    errors = worker.get_block_ids_with_load_errors()
+    if objs is not None:
+        objs.load_errors = getattr(objs, "load_errors", set()) | errors
+    else:
+        assert not errors, errors
     worker.clear_connector_metadata()
+    return set(recving or ())
 
 
-def admit(sched, objs, request, num_local: int, block_ids: list[int]) -> int:
+def admit(sched, objs, request, num_local: int, block_ids: list[int], worker=None, before_load=None) -> int:
+    """vLLM admitting a waiting request: the lookup, the allocation, and for an asynchronous
+    load the steps until the worker reports it (then the request is allocated again, with no
+    external tokens, and scheduled by the caller)."""
     ext, is_async = sched.get_num_new_matched_tokens(request, num_local)
-    assert is_async is False
+    assert is_async == bool(ext and sched.load_async), (ext, is_async)
     sched.update_state_after_alloc(request, objs.blocks(block_ids), ext)
+    if before_load is not None:
+        before_load()
+    if is_async:
+        assert worker is not None, "an asynchronous load needs the worker to run"
+        done, deadline = set(), time.monotonic() + 30
+        while request.request_id not in done:
+            assert time.monotonic() < deadline, "the asynchronous load was never reported"
+            done |= step(sched, worker, objs, objs.output([]))
+            time.sleep(0.001)
+        sched.update_state_after_alloc(request, objs.blocks(block_ids), 0)
     return ext
 
 
@@ -91,23 +124,23 @@ def run_roundtrip(sched, worker, objs: Objects, store) -> None:
     prompt = torch.randint(0, 32000, (100,)).tolist()
     # request A: nothing cached; 100 tokens in blocks 0..6; one prefill step fills tier blocks 0-2
     a = objs.request("A", prompt)
-    assert admit(sched, objs, a, 0, list(range(7))) == 0
-    step(sched, worker, objs.output([(a, range(7), 0, 100)]))
-    assert worker.link.flush(30)
+    assert admit(sched, objs, a, 0, list(range(7)), worker) == 0
+    step(sched, worker, objs, objs.output([(a, range(7), 0, 100)]))
+    assert worker.flush(30)
     assert worker.stats["stored_blocks"] == 3, worker.stats
     sched.request_finished(a, list(range(7)))
     stored = {b: block_kv(worker, b) for b in range(7)}
 
     # request B: same 96-token prefix, new tail; loads 3 tier blocks into blocks 10..15
     b = objs.request("B", prompt[:96] + [7] * 24)
-    ext = admit(sched, objs, b, 0, list(range(10, 18)))
+    ext = admit(sched, objs, b, 0, list(range(10, 18)), worker)
     assert ext == 96
     before = block_kv(worker, 16)
-    step(sched, worker, objs.output([(b, range(10, 18), 96, 24)]))
+    step(sched, worker, objs, objs.output([(b, range(10, 18), 96, 24)]))
     for i in range(6):
         assert torch.equal(block_kv(worker, 10 + i), stored[i]), f"block {10 + i} != stored block {i}"
     assert torch.equal(block_kv(worker, 16), before), "a block past the hit was written"
-    assert worker.get_block_ids_with_load_errors() == set()
+    assert objs.take_errors() == set()
     sched.request_finished(b, list(range(10, 18)))
 
     # request C: vLLM's own prefix cache holds 32 tokens (blocks 0, 1): only the rest is loaded,
@@ -117,9 +150,9 @@ def run_roundtrip(sched, worker, objs: Objects, store) -> None:
         k[0].fill_(3.0)
         v[1].fill_(-3.0)
     sentinel = {0: block_kv(worker, 0), 1: block_kv(worker, 1)}
-    ext = admit(sched, objs, c, 32, [0, 1, 20, 21, 22, 23, 24])
+    ext = admit(sched, objs, c, 32, [0, 1, 20, 21, 22, 23, 24], worker)
     assert ext == 64
-    step(sched, worker, objs.output([(c, [0, 1, 20, 21, 22, 23, 24], 96, 7)]))
+    step(sched, worker, objs, objs.output([(c, [0, 1, 20, 21, 22, 23, 24], 96, 7)]))
     assert torch.equal(block_kv(worker, 0), sentinel[0]) and torch.equal(block_kv(worker, 1), sentinel[1])
     for i in range(2, 6):
         assert torch.equal(block_kv(worker, 18 + i), stored[i])
@@ -127,25 +160,25 @@ def run_roundtrip(sched, worker, objs: Objects, store) -> None:
 
     # the last prompt token is always computed: a prompt of exactly 3 tier blocks loads 95 tokens
     d = objs.request("D", prompt[:96])
-    assert admit(sched, objs, d, 0, list(range(30, 36))) == 95
-    step(sched, worker, objs.output([(d, range(30, 36), 95, 1)]))
+    assert admit(sched, objs, d, 0, list(range(30, 36)), worker) == 95
+    step(sched, worker, objs, objs.output([(d, range(30, 36), 95, 1)]))
     for i in range(6):
         assert torch.equal(block_kv(worker, 30 + i), stored[i])
     sched.request_finished(d, list(range(30, 36)))
 
     # another cache_salt never hits
     e = objs.request("E", prompt, salt="tenant-2")
-    assert admit(sched, objs, e, 0, list(range(40, 47))) == 0
+    assert admit(sched, objs, e, 0, list(range(40, 47)), worker) == 0
     sched.request_finished(e, list(range(40, 47)))
 
     # decode steps fill more tier blocks: A's continuation stores tier block 3 once 128 tokens exist
     f = objs.request("F", prompt + list(range(1000, 1027)))     # 127 tokens
-    assert admit(sched, objs, f, 0, list(range(48, 56))) == 96
+    assert admit(sched, objs, f, 0, list(range(48, 56)), worker) == 96
     stored_before = worker.stats["stored_blocks"]
-    step(sched, worker, objs.output([(f, range(48, 56), 96, 31)]))
+    step(sched, worker, objs, objs.output([(f, range(48, 56), 96, 31)]))
     objs.append_token(f, 9)                                       # the sampled token
-    step(sched, worker, objs.output([], cached=[("F", [], 127, 1)]))
-    assert worker.link.flush(30)
+    step(sched, worker, objs, objs.output([], cached=[("F", [], 127, 1)]))
+    assert worker.flush(30)
     assert worker.stats["stored_blocks"] == stored_before + 1, worker.stats
     sched.request_finished(f, list(range(48, 56)))
 
@@ -155,14 +188,15 @@ def run_load_error(sched, worker, objs: Objects, store) -> None:
     torch.manual_seed(2)
     prompt = torch.randint(0, 32000, (70,)).tolist()
     a = objs.request("G", prompt)
-    admit(sched, objs, a, 0, list(range(5)))
-    step(sched, worker, objs.output([(a, range(5), 0, 70)]))
-    assert worker.link.flush(30)
+    admit(sched, objs, a, 0, list(range(5)), worker)
+    step(sched, worker, objs, objs.output([(a, range(5), 0, 70)]))
+    assert worker.flush(30)
     sched.request_finished(a, list(range(5)))
     b = objs.request("H", prompt)
-    assert admit(sched, objs, b, 0, list(range(50, 55))) == 64
-    store.flush()                                   # every block gone before the worker loads
-    step(sched, worker, objs.output([(b, range(50, 55), 64, 6)]))
-    assert worker.get_block_ids_with_load_errors() == {50, 51, 52, 53}
-    assert worker.get_block_ids_with_load_errors() == set()   # reported once
+    # every block gone after the lookup, before the worker loads
+    assert admit(sched, objs, b, 0, list(range(50, 55)), worker, before_load=store.flush) == 64
+    step(sched, worker, objs, objs.output([(b, range(50, 55), 64, 6)]))
+    assert objs.take_errors() == {50, 51, 52, 53}
+    step(sched, worker, objs, objs.output([]))
+    assert objs.take_errors() == set()                        # reported once
     sched.request_finished(b, list(range(50, 55)))

@@ -32,8 +32,9 @@ def connect(url: str = "embedded://"):
 
     `embedded://?host=8GiB&disk=/var/cache/tierd&disk_bytes=100GiB&policy=s3fifo&codec=zstd`
     opens a TieredStore in this process; `unix:///run/tierd/tierd.sock?timeout_s=2` connects to a
-    daemon (`tierd.client.Client`; `timeout_s` bounds each request, 60 s by default). Both have
-    the same interface.
+    daemon (`tierd.client.Client`; `timeout_s` bounds each request, 60 s by default;
+    `connect_timeout_s` the connection, 5 s; `retries` how often a read-only request is retried
+    on a new connection, 1). Both have the same interface.
     """
     parts = urlsplit(url)
     if parts.scheme == "embedded":
@@ -53,15 +54,16 @@ def connect(url: str = "embedded://"):
         path = parts.path or parts.netloc
         if not path:
             raise ConfigError(f"{url}: no socket path; use unix:///run/tierd/tierd.sock")
-        kw = {}
+        kw: dict = {}
+        known = {"timeout_s": float, "connect_timeout_s": float, "retries": int}
         for k, v in parse_qsl(parts.query, keep_blank_values=True):
-            if k != "timeout_s":
-                raise ConfigError(f"{url}: unknown parameter {k!r}; known: timeout_s")
+            if k not in known:
+                raise ConfigError(f"{url}: unknown parameter {k!r}; known: {', '.join(known)}")
             try:
-                kw["timeout_s"] = float(v)
+                kw[k] = known[k](v)
             except ValueError:
-                raise ConfigError(f"{url}: timeout_s must be a number of seconds") from None
-            if not kw["timeout_s"] > 0:
-                raise ConfigError(f"{url}: timeout_s must be positive")
+                raise ConfigError(f"{url}: {k} must be a number") from None
+            if kw[k] < 0 or (k != "retries" and not kw[k] > 0):
+                raise ConfigError(f"{url}: {k} must be positive")
         return Client(path, **kw)
     raise ConfigError(f"{url}: unknown scheme {parts.scheme!r}; use embedded:// or unix://")

@@ -9,6 +9,7 @@ repeated safely say so. Thread-safe: one request at a time per client.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import mmap
@@ -85,12 +86,13 @@ class ClientLease:
 class Client:
     """A connection to `tierd serve` with the same interface as `TieredStore`."""
 
-    RETRY_OPS = {"lookup", "where", "acquire", "stats", "ping", "flush", "sync", "register"}
+    RETRY_OPS = {"lookup", "lookup_all", "where", "acquire", "stats", "ping", "flush", "sync", "register"}
 
     def __init__(self, path: str, *, timeout_s: float = 60.0, name: str | None = None,
-                 connect_timeout_s: float = 5.0):
+                 connect_timeout_s: float = 5.0, retries: int = 1):
         self.path = path
         self.timeout_s = timeout_s
+        self.retries = retries
         self.connect_timeout_s = connect_timeout_s
         self.name = name or f"pid{os.getpid()}"
         self._lock = threading.RLock()
@@ -102,6 +104,9 @@ class Client:
         self._gpu_arena = None
         self._generation = 0
         self._deferred: list[dict] = []
+        self._hold_lock = threading.Lock()
+        self._holds = 0
+        self._zombies: list[socket.socket] = []
         self.reconnects = 0
         with self._lock:
             self._connect()
@@ -116,7 +121,6 @@ class Client:
             s.close()
             raise DaemonUnavailableError(
                 f"cannot reach the tierd daemon at {self.path}: {e.strerror or e}; is `tierd serve` running?") from None
-        s.settimeout(self.timeout_s)
         self._sock = s
         self._generation += 1
         reply = self._roundtrip({"op": "hello", "version": P.PROTOCOL_VERSION, "client": self.name,
@@ -151,10 +155,43 @@ class Client:
     def _disconnect(self) -> None:
         self._deferred = []
         if self._sock is not None:
-            try:
-                self._sock.close()
-            finally:
-                self._sock = None
+            sock, self._sock = self._sock, None
+            with self._hold_lock:
+                if self._holds:          # someone still copies through this connection's slots:
+                    self._zombies.append(sock)   # close it (and let the daemon reclaim) after them
+                    return
+            sock.close()
+
+    @contextlib.contextmanager
+    def hold(self):
+        """Keep this connection's reservations and leases alive while the caller copies into or
+        out of their slots from another thread: a request that fails meanwhile (a timeout on
+        another thread) drops the connection for new requests, but its socket is closed — and
+        the daemon reclaims the slots — only once every holder is done."""
+        with self._hold_lock:
+            self._holds += 1
+            gen = self._generation
+        try:
+            yield gen
+        finally:
+            with self._hold_lock:
+                self._holds -= 1
+                zombies = self._zombies if not self._holds else []
+                if not self._holds:
+                    self._zombies = []
+            for z in zombies:
+                z.close()
+
+    def reconnect(self) -> None:
+        """Connect again if the connection was lost (for callers that reconnect off their hot path)."""
+        with self._lock:
+            if self._sock is None:
+                self._connect()
+                self.reconnects += 1
+
+    def generation(self) -> int:
+        """Changes with every new connection: slots obtained under an older one are gone."""
+        return self._generation
 
     def _send_deferred(self, msg: dict) -> bool:
         """Send a request whose reply is read later (before the next reply). False if the
@@ -168,22 +205,26 @@ class Client:
             self._disconnect()
             return False
 
-    def _read_reply(self) -> dict:
-        (n,) = P.HEADER.unpack(self._recv_exact(4))
-        return P.decode_body(self._recv_exact(n))
+    def _read_reply(self, deadline: float) -> dict:
+        (n,) = P.HEADER.unpack(self._recv_exact(4, deadline))
+        return P.decode_body(self._recv_exact(n, deadline))
 
     def _roundtrip(self, msg: dict) -> dict:
+        """One request and its reply, all within `timeout_s` (a deadline for the whole exchange,
+        not per socket call: a daemon that trickles bytes cannot stretch it)."""
         req_id = next(self._ids)
         msg["id"] = req_id
         sock = self._sock
+        deadline = time.monotonic() + self.timeout_s
         try:
+            sock.settimeout(self.timeout_s)
             sock.sendall(P.encode(msg))
             while self._deferred:  # replies to deferred requests come first, in order
                 sent = self._deferred.pop(0)
-                r = self._read_reply()
+                r = self._read_reply(deadline)
                 if "error" in r:
                     log.warning("deferred %s failed: %s", sent["op"], r["error"].get("message"))
-            reply = self._read_reply()
+            reply = self._read_reply(deadline)
         except (OSError, EOFError) as e:
             self._disconnect()
             raise DaemonUnavailableError(f"lost the tierd daemon at {self.path} during {msg['op']}: {e}") from None
@@ -194,9 +235,13 @@ class Client:
             raise P.ProtocolError(f"reply id {reply.get('id')} does not match request {req_id}")
         return reply
 
-    def _recv_exact(self, n: int) -> bytes:
+    def _recv_exact(self, n: int, deadline: float) -> bytes:
         buf = bytearray()
         while len(buf) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            self._sock.settimeout(left)
             chunk = self._sock.recv(n - len(buf))
             if not chunk:
                 raise EOFError("connection closed by the daemon")
@@ -205,14 +250,14 @@ class Client:
 
     def _call(self, op: str, **fields) -> dict:
         with self._lock:
-            for attempt in (0, 1):
+            for attempt in range(self.retries + 1):
                 if self._sock is None:
                     self._connect()
                     self.reconnects += 1
                 try:
                     return self._roundtrip({"op": op, **fields})
                 except DaemonUnavailableError:
-                    if attempt or op not in self.RETRY_OPS:
+                    if attempt == self.retries or op not in self.RETRY_OPS:
                         raise
                     time.sleep(0.05)
             raise AssertionError("unreachable")
@@ -241,6 +286,10 @@ class Client:
             v.flags.writeable = False
         return v
 
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
     def host_array(self) -> np.ndarray:
         """The daemon's host arena as mapped here, one uint8 array (for cudaHostRegister)."""
         return self._arena
@@ -251,6 +300,11 @@ class Client:
 
     def lookup(self, ns, keys: Sequence[bytes]) -> int:
         return self._call("lookup", ns=self._ns_name(ns), keys=check_keys(keys))["n"]
+
+    def lookup_all(self, queries) -> list[int]:
+        """`lookup` for several (namespace, keys) pairs in one round trip."""
+        q = [{"ns": self._ns_name(ns), "keys": check_keys(keys)} for ns, keys in queries]
+        return list(self._call("lookup_all", queries=q)["n"])
 
     def where(self, ns, keys: Sequence[bytes]) -> list[str]:
         return self._call("where", ns=self._ns_name(ns), keys=check_keys(keys))["tiers"]
@@ -315,11 +369,22 @@ class Client:
                 lease.gpu_buffers = [self._gpu_arena[o:o + nsobj.block_bytes] if o >= 0 else None for o in offs]
         return lease
 
-    def release(self, lease: ClientLease) -> None:
+    def release(self, lease: ClientLease, *, confirm: bool = False) -> None:
+        """End a lease. With `confirm`, wait for the daemon's answer and raise LeaseError if the
+        lease was lost before now (the connection dropped, the daemon restarted): then the bytes
+        read under it may have been overwritten, and the reader must not use them."""
         with self._lock:
             if not lease._open:
                 raise E.LeaseError(f"lease {lease.id} is already released")
             lease._open = False
+            if confirm:
+                if lease._generation != self._generation or self._sock is None:
+                    raise E.LeaseError(f"lease {lease.id} was lost with its connection to the daemon")
+                try:
+                    self._roundtrip({"op": "release", "lease": lease.id})
+                except DaemonUnavailableError as e:
+                    raise E.LeaseError(f"lease {lease.id} could not be confirmed: {e}") from None
+                return
             if lease._generation == self._generation and self._sock is not None:
                 # The reply is read before the next request's, not waited for now: a release
                 # cannot fail for a lease this client holds, and it saves a round trip per get.

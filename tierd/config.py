@@ -290,7 +290,7 @@ def read_toml(path: str) -> dict[str, Any]:
 
 
 # TIERD_* variables that belong to clients and tools, not to `tierd serve`.
-CLIENT_ENV = frozenset({"TIERD_CONFIG", "TIERD_URL"})
+CLIENT_ENV = frozenset({"TIERD_CONFIG", "TIERD_URL", "TIERD_DIGEST_CACHE"})  # read by clients, not serve
 
 
 def load_serve_config(config_path: str | None = None, flags: dict[str, Any] | None = None,

@@ -15,7 +15,7 @@ version change (FORMAT_VERSION below, also in the disk header).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Union
 
 import numpy as np
@@ -100,13 +100,15 @@ def block_keys(
 
 
 def extend_keys(keys: list[bytes], root: bytes, token_ids: Sequence[int], block_tokens: int,
-                n_blocks: int) -> list[bytes]:
+                n_blocks: int, extra: Callable[[int], bytes | None] | None = None) -> list[bytes]:
     """Extend `keys` (the keys of the first len(keys) full blocks of `token_ids`) in place to
-    the first `n_blocks` full blocks, hashing only the new blocks. Returns `keys`."""
+    the first `n_blocks` full blocks, hashing only the new blocks. `extra(i)` gives block i's
+    extra bytes (see `block_keys`). Returns `keys`."""
     have = len(keys)
     if n_blocks > have:
+        ex = None if extra is None else [extra(i) for i in range(have, n_blocks)]
         keys.extend(block_keys(root, token_ids[have * block_tokens:n_blocks * block_tokens], block_tokens,
-                               parent=keys[-1] if keys else None))
+                               parent=keys[-1] if keys else None, extra=ex))
     return keys
 
 

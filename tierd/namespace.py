@@ -3,21 +3,29 @@
 A namespace fixes the block layout `[num_layers, 2, block_tokens, num_kv_heads, head_dim]`
 (C-contiguous, so one layer's K and V are one contiguous run) and hence the block byte size.
 Blocks of two namespaces never mix: the namespace id seeds every key chain and tags every slot.
-This module reads model directories but never writes anything.
+The model fingerprint covers every byte of the weights (see `model_fingerprint`). This module
+reads model directories and never writes to them; it remembers weight files' content digests
+in a small cache file (`digest_cache_path`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 import struct
+import threading
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import keys as _keys
 from .errors import NamespaceError
+
+log = logging.getLogger("tierd.namespace")
 
 # Canonical dtype name -> bytes per element. Aliases map onto these names.
 DTYPE_BYTES = {
@@ -31,6 +39,7 @@ _DTYPE_ALIASES = {
     "e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "float8_e5m2": "float8_e5m2",
 }
 DEFAULT_BLOCK_TOKENS = 256
+LOUD_HASH_BYTES = 1 << 30     # hashing more than this logs progress
 FINGERPRINT_SAMPLES = 16
 FINGERPRINT_SAMPLE_BYTES = 64 * 1024
 # config.json keys that change without the weights changing.
@@ -59,6 +68,8 @@ class Namespace:
     tp_rank: int = 0
     tp_size: int = 1
     cache_salt: str = ""
+    layout: str = ""        # "" = the canonical layout above; else the engine layout the bytes are in
+    kv_scales: str = ""     # "" = unit scales (or none: not a quantized dtype); else their digest
     _id: bytes = field(init=False, repr=False, compare=False, default=b"")
 
     def __post_init__(self) -> None:
@@ -71,13 +82,18 @@ class Namespace:
                 raise NamespaceError(f"namespace {name} must be a positive integer, got {v!r}")
         if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
             raise NamespaceError(f"tp_rank {self.tp_rank!r} must lie in [0, tp_size={self.tp_size})")
-        if not isinstance(self.cache_salt, str):
-            raise NamespaceError("cache_salt must be a string")
+        for name in ("cache_salt", "layout", "kv_scales"):
+            if not isinstance(getattr(self, name), str):
+                raise NamespaceError(f"namespace {name} must be a string")
         if self.block_bytes > 1 << 40:
             raise NamespaceError(f"namespace block of {self.block_bytes} bytes is absurd; check the shape")
         ident = "\x1f".join(str(x) for x in (
             "tierd-ns-v1", self.model, self.kv_dtype, self.num_layers, self.num_kv_heads,
             self.head_dim, self.block_tokens, self.tp_rank, self.tp_size, self.cache_salt))
+        # Fields added later enter the identity only when set, so existing namespaces keep their ids.
+        for name in ("layout", "kv_scales"):
+            if getattr(self, name):
+                ident += f"\x1f{name}={getattr(self, name)}"
         object.__setattr__(self, "_id", hashlib.blake2b(ident.encode(), digest_size=16).digest())
 
     # -- identity -------------------------------------------------------------------------
@@ -120,12 +136,15 @@ class Namespace:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("_id", None)
+        for name in ("layout", "kv_scales"):
+            if not d[name]:
+                del d[name]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Namespace":
         allowed = {"model", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "block_tokens",
-                   "tp_rank", "tp_size", "cache_salt"}
+                   "tp_rank", "tp_size", "cache_salt", "layout", "kv_scales"}
         unknown = set(d) - allowed
         if unknown:
             raise NamespaceError(f"unknown namespace fields: {', '.join(sorted(unknown))}")
@@ -142,6 +161,7 @@ class Namespace:
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         kv_dtype: str = "auto",
         revision: str | None = None,
+        fingerprint: str = "full",
         tp_rank: int = 0,
         tp_size: int = 1,
         cache_salt: str = "",
@@ -157,7 +177,7 @@ class Namespace:
         # Tensor parallelism splits KV heads across ranks; fewer heads than ranks replicate.
         kv_heads_per_rank = max(1, kv_heads // tp_size)
         return cls(
-            model=model_fingerprint(model_dir, revision=revision),
+            model=model_fingerprint(model_dir, revision=revision, mode=fingerprint),
             kv_dtype=kv_dtype, num_layers=layers, num_kv_heads=kv_heads_per_rank,
             head_dim=head_dim, block_tokens=block_tokens, tp_rank=tp_rank, tp_size=tp_size,
             cache_salt=cache_salt)
@@ -209,21 +229,174 @@ def _sample_file(h: "hashlib._Hash", path: Path, data_start: int) -> None:
             h.update(f.read(FINGERPRINT_SAMPLE_BYTES))
 
 
-def model_fingerprint(model_dir: str | os.PathLike, *, revision: str | None = None) -> str:
+# -- whole-file content digests -------------------------------------------------------------------
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_memo: dict[tuple, str] = {}
+_memo_lock = threading.Lock()
+
+
+def digest_cache_path() -> Path:
+    """Where content digests are remembered across processes: $TIERD_DIGEST_CACHE, else
+    $XDG_CACHE_HOME/tierd/digests.json (~/.cache/tierd/digests.json)."""
+    explicit = os.environ.get("TIERD_DIGEST_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tierd" / "digests.json"
+
+
+def _stat_key(st: os.stat_result) -> tuple:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _load_digest_cache(path: Path) -> dict[str, str]:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _remember_digests(found: dict[tuple, str]) -> None:
+    """Add digests to the cache file (atomic replace; a read-only home only costs a re-hash)."""
+    path = digest_cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _load_digest_cache(path)
+        data.update({":".join(map(str, k)): v for k, v in found.items()})
+        if len(data) > 4096:   # keep the newest entries
+            data = dict(list(data.items())[-4096:])
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("cannot remember weight digests in %s (%s): they are recomputed next start", path, e)
+
+
+def hf_blob_digest(path: Path) -> str | None:
+    """The SHA-256 a Hugging Face cache snapshot names this file's blob by, or None where `path`
+    is not such a link. A snapshot's files are symlinks to ../../blobs/<sha256 of the content>
+    for large (LFS) files; small files are named by a git hash, which is not used here."""
+    if not path.is_symlink():
+        return None
+    target = Path(os.path.realpath(path))
+    if target.parent.name == "blobs" and _HEX64.fullmatch(target.name):
+        return target.name
+    return None
+
+
+def _sha256_file(path: Path, size: int, progress: "_Progress") -> str:
+    h = hashlib.sha256()
+    buf = bytearray(16 << 20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        try:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except (AttributeError, OSError):
+            pass
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+            progress.advance(n)
+    return h.hexdigest()
+
+
+class _Progress:
+    """Progress of hashing weights, logged every few seconds when there is a lot to read."""
+
+    def __init__(self, total: int, where: Path):
+        self.total, self.done, self.where = total, 0, where
+        self.t0 = self.last = time.monotonic()
+        self.loud = total >= LOUD_HASH_BYTES
+        if self.loud:
+            log.warning("hashing %.1f GiB of weights in %s once for the model fingerprint "
+                        "(remembered in %s)", total / 2**30, where, digest_cache_path())
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.loud and now - self.last >= 5.0:
+            self.last = now
+            rate = self.done / max(now - self.t0, 1e-9)
+            log.warning("model fingerprint: %3.0f%% of %.1f GiB, %.0f MiB/s, about %.0f s left",
+                        100 * self.done / self.total, self.total / 2**30, rate / 2**20,
+                        (self.total - self.done) / max(rate, 1.0))
+
+    def finish(self) -> None:
+        if self.loud:
+            log.warning("model fingerprint: hashed %.1f GiB in %.1f s", self.done / 2**30,
+                        time.monotonic() - self.t0)
+
+
+def content_digests(paths: list[Path]) -> dict[Path, str]:
+    """SHA-256 of each file's whole content: from a Hugging Face snapshot's blob name where the
+    file is one, else remembered by (device, inode, size, mtime), else computed (and then
+    remembered). The same bytes give the same digest wherever they are stored."""
+    out: dict[Path, str] = {}
+    todo: list[tuple[Path, tuple, int]] = []
+    cache = None
+    for p in paths:
+        named = hf_blob_digest(p)
+        if named is not None:
+            out[p] = named
+            continue
+        st = p.stat()
+        key = _stat_key(st)
+        with _memo_lock:
+            known = _memo.get(key)
+        if known is None:
+            if cache is None:
+                cache = _load_digest_cache(digest_cache_path())
+            known = cache.get(":".join(map(str, key)))
+        if isinstance(known, str) and _HEX64.fullmatch(known):
+            out[p] = known
+        else:
+            todo.append((p, key, st.st_size))
+    if todo:
+        progress = _Progress(sum(size for _, _, size in todo), todo[0][0].parent)
+        found = {}
+        for p, key, size in todo:
+            digest = _sha256_file(p, size, progress)
+            if _stat_key(p.stat()) != key:
+                raise NamespaceError(f"{p} changed while it was being hashed; start again once it is written")
+            out[p] = found[key] = digest
+        progress.finish()
+        _remember_digests(found)
+    with _memo_lock:
+        for p, d in out.items():
+            try:
+                _memo[_stat_key(p.stat())] = d
+            except OSError:
+                pass
+    return out
+
+
+FINGERPRINT_MODES = ("full", "sampled")
+
+
+def model_fingerprint(model_dir: str | os.PathLike, *, revision: str | None = None,
+                      mode: str = "full") -> str:
     """32-hex-digit fingerprint of a model directory.
 
     Hashes config.json (canonical JSON, volatile keys dropped) and, per weight file in name
-    order, its name, size, safetensors header and 16 samples of 64 KiB at evenly spaced offsets:
-    cheap at start-up, the same on every host, and different for a fine-tune with identical
-    shapes. With an explicit `revision` the weights are not read.
+    order, its name and the SHA-256 of its whole content (`content_digests`: a Hugging Face
+    snapshot's blob names, or computed once and remembered), so any change to any weight byte
+    gives another fingerprint. `mode="sampled"` hashes only each file's size, safetensors header
+    and 16 samples of 64 KiB: cheap, but a fine-tune that changes other bytes keeps the
+    fingerprint — an explicit opt-in for operators who accept that. With an explicit `revision`
+    the weights are not read: the operator vouches that the revision names the weights.
     """
+    if mode not in FINGERPRINT_MODES:
+        raise NamespaceError(f"fingerprint mode {mode!r} is not one of {', '.join(FINGERPRINT_MODES)}")
     d = Path(model_dir)
     if not d.is_dir():
         raise NamespaceError(f"model directory {d} does not exist")
     if not (d / "config.json").is_file():
         raise NamespaceError(f"{d}/config.json not found; a model directory needs a config.json")
     h = hashlib.blake2b(digest_size=16)
-    h.update(b"tierd-model-v1\x00")
+    h.update(b"tierd-model-v2\x00")
     try:
         h.update(_config_digest(d))
     except ValueError as e:
@@ -236,7 +409,7 @@ def model_fingerprint(model_dir: str | os.PathLike, *, revision: str | None = No
     if not weights and not others:
         raise NamespaceError(
             f"{d}: no weight files (*.safetensors, *.bin) to fingerprint; pass revision= to name the model")
-    for p in weights:
+    for p in weights:   # a file that is not safetensors is refused in either mode
         with open(p, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -244,10 +417,16 @@ def model_fingerprint(model_dir: str | os.PathLike, *, revision: str | None = No
             (hlen,) = struct.unpack("<Q", head)
             if hlen > 100 * 1024 * 1024:
                 raise NamespaceError(f"{p}: not a safetensors file (header length {hlen})")
-            header = f.read(hlen)
-        h.update(p.name.encode() + b"\x00" + struct.pack("<Q", p.stat().st_size) + head + header)
-        _sample_file(h, p, 8 + hlen)
-    for p in others:
-        h.update(p.name.encode() + b"\x00" + struct.pack("<Q", p.stat().st_size))
-        _sample_file(h, p, 0)
+            header = f.read(hlen) if mode == "sampled" else b""
+        if mode == "sampled":
+            h.update(b"sampled\x00" + p.name.encode() + b"\x00" + struct.pack("<Q", p.stat().st_size) + head + header)
+            _sample_file(h, p, 8 + hlen)
+    if mode == "sampled":
+        for p in others:
+            h.update(b"sampled\x00" + p.name.encode() + b"\x00" + struct.pack("<Q", p.stat().st_size))
+            _sample_file(h, p, 0)
+        return h.hexdigest()
+    digests = content_digests(weights + others)
+    for p in weights + others:
+        h.update(p.name.encode() + b"\x00" + bytes.fromhex(digests[p]))
     return h.hexdigest()

@@ -21,7 +21,7 @@ HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
 DEFAULT_MAX_KEYS = 4096
 
-OPS = ("hello", "register", "lookup", "where", "reserve", "commit", "abort", "acquire", "release",
+OPS = ("hello", "register", "lookup", "lookup_all", "where", "reserve", "commit", "abort", "acquire", "release",
        "flush", "sync", "stats", "ping")
 
 # reserve slot status codes

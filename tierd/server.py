@@ -36,7 +36,7 @@ MAX_NAMESPACES = 4096  # layouts one daemon will track: a bound on what clients 
 # ops that never wait on disk I/O (only briefly on the store lock): served on the event loop
 # thread, saving a thread hop; the others (acquire may read disk, reserve may wait for room,
 # flush and sync write) run on the worker pool.
-_INLINE_OPS = {"hello", "register", "lookup", "where", "commit", "abort", "release", "stats", "ping"}
+_INLINE_OPS = {"hello", "register", "lookup", "lookup_all", "where", "commit", "abort", "release", "stats", "ping"}
 
 
 if hasattr(asyncio, "timeout"):  # 3.11+: a deadline without the extra task wait_for makes
@@ -408,6 +408,18 @@ class Daemon:
     def _op_lookup(self, conn: _Conn, msg: dict) -> dict:
         ns = self._ns(conn, msg)
         return {"n": self.store.lookup(ns, P.keys_field(msg, self.cfg.max_keys_per_request))}
+
+    def _op_lookup_all(self, conn: _Conn, msg: dict) -> dict:
+        queries = P.field(msg, "queries", list)
+        budget = self.cfg.max_keys_per_request
+        parsed = []
+        for q in queries:
+            if not isinstance(q, dict):
+                raise P.ProtocolError("lookup_all: each query is a map {ns, keys}")
+            keys = P.keys_field(q, budget)
+            budget -= len(keys)
+            parsed.append((self._ns(conn, q), keys))
+        return {"n": self.store.lookup_all(parsed)}
 
     def _op_where(self, conn: _Conn, msg: dict) -> dict:
         ns = self._ns(conn, msg)

@@ -808,6 +808,11 @@ class TieredStore:
                 n += 1
             return n
 
+    def lookup_all(self, queries: Sequence[tuple[Namespace, Sequence[bytes]]]) -> list[int]:
+        """`lookup` for several (namespace, keys) pairs at once (e.g. every tensor-parallel
+        rank's chain of one prompt): one call, one answer per pair."""
+        return [self.lookup(ns, keys) for ns, keys in queries]
+
     def where(self, ns: Namespace, keys: Sequence[bytes]) -> list[str]:
         """Per key: "host", "disk", "host+disk" or "" (absent)."""
         keys = check_keys(keys)
@@ -964,8 +969,9 @@ class TieredStore:
             pass
         self._drop_disk(b, evicted=False)
 
-    def release(self, lease: Lease) -> None:
-        """End a lease; its buffers must no longer be read."""
+    def release(self, lease: Lease, *, confirm: bool = False) -> None:
+        """End a lease; its buffers must no longer be read. (`confirm` is for the daemon's
+        client, where a lease can be lost with its connection; here it cannot.)"""
         with self._cond:
             if self._leases.pop(lease.id, None) is None:
                 raise LeaseError(f"lease {lease.id} is unknown or already released")
