@@ -28,7 +28,7 @@ from pathlib import Path
 def _counters(llm) -> dict[str, float]:
     out = {}
     for m in llm.get_metrics():
-        if "prefix_cache" in m.name and hasattr(m, "value"):
+        if ("prefix_cache" in m.name or "preemption" in m.name) and hasattr(m, "value"):
             out[m.name.removeprefix("vllm:")] = float(m.value)
     return out
 

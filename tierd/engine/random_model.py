@@ -61,3 +61,34 @@ def bench_model_dir(cache_dir: str | Path | None = None) -> Path:
             shutil.rmtree(d)
         tmp.rename(d)
     return d
+
+
+def write_random_lora(path: str | Path, base_model: str | Path, *, rank: int = 8, seed: int = 0,
+                      std: float = 0.05, targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")) -> Path:
+    """Write a random LoRA adapter for a Llama-family `base_model` in the PEFT file layout
+    (adapter_config.json + adapter_model.safetensors). Both A and B are non-zero, so the adapter
+    changes the model's outputs — and, through k_proj and v_proj, its KV."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((Path(base_model) / "config.json").read_text())
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    kv = cfg.get("num_key_value_heads") or heads
+    out_dims = {"q_proj": heads * head_dim, "k_proj": kv * head_dim, "v_proj": kv * head_dim, "o_proj": hidden}
+    in_dims = {"q_proj": hidden, "k_proj": hidden, "v_proj": hidden, "o_proj": heads * head_dim}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for t in targets:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{t}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_dims[t], generator=g) * std
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_dims[t], rank, generator=g) * std
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "target_modules": list(targets), "bias": "none", "base_model_name_or_path": str(base_model),
+        "fan_in_fan_out": False, "inference_mode": True}, indent=1))
+    return path

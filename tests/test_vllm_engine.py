@@ -1,0 +1,280 @@
+"""A real vLLM engine (vLLM's CPU build, `make vllm-env`) running TierdConnector against a real
+`tierd serve`, each engine in its own process (tests/vllm_engine.py).
+
+One module-wide run does the work, so the suite starts three engines, not one per case:
+- P0: vLLM without the connector: the reference tokens of every batch below;
+- P1: vLLM with the connector and an empty daemon: stores blocks while generating;
+- the bundled engine stores one prompt and loads one that P1 stored (cross-engine);
+- P2: a fresh vLLM process with the connector: loads what P1 and the bundled engine stored, then
+  runs batches while the test stalls (SIGSTOP), kills and restarts the daemon.
+Every engine runs the same batches in the same order (fp32, greedy), with vLLM's own prefix cache
+off (hits are tierd's alone), a token budget below the prompt length (chunked prefill) and a KV
+cache small enough to force preemption.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from .daemon import DaemonProc
+from .test_vllm_connector import ROOT, vllm_python
+
+pytestmark = pytest.mark.slow
+
+BLOCK_TOKENS = 256
+DEADLINE_MS = 50
+ENGINE = {"max_num_batched_tokens": 256, "num_gpu_blocks_override": 12, "max_model_len": 1024,
+          "enable_prefix_caching": False,
+          "max_num_seqs": 8}
+TOML = """
+[host]
+slab_bytes = "4MiB"
+[disk]
+slab_bytes = "4MiB"
+file_bytes = "64MiB"
+"""
+
+
+def _prompts():
+    rng = random.Random(11)
+
+    def toks(n):
+        return [rng.randrange(1, 500) for _ in range(n)]
+
+    shared = toks(2 * BLOCK_TOKENS)
+    p = {"R1": toks(600), "R2": toks(600), "X": toks(600), "Y": toks(600), "Z": toks(600),
+         "F1": toks(600), "F2": toks(600), "F3": toks(600)}
+    p.update({f"S{i}": shared + toks(100) for i in range(4)})
+    p.update({f"P{i}": toks(600) for i in range(4)})
+    return p
+
+
+PROMPTS = _prompts()
+
+
+def batch(name, *items, pause=False, max_tokens=16):
+    """items: prompt name, or (prompt name, {"salt": ..., "lora": ...})."""
+    prompts = []
+    for it in items:
+        key, opts = (it, {}) if isinstance(it, str) else it
+        prompts.append({"tokens": PROMPTS[key], "max_tokens": max_tokens, "key": key, **opts})
+    return {"name": name, "prompts": prompts, "pause": pause}
+
+
+P1_BATCHES = [
+    batch("repeat", "R1", ("R2", {"salt": "tenant-a"})),
+    batch("shared", "S0", "S1", "S2", "S3"),
+    batch("preempt", "P0", "P1", "P2", "P3", max_tokens=160),
+    batch("lora", "X", ("X", {"lora": "A"})),
+    batch("z", "Z"),
+]
+P2_BATCHES = [
+    batch("repeat", "R1", ("R2", {"salt": "tenant-a"})),
+    batch("shared", "S0", "S1", "S2", "S3"),
+    batch("preempt", "P0", "P1", "P2", "P3", max_tokens=160),
+    batch("salt", ("R1", {"salt": "tenant-b"})),
+    batch("lora_b", ("X", {"lora": "B"})),
+    batch("lora_a", ("X", {"lora": "A"})),
+    batch("cross", "Y"),
+    batch("stall", "F1", "R1", pause=True),
+    batch("kill", "F2", ("R2", {"salt": "tenant-a"}), pause=True),
+    batch("restart", "F3", "R1", pause=True),
+]
+
+
+def _spec(tmp: Path, name: str, model: Path, loras: dict, batches: list, url: str | None) -> Path:
+    spec = {"model": str(model), "out": str(tmp / f"{name}.json"), "engine": ENGINE, "loras": loras,
+            "batches": batches,
+            "connector": None if url is None else {"url": url, "block_tokens": BLOCK_TOKENS,
+                                                   "lookup_deadline_ms": DEADLINE_MS}}
+    path = tmp / f"{name}.spec.json"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def _start(py: str, spec: Path, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING")
+    return subprocess.Popen([py, "-m", "tests.vllm_engine", str(spec)], cwd=ROOT, env=env,
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+
+
+def _finish(proc: subprocess.Popen, spec: Path, log: Path, timeout_s: float = 600) -> dict:
+    rc = proc.wait(timeout_s)
+    assert rc == 0, f"vLLM engine failed ({rc}):\n" + log.read_text()[-6000:]
+    return json.loads(Path(json.loads(spec.read_text())["out"]).read_text())
+
+
+def _run(py: str, spec: Path, log: Path) -> dict:
+    return _finish(_start(py, spec, log), spec, log)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    py = vllm_python()
+    if py is None:
+        if os.environ.get("TIERD_REQUIRE_VLLM"):
+            pytest.fail("the vLLM environment is part of this suite here, and it is missing")
+        pytest.skip("no vLLM environment (.venv-vllm); `make vllm-env` builds one")
+    from tierd.engine import LLM, SamplingParams
+    from tierd.engine.random_model import write_random_lora, write_random_model
+
+    tmp = tmp_path_factory.mktemp("vllm-e2e")
+    model = write_random_model(tmp / "model", vocab_size=512, hidden_size=128, intermediate_size=256,
+                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                               max_position_embeddings=4096, seed=5)
+    loras = {"A": str(write_random_lora(tmp / "lora-a", model, seed=1)),
+             "B": str(write_random_lora(tmp / "lora-b", model, seed=2))}
+    (tmp / "d").mkdir()
+    daemon = DaemonProc(tmp / "d", host_bytes="64MiB", disk_bytes="256MiB", toml=TOML).start()
+    url = daemon.url
+    out: dict = {"daemon": daemon, "url": url}
+    try:
+        # P0 (reference) runs while nothing else does; then P1 stores
+        out["p0"] = _run(py, _spec(tmp, "p0", model, loras, P1_BATCHES + [dict(b, pause=False) for b in P2_BATCHES],
+                                   None), tmp / "p0.log")
+        out["p1"] = _run(py, _spec(tmp, "p1", model, loras, P1_BATCHES, url), tmp / "p1.log")
+        out["stats_p1"] = _stats(url)
+
+        # the bundled engine: stores Y; loads Z, which vLLM stored
+        sp = SamplingParams(max_tokens=16, temperature=0.0)
+        plain = LLM(model, dtype="float32")
+        out["engine_z_alone"] = plain.generate(prompt_token_ids=PROMPTS["Z"], sampling_params=sp)[0]
+        with_tierd = LLM(model, dtype="float32", kv_store=url, kv_block_tokens=BLOCK_TOKENS)
+        out["engine_z"] = with_tierd.generate(prompt_token_ids=PROMPTS["Z"], sampling_params=sp)[0]
+        out["engine_y"] = with_tierd.generate(prompt_token_ids=PROMPTS["Y"], sampling_params=sp)[0]
+        with_tierd.close()
+
+        # P2: a fresh vLLM process; the daemon is stalled, killed and restarted under it
+        spec = _spec(tmp, "p2", model, loras, P2_BATCHES, url)
+        proc = _start(py, spec, tmp / "p2.log")
+        res = Path(json.loads(spec.read_text())["out"])
+
+        def at(name, timeout_s=600):
+            deadline = time.monotonic() + timeout_s
+            ready = Path(f"{res}.ready-{name}")
+            while not ready.exists():
+                assert proc.poll() is None, (tmp / "p2.log").read_text()[-6000:]
+                assert time.monotonic() < deadline, f"P2 never reached {name}"
+                time.sleep(0.05)
+            return Path(f"{res}.go-{name}")
+
+        go = at("stall")
+        out["stats_p2"] = _stats(url)
+        daemon.signal(signal.SIGSTOP)
+        go.write_text("")
+        go = at("kill")
+        daemon.signal(signal.SIGCONT)
+        go.write_text("")
+        time.sleep(0.05)
+        daemon.kill()                                  # mid-batch
+        go = at("restart")
+        daemon.start()                                 # same disk, new arena and socket
+        go.write_text("")
+        out["p2"] = _finish(proc, spec, tmp / "p2.log")
+        yield out
+    finally:
+        if daemon.alive():
+            daemon.signal(signal.SIGCONT)
+            daemon.stop()
+
+
+def _stats(url: str) -> dict:
+    import tierd
+    with tierd.connect(url) as c:
+        return c.stats()
+
+
+def _batches(run: dict) -> dict[str, dict]:
+    return {b["name"]: b for b in run["batches"]}
+
+
+def _expected(runs, run: str, name: str) -> list[list[int]]:
+    """P0's tokens for the batch `name` of run P1 or P2 (P0 ran P1's batches, then P2's)."""
+    p0 = runs["p0"]["batches"]
+    i = [b["name"] for b in P1_BATCHES].index(name) if run == "p1" else \
+        len(P1_BATCHES) + [b["name"] for b in P2_BATCHES].index(name)
+    assert p0[i]["name"] == name
+    return [o["tokens"] for o in p0[i]["outputs"]]
+
+
+def _tokens(run: dict, name: str) -> list[list[int]]:
+    return [o["tokens"] for o in _batches(run)[name]["outputs"]]
+
+
+def _external(run: dict, name: str) -> float:
+    return _batches(run)[name]["counters"].get("external_prefix_cache_hits", 0)
+
+
+def test_a_fresh_engine_loads_prefixes_another_stored_with_identical_tokens(runs):
+    # P1 ran with an empty tier: every batch's tokens equal vLLM's alone
+    for b in P1_BATCHES:
+        assert _tokens(runs["p1"], b["name"]) == _expected(runs, "p1", b["name"]), b["name"]
+    # a second engine process re-running the prompts loads two tier blocks (512 tokens) each
+    assert _external(runs["p2"], "repeat") == 2 * 2 * BLOCK_TOKENS
+    assert _tokens(runs["p2"], "repeat") == _expected(runs, "p2", "repeat")
+    print(f"\nvLLM {runs['p2']['vllm']}: repeat batch external hits {_external(runs['p2'], 'repeat'):.0f} tokens")
+
+
+def test_b_preemption_with_a_small_kv_cache(runs):
+    # the batch does not fit the KV cache: vLLM preempts (with and without tierd) and recomputes
+    for run in ("p1", "p2"):
+        assert _batches(runs[run])["preempt"]["counters"].get("num_preemptions", 0) > 0, run
+    assert _tokens(runs["p1"], "preempt") == _expected(runs, "p1", "preempt")
+    assert _tokens(runs["p2"], "preempt") == _expected(runs, "p2", "preempt")
+    assert _external(runs["p2"], "preempt") >= 4 * 2 * BLOCK_TOKENS
+
+
+def test_c_chunked_prefill_of_prompts_longer_than_the_token_budget(runs):
+    # every prompt (600 tokens) exceeds max_num_batched_tokens (256): stored in chunks, loaded whole
+    assert ENGINE["max_num_batched_tokens"] < len(PROMPTS["R1"])
+    assert _tokens(runs["p1"], "repeat") == _expected(runs, "p1", "repeat")
+    assert _external(runs["p2"], "repeat") > 0
+
+
+def test_d_a_batch_sharing_a_prefix(runs):
+    assert _external(runs["p2"], "shared") >= 4 * 2 * BLOCK_TOKENS
+    assert _tokens(runs["p2"], "shared") == _expected(runs, "p2", "shared")
+
+
+def test_e_cache_salt_isolation(runs):
+    # R1 was stored without a salt and R2 with "tenant-a": R1 under "tenant-b" finds nothing
+    assert _external(runs["p2"], "salt") == 0
+    assert _tokens(runs["p2"], "salt") == _expected(runs, "p2", "salt")
+
+
+def test_f_lora_adapters_never_share_kv(runs):
+    # P1 stored X plain and X with adapter A; adapter B must not find either
+    assert _external(runs["p2"], "lora_b") == 0
+    assert _external(runs["p2"], "lora_a") == 2 * BLOCK_TOKENS
+    assert _tokens(runs["p2"], "lora_b") == _expected(runs, "p2", "lora_b")
+    assert _tokens(runs["p2"], "lora_a") == _expected(runs, "p2", "lora_a")
+    assert _tokens(runs["p2"], "lora_a") != _tokens(runs["p2"], "lora_b")   # the adapters do differ
+
+
+def test_g_daemon_stalled_killed_and_restarted_mid_run(runs):
+    for name in ("stall", "kill", "restart"):
+        assert _tokens(runs["p2"], name) == _expected(runs, "p2", name), name
+    # a stalled daemon costs a request at most the lookup deadline, and saves give up at once
+    p0 = runs["p0"]["batches"][len(P1_BATCHES) + [b["name"] for b in P2_BATCHES].index("stall")]
+    extra = _batches(runs["p2"])["stall"]["wall_s"] - p0["wall_s"]
+    print(f"\nstalled daemon: batch {_batches(runs['p2'])['stall']['wall_s']:.3f} s vs "
+          f"{p0['wall_s']:.3f} s without tierd")
+    assert extra < 2 * 2 * DEADLINE_MS / 1000 + 1.0
+
+
+def test_cross_engine_blocks_give_each_engine_its_own_tokens(runs):
+    """vLLM's CPU backend and the bundled engine store KV in different layouts; the connector
+    converts, so each engine loading the other's blocks gets its own greedy tokens."""
+    z, alone = runs["engine_z"], runs["engine_z_alone"]
+    assert z.num_cached_tokens >= 2 * BLOCK_TOKENS - 16, "the bundled engine did not load vLLM's blocks"
+    assert list(z.outputs[0].token_ids) == list(alone.outputs[0].token_ids)
+    assert _external(runs["p2"], "cross") == 2 * BLOCK_TOKENS
+    assert _tokens(runs["p2"], "cross") == _expected(runs, "p2", "cross")
