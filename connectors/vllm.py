@@ -311,6 +311,7 @@ class TierdConnector(KVConnectorBase_V1):
                 raise NamespaceError("kv_connector_extra_config.namespace needs a 'model' revision")
             args["tp_size"] = int(explicit.get("tp_size", 1))
             args["kv_scales"] = str(explicit.get("kv_scales", ""))
+            self._explicit_rank = explicit.get("tp_rank")     # tools and tests outside vLLM
             return args
         mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
         revision = _extra(ktc, "model", None)
@@ -340,6 +341,8 @@ class TierdConnector(KVConnectorBase_V1):
     def _worker_rank(self) -> int:
         if self.tp_size == 1:
             return 0
+        if getattr(self, "_explicit_rank", None) is not None:
+            return int(self._explicit_rank)
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
             return get_tensor_model_parallel_rank()

@@ -328,3 +328,54 @@ def test_request_over_its_time_limit_gets_a_timeout_reply(tmp_path):
             assert wait_for(lambda: c.stats()["tiers"]["disk"]["blocks"] == 100)
     finally:
         assert d.stop() == 0
+
+
+def _wait_stats(url, pred, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    with tierd.connect(url) as admin:
+        while True:
+            st = admin.stats()
+            if pred(st) or time.monotonic() > deadline:
+                return st
+            time.sleep(0.05)
+
+
+def test_a_held_connection_keeps_its_slots_until_the_copy_ends(daemon):
+    """A request that times out on one thread must not let the daemon reclaim the slots another
+    thread is still copying: the socket is closed only when the last holder is done, and a lease
+    lost with its connection cannot be confirmed."""
+    ns = make_ns()
+    keys = chain(ns, 7, 2)
+    c = Client(daemon.socket, timeout_s=0.3, retries=0)
+    c.put(ns, keys, [block_for(ns, k) for k in keys])
+    lease = c.acquire(ns, keys)
+    assert len(lease) == 2
+    with c.hold():
+        daemon.signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(DaemonUnavailableError):
+                c.lookup(ns, keys)                    # times out: this connection is dead for requests
+        finally:
+            daemon.signal(signal.SIGCONT)
+        assert not c.connected
+        time.sleep(0.3)
+        assert _wait_stats(daemon.url, lambda s: False, 0.2)["leases"] == 1   # still held: still leased
+        assert bytes(lease.buffers[0]) == block_for(ns, keys[0]).tobytes()
+    assert _wait_stats(daemon.url, lambda s: s["leases"] == 0)["leases"] == 0  # reclaimed after the copy
+    with pytest.raises(LeaseError):
+        c.release(lease, confirm=True)                # lost: the reader must not use what it copied
+    # a new connection serves again, and a lease on it is confirmed at release
+    lease = c.acquire(ns, keys)
+    c.release(lease, confirm=True)
+    assert _wait_stats(daemon.url, lambda s: s["leases"] == 0)["leases"] == 0
+    c.close()
+
+
+def test_lookup_all_answers_per_namespace_in_one_request(daemon):
+    a, b = make_ns(model="m-a"), make_ns(model="m-b")
+    ka, kb = chain(a, 1, 3), chain(b, 2, 3)
+    with tierd.connect(daemon.url) as c:
+        c.put(a, ka, [block_for(a, k) for k in ka])
+        c.put(b, kb[:1], [block_for(b, kb[0])])
+        assert c.lookup_all([(a, ka), (b, kb), (a, kb)]) == [3, 1, 0]
+        assert c.lookup_all([]) == []
