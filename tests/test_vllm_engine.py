@@ -90,11 +90,17 @@ P2_BATCHES = [
 ]
 
 
-def _spec(tmp: Path, name: str, model: Path, loras: dict, batches: list, url: str | None) -> Path:
+def _spec(tmp: Path, name: str, model: Path, loras: dict, batches: list, url: str | None,
+          tier: bool = False) -> Path:
     spec = {"model": str(model), "out": str(tmp / f"{name}.json"), "engine": ENGINE, "loras": loras,
             "batches": batches,
-            "connector": None if url is None else {"url": url, "block_tokens": BLOCK_TOKENS,
-                                                   "lookup_deadline_ms": DEADLINE_MS}}
+            "connector": None if url is None or tier else {"url": url, "block_tokens": BLOCK_TOKENS,
+                                                           "lookup_deadline_ms": DEADLINE_MS}}
+    if tier:   # vLLM's own offloading, tierd as its secondary tier
+        spec["offload"] = {"spec_name": "TierdTieringSpec", "spec_module_path": "tierd.connectors.vllm_tier",
+                           "cpu_bytes_to_use": 32 << 20,
+                           "secondary_tiers": [{"type": "TierdTier", "module_path": "tierd.connectors.vllm_tier",
+                                                "url": url}]}
     path = tmp / f"{name}.spec.json"
     path.write_text(json.dumps(spec))
     return path
@@ -179,6 +185,12 @@ def runs(tmp_path_factory):
         daemon.start()                                 # same disk, new arena and socket
         go.write_text("")
         out["p2"] = _finish(proc, spec, tmp / "p2.log")
+
+        # tierd as the secondary tier of vLLM's own offloading: S1 cascades chunks into tierd, a
+        # fresh S2 (empty CPU tier) promotes them back
+        out["s1"] = _run(py, _spec(tmp, "s1", model, loras, P1_BATCHES[:1], url, tier=True), tmp / "s1.log")
+        out["s2"] = _run(py, _spec(tmp, "s2", model, loras, P1_BATCHES[:1], url, tier=True), tmp / "s2.log")
+        out["stats_s2"] = _stats(url)
         yield out
     finally:
         if daemon.alive():
@@ -278,3 +290,13 @@ def test_cross_engine_blocks_give_each_engine_its_own_tokens(runs):
     assert list(z.outputs[0].token_ids) == list(alone.outputs[0].token_ids)
     assert _external(runs["p2"], "cross") == 2 * BLOCK_TOKENS
     assert _tokens(runs["p2"], "cross") == _expected(runs, "p2", "cross")
+
+
+def test_tierd_as_vllm_secondary_tier(runs):
+    expected = _expected(runs, "p1", "repeat")
+    assert _tokens(runs["s1"], "repeat") == expected
+    # a fresh engine: vLLM's CPU tier is empty, the chunks come from tierd (4 of 128 tokens per prompt)
+    assert _external(runs["s2"], "repeat") == 2 * 512
+    assert _tokens(runs["s2"], "repeat") == expected
+    layouts = [ns["description"].get("layout", "") for ns in runs["stats_s2"]["namespaces"].values()]
+    assert any(lay.startswith("vllm-offload-v1/") for lay in layouts), layouts   # its own namespace

@@ -1,0 +1,475 @@
+"""tierd as a secondary tier of vLLM's own KV offloading (`OffloadingConnector` with its
+tiering spec): vLLM keeps its GPU <-> CPU path and its CPU primary tier; tierd is the node-shared,
+persistent tier below it. Chunks cascade from vLLM's CPU tier into tierd slots, and a tierd hit
+is promoted back into the CPU tier.
+
+Configure (vLLM 0.32, `kv_connector_extra_config` of ``OffloadingConnector``)::
+
+    {"spec_name": "TierdTieringSpec", "spec_module_path": "tierd.connectors.vllm_tier",
+     "cpu_bytes_to_use": 2147483648,
+     "secondary_tiers": [{"type": "TierdTier", "module_path": "tierd.connectors.vllm_tier",
+                          "url": "unix:///run/tierd/tierd.sock"}]}
+
+`TierdTieringSpec` is vLLM's tiering spec; on GPU hosts it uses vLLM's own CUDA copy worker, on
+CPU-only hosts (where vLLM's worker refuses to start) a host-memory copy worker
+(`HostCopyOffloadingWorker`). `HostCPUOffloadingSpec` is the same for vLLM's plain CPU offloading
+(no tiers), used as the peer in benchmarks.
+
+Tier options: ``url`` (the daemon, ``$TIERD_URL`` by default), ``model`` (an explicit model
+revision instead of the weights' fingerprint), ``timeout_s`` (per request, 10).
+
+What a tierd block is here: one vLLM offload chunk, all ranks' pages, in vLLM's own paged
+layout (on CPU: the attention backend's packing), so its namespace records that layout
+(`Namespace.layout` = ``vllm-offload/...``) and never mixes with the canonical blocks of the
+KV connector or the bundled engine. Keys are vLLM's offload keys (its block hash chain, which
+covers tokens, LoRA, multimodal inputs and cache salt) hashed to 16 bytes; vLLM's default
+sha256 chain is the same in every process, so a restarted or second engine finds the chunks.
+All tier methods run on vLLM's scheduler thread and return at once: lookups, copies and
+commits run on the tier's own threads, each with its own daemon connection.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from vllm.platforms import current_platform
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingWorker,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+    TransferResult,
+)
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+import tierd
+from tierd.errors import TierdError
+from tierd.namespace import Namespace, canonical_dtype, model_fingerprint, read_model_config
+
+from .link import DEFAULT_TIMEOUT_S, STORE_ERRORS
+from .vllm import _release
+
+log = logging.getLogger("tierd.connectors.vllm_tier")
+
+
+def tier_key(key: OffloadKey) -> bytes:
+    """The 16-byte tierd key of one vLLM offload key (block hash + KV group index)."""
+    return hashlib.blake2b(b"tierd-vllm-offload-v1\x00" + bytes(key), digest_size=16).digest()
+
+
+def chunk_namespace(spec, model: str | None = None) -> Namespace:
+    """The namespace of the chunks an offloading spec produces (see the module docstring)."""
+    cfg = spec.config
+    name = cfg.model.name
+    if model:
+        fingerprint = str(model)
+    elif os.path.isdir(name):
+        fingerprint = model_fingerprint(name)
+    else:
+        fingerprint = name
+        log.warning("model %s is not a local directory: tierd's chunks are keyed by its name; "
+                    "set the tier's 'model' to a pinned revision", name)
+    mc = read_model_config(name) if os.path.isdir(name) else {}
+    heads = int(mc.get("num_attention_heads") or 1)
+    kv_heads = int(mc.get("num_key_value_heads") or heads)
+    head_dim = int(mc.get("head_dim") or int(mc.get("hidden_size") or heads) // heads)
+    if len(cfg.groups) != 1:
+        raise TierdError(f"{len(cfg.groups)} KV cache groups: the tierd tier supports one")
+    group = cfg.groups[0]
+    par = cfg.parallel
+    copies = 1 if spec.replicated_layout else par.world_size
+    per_rank_heads = max(1, kv_heads // max(1, par.tp_size))
+    try:
+        dtype = canonical_dtype(cfg.model.dtype)
+    except Exception:  # noqa: BLE001 - "auto" and the like: the model's own dtype
+        dtype = canonical_dtype(mc.get("torch_dtype") or mc.get("dtype") or "float16")
+    isa = ""
+    if current_platform.is_cpu():
+        try:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+            isa = _get_attn_isa(getattr(torch, dtype), group.tokens_per_block, head_dim, cfg.model.dtype)
+        except Exception:  # noqa: BLE001 - recorded as unknown: still a distinct layout
+            isa = "unknown"
+    layout = (f"vllm-offload-v1/{type(current_platform).__name__}/{cfg.kv_cache_layout}/{isa}/"
+              f"bs{group.tokens_per_block}/bpc{cfg.cache.blocks_per_chunk}/copies{copies}")
+    ns = Namespace(model=fingerprint, kv_dtype=dtype, num_layers=len(group.layer_names),
+                   num_kv_heads=per_rank_heads * copies, head_dim=head_dim,
+                   block_tokens=group.tokens_per_block * cfg.cache.blocks_per_chunk, layout=layout)
+    used = spec.cpu_page_size_per_worker * copies
+    if ns.block_bytes != used:
+        raise TierdError(f"a vLLM offload chunk holds {used} bytes, but its tierd namespace computes "
+                         f"{ns.block_bytes}; this model's KV layout is not supported by the tierd tier")
+    return ns
+
+
+class _Lookups(AsyncLookupManager):
+    def __init__(self, tier: "TierdTier"):
+        super().__init__(tier_type=tier.tier_type)
+        self._tier = tier
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        store = self._tier._connect("lookup")
+        if store is None:
+            return [False] * len(keys)
+        try:
+            found = store.where(self._tier.ns, [tier_key(k) for k in keys])
+        except STORE_ERRORS as e:
+            self._tier._failed("lookup", e)
+            return [False] * len(keys)
+        self._tier.stats["lookups"] += len(keys)
+        return [bool(t) for t in found]
+
+
+class TierdTier(SecondaryTierManager):
+    """A vLLM secondary tier backed by a tierd Store (daemon or embedded)."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector=None, url: str | None = None, model: str | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, locality: str | None = None, **unknown: Any):
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        if unknown:
+            raise TierdError(f"unknown tierd tier options: {', '.join(sorted(unknown))}; "
+                             "known: url, model, timeout_s, locality")
+        self.ns = chunk_namespace(offloading_spec, model)
+        url = url or os.environ.get("TIERD_URL", "unix:///run/tierd/tierd.sock")
+        if url.startswith("unix:") and "timeout_s=" not in url:
+            url += ("&" if "?" in url else "?") + f"timeout_s={timeout_s:g}"
+        self._url = url
+        self._stores: dict[str, Any] = {}
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+        arr = np.frombuffer(primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view,
+                            dtype=np.uint8)
+        self._primary = arr
+        self._row = self.block_size_bytes
+        self._used = self.ns.block_bytes
+        self.stats = dict.fromkeys(("lookups", "stored", "present", "loaded", "load_missing", "failures"), 0)
+        self._jobs: queue.Queue = queue.Queue()
+        self._done: queue.Queue = queue.Queue()
+        self._pending = 0
+        self._load_keys: dict[int, list[OffloadKey]] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="tierd-vllm-tier", daemon=True)
+        self._thread.start()
+        self._lookups = _Lookups(self)
+        log.info("tierd tier: namespace %s, %d-byte chunks (row %d)", self.ns.name, self._used, self._row)
+
+    # -- connections -------------------------------------------------------------------------
+    def _connect(self, role: str):
+        """The store for one thread role ("lookup" or "transfer"), or None while backing off."""
+        if time.monotonic() < self._down_until:
+            return None
+        store = self._stores.get(role)
+        if store is None:
+            try:
+                store = self._stores[role] = (tierd.connect(self._url) if not self._url.startswith("embedded:")
+                                              else _embedded(self._url))
+            except STORE_ERRORS as e:
+                self._failed(role, e)
+                return None
+        return store
+
+    def _failed(self, what: str, e: Exception) -> None:
+        self.stats["failures"] += 1
+        with self._lock:
+            self._down_until = time.monotonic() + 1.0
+        log.warning("tierd tier: %s failed (%s); retry in 1 s", what, e)
+
+    # -- scheduler-thread API ----------------------------------------------------------------
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        found = self._lookups.lookup(key, req_context)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._load_keys[job_metadata.job_id] = list(job_metadata.keys)
+        self._submit(job_metadata)
+
+    def _submit(self, job: TransferJob) -> None:
+        with self._lock:
+            self._pending += 1
+        self._jobs.put(job)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        out = []
+        while True:
+            try:
+                result, nbytes = self._done.get_nowait()
+            except queue.Empty:
+                break
+            keys = self._load_keys.pop(result.job_id, None)
+            if keys is not None and not result.success:
+                ok = set(result.successful_keys or ())
+                self._lookups.mark_miss([k for k in keys if k not in ok])
+            out.append(result)
+        return out
+
+    def has_pending_work(self) -> bool:
+        return self._pending > 0
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookups.cleanup(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._lookups.flush()
+
+    def drain_jobs(self) -> None:
+        while self._pending:
+            time.sleep(0.001)
+
+    def shutdown(self) -> None:
+        self.drain_jobs()
+        self._stop = True
+        self._jobs.put(None)
+        self._thread.join(5)
+        self._lookups.shutdown()
+        self._primary = None         # let vLLM unmap its region
+        for store in self._stores.values():
+            if not self._url.startswith("embedded:"):
+                try:
+                    store.close()
+                except STORE_ERRORS:
+                    pass
+
+    # -- the transfer thread -----------------------------------------------------------------
+    def _rows(self, chunk_ids) -> list[np.ndarray]:
+        return [self._primary[int(c) * self._row:int(c) * self._row + self._used] for c in chunk_ids]
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                if job.is_promotion:
+                    result = self._load(job)
+                else:
+                    result = self._store(job)
+            except Exception:  # noqa: BLE001 - every job is reported, or vLLM waits forever
+                log.exception("tierd tier: job %s failed", job.job_id)
+                result = JobResult(job.job_id, False)
+            result.transfer_time = time.perf_counter() - t0
+            self._done.put((result, result.transfer_bytes or 0))
+            with self._lock:
+                self._pending -= 1
+
+    def _store(self, job: TransferJob) -> JobResult:
+        store = self._connect("transfer")
+        keys = [tier_key(k) for k in job.keys]
+        if store is None:
+            return JobResult(job.job_id, False)
+        try:
+            res = store.reserve(self.ns, keys)
+        except STORE_ERRORS as e:
+            self._failed("store", e)
+            return JobResult(job.job_id, False)
+        written = 0
+        hold = getattr(store, "hold", None)
+        try:
+            with (hold() if hold else _Nothing()):
+                if hasattr(store, "connected") and (not store.connected or res._generation != store.generation()):
+                    raise TierdError("the connection holding the reservation is gone")
+                for status, buf, row in zip(res.status, res.buffers, self._rows(job.chunk_ids)):
+                    if status == "reserved":
+                        np.copyto(np.asarray(buf).reshape(-1), row)
+                        written += 1
+            if res.num_reserved:
+                store.commit(res)
+            else:
+                store.abort(res)
+        except STORE_ERRORS as e:
+            self._failed("store", e)
+            try:
+                store.abort(res)
+            except STORE_ERRORS:
+                pass
+            return JobResult(job.job_id, False)
+        self.stats["stored"] += written
+        self.stats["present"] += sum(s == "present" for s in res.status)
+        return JobResult(job.job_id, True, transfer_bytes=written * self._used)
+
+    def _load(self, job: TransferJob) -> JobResult:
+        store = self._connect("transfer")
+        keys = list(job.keys)
+        if store is None:
+            return JobResult(job.job_id, False)
+        rows = self._rows(job.chunk_ids)
+        ok: list[OffloadKey] = []
+        i = 0
+        try:
+            # keys are independent chunks: lease the longest present run, then continue after a gap
+            while i < len(keys):
+                lease = store.acquire(self.ns, [tier_key(k) for k in keys[i:]])
+                n = len(lease)
+                try:
+                    for j in range(n):
+                        np.copyto(rows[i + j], np.asarray(lease.buffers[j]).reshape(-1))
+                finally:
+                    _release(store, lease, confirm=True)   # raises if the lease was lost meanwhile
+                ok.extend(keys[i:i + n])
+                i += n if n else 1
+                if n == 0:
+                    self.stats["load_missing"] += 1
+        except STORE_ERRORS as e:
+            self._failed("load", e)
+        self.stats["loaded"] += len(ok)
+        if len(ok) == len(keys):
+            return JobResult(job.job_id, True, transfer_bytes=len(ok) * self._used)
+        return JobResult(job.job_id, False, successful_keys=tuple(ok) or None,
+                         transfer_bytes=len(ok) * self._used)
+
+
+class _Nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_EMBEDDED: dict[str, Any] = {}
+
+
+def _embedded(url: str):
+    if url not in _EMBEDDED:
+        _EMBEDDED[url] = tierd.connect(url)
+    return _EMBEDDED[url]
+
+
+# -- the worker side: a host-memory copy worker for CPU-only hosts --------------------------------
+class HostCopyOffloadingWorker(OffloadingWorker):
+    """Copies KV blocks between vLLM's paged cache and its offload chunks with torch on the host,
+    for platforms where vLLM's stock worker (CUDA streams, a CUDA copy kernel) cannot run.
+    Copies complete inside `submit_*`; results are reported by the next `get_finished`."""
+
+    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int,
+                 region: SharedOffloadRegion | None = None):
+        self.bpc = blocks_per_chunk
+        self.region = region
+        self.refs = kv_caches.group_data_refs
+        self.dev: list[torch.Tensor] = []
+        self.host: list[torch.Tensor] = []
+        for t in kv_caches.tensors:
+            page = t.page_size_bytes
+            dev = t.tensor.view(torch.int8).view(-1, page)
+            if region is not None:
+                host = region.create_next_worker_view(page * blocks_per_chunk)
+            else:
+                host = torch.zeros((num_chunks, page * blocks_per_chunk), dtype=torch.int8)
+            self.dev.append(dev)
+            self.host.append(host.view(host.shape[0], blocks_per_chunk, page))
+        self._results: list[TransferResult] = []
+
+    def _pairs(self, gpu: GPULoadStoreSpec, chunks: np.ndarray):
+        """Per KV group: (device block ids, host chunk ids, sub-block within the chunk)."""
+        off_b = off_c = 0
+        for g, (size, first) in enumerate(zip(gpu.group_sizes, gpu.block_indices)):
+            if size == 0:
+                continue
+            skip = int(first) % self.bpc
+            n_chunks = -(-(size + skip) // self.bpc)
+            pos = np.arange(skip, skip + size)
+            blocks = gpu.block_ids[off_b:off_b + size]
+            cids = chunks[off_c:off_c + n_chunks][pos // self.bpc]
+            yield g, torch.from_numpy(blocks.astype(np.int64)), torch.from_numpy(cids.astype(np.int64)), \
+                torch.from_numpy((pos % self.bpc).astype(np.int64))
+            off_b += size
+            off_c += n_chunks
+
+    def _transfer(self, job_id: int, gpu: GPULoadStoreSpec, chunks: np.ndarray, store: bool) -> bool:
+        t0 = time.perf_counter()
+        nbytes = 0
+        for g, blocks, cids, subs in self._pairs(gpu, chunks):
+            for ref in self.refs[g]:
+                dev, host = self.dev[ref.tensor_idx], self.host[ref.tensor_idx]
+                page = ref.page_size_bytes
+                if store:
+                    host[cids, subs, :page] = dev[blocks, :page]
+                else:
+                    dev[blocks, :page] = host[cids, subs, :page]
+                nbytes += len(blocks) * page
+        self._results.append(TransferResult(job_id, True, nbytes, time.perf_counter() - t0))
+        return True
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        return self._transfer(job_id, src_spec, dst_spec.block_ids, store=True)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        return self._transfer(job_id, dst_spec, src_spec.block_ids, store=False)
+
+    def get_finished(self) -> list[TransferResult]:
+        out, self._results = self._results, []
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        return   # copies complete when submitted
+
+    def shutdown(self) -> None:
+        self.dev, self.host = [], []     # drop the views before the region is unmapped
+        if self.region is not None:
+            self.region.cleanup()
+            self.region = None
+
+
+def _host_platform() -> bool:
+    return not (current_platform.is_cuda_alike() or current_platform.is_xpu())
+
+
+class TierdTieringSpec(TieringOffloadingSpec):
+    """vLLM's tiering spec (CPU primary tier + secondary tiers such as `TierdTier`), with a host
+    copy worker where vLLM's own needs CUDA."""
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if not _host_platform():
+            return super().get_worker(kv_caches)
+        if self._worker is None:
+            rank = 0 if self.replicated_layout else self.config.parallel.rank
+            region = SharedOffloadRegion(engine_id=self._engine_id, num_chunks=self.num_chunks, rank=rank,
+                                         kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                                         cpu_page_size=self.cpu_page_size_per_worker)
+            self._worker = HostCopyOffloadingWorker(kv_caches, self.blocks_per_chunk, self.num_chunks, region)
+        return self._worker
+
+
+class HostCPUOffloadingSpec(CPUOffloadingSpec):
+    """vLLM's plain CPU offloading, with a host copy worker where vLLM's own needs CUDA."""
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if not _host_platform():
+            return super().get_worker(kv_caches)
+        if self._worker is None:
+            self._worker = HostCopyOffloadingWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
+        return self._worker
+
+
+__all__ = ["TierdTier", "TierdTieringSpec", "HostCPUOffloadingSpec", "HostCopyOffloadingWorker",
+           "chunk_namespace", "tier_key"]
