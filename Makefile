@@ -60,13 +60,14 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-bench: $(STAMP)
+bench: $(STAMP) vllm-env
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(PY) -m benchmarks.tiers --quick
 	$(PY) -m benchmarks.daemon --quick
 	$(PY) -m benchmarks.kv_waste --quick
 	$(PY) -m benchmarks.engine_throughput --quick
 	$(PY) -m benchmarks.ttft --quick
+	$(PY) -m benchmarks.vllm_ttft --quick
 	$(PY) -m benchmarks.load --quick
 	$(PY) -m benchmarks.recovery --quick
 	$(PY) -m benchmarks.engine_faults --quick

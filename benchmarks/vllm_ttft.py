@@ -1,0 +1,168 @@
+"""Time to first token in a real vLLM (its CPU build) with tierd, against recompute and against
+vLLM's own CPU offloading, in one run on the same prompts.
+
+Each engine is a fresh process (tests/vllm_engine.py in the vLLM environment, `make vllm-env`)
+on the bench model (random weights, ~150M parameters, fp32; --quick: a 4-layer model),
+vLLM's own prefix cache off so that every hit is the connector's or the offloading tier's:
+
+- recompute: vLLM alone after a restart (the reference of every hit);
+- tierd host hit: a fresh engine whose prompts' prefixes another engine stored in the daemon
+  (asynchronous loads, the default; and synchronous ones, `load_async: false`);
+- tierd disk hit: the same after `tierd sync` and a host-tier flush (blocks only on disk);
+- tierd secondary tier: vLLM's own offloading with tierd below its CPU tier, a fresh engine;
+- vLLM CPU offloading (the peer): vLLM's OffloadingConnector, second pass in one process (its
+  CPU tier does not outlive the process); its stock worker needs CUDA, so the spec swaps in a
+  host-copy worker and runs the rest of vLLM's offloading unchanged;
+- the cost when nothing hits: unique prompts with the connector on vs off.
+Each prompt runs alone (TTFT is the engine's first-token latency); medians over the prompts.
+
+    python -m benchmarks.vllm_ttft [--json PATH] [--quick]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+import tierd
+
+from .common import DaemonUnderTest, Result, parse_args, report
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK_TOKENS = 256
+
+
+def vllm_python() -> str:
+    py = os.environ.get("TEST_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+    if not Path(py).exists():
+        raise SystemExit("no vLLM environment (.venv-vllm); `make vllm-env` builds one")
+    return py
+
+
+def run_engine(py: str, work: Path, name: str, model: Path, batches: list, *, connector=None, offload=None,
+               engine=None) -> dict:
+    spec = {"model": str(model), "out": str(work / f"{name}.json"), "connector": connector, "offload": offload,
+            "engine": {"max_num_batched_tokens": 2048, "enable_prefix_caching": False, "max_model_len": 4096,
+                       **(engine or {})},
+            "batches": batches}
+    path = work / f"{name}.spec.json"
+    path.write_text(json.dumps(spec))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING")
+    log = work / f"{name}.log"
+    with open(log, "wb") as f:
+        rc = subprocess.run([py, "-m", "tests.vllm_engine", str(path)], cwd=ROOT, env=env, stdout=f,
+                            stderr=subprocess.STDOUT, timeout=1800).returncode
+    if rc != 0:
+        raise SystemExit(f"vLLM engine {name} failed:\n{log.read_text()[-4000:]}")
+    print(f"  engine {name}: done")
+    return json.loads((work / f"{name}.json").read_text())
+
+
+WARMUP: list[int] = []
+
+
+def singles(prefix: str, prompts: list[list[int]], warmup: bool = True) -> list[dict]:
+    """One batch per prompt, so each prompt's TTFT is its own; a warm-up prompt first (an
+    engine's first request pays one-time costs), never counted."""
+    out = [{"name": "warmup", "prompts": [{"tokens": WARMUP, "max_tokens": 1}]}] if warmup else []
+    return out + [{"name": f"{prefix}{i}", "prompts": [{"tokens": p, "max_tokens": 1}]} for i, p in enumerate(prompts)]
+
+
+def ttfts(run: dict, prefix: str) -> list[float]:
+    return [b["outputs"][0]["ttft_s"] for b in run["batches"] if b["name"].startswith(prefix)]
+
+
+def hits(run: dict, prefix: str) -> float:
+    return sum(b["counters"].get("external_prefix_cache_hits", 0) for b in run["batches"]
+               if b["name"].startswith(prefix))
+
+
+def tokens(run: dict, prefix: str) -> list[list[int]]:
+    return [b["outputs"][0]["tokens"] for b in run["batches"] if b["name"].startswith(prefix)]
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    py = vllm_python()
+    from tierd.engine.random_model import BENCH_MODEL, bench_model_dir, write_random_model
+
+    work = Path(tempfile.mkdtemp(prefix="tierd-vllm-ttft-"))
+    if args.quick:
+        model = write_random_model(work / "model", vocab_size=512, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=32, max_position_embeddings=4096, seed=3)
+        n_prompts, length, n_miss, vocab = 2, 600, 2, 500
+    else:
+        model = bench_model_dir()
+        n_prompts, length, n_miss, vocab = 4, 2048, 4, BENCH_MODEL["vocab_size"] - 1
+    rng = np.random.default_rng(7)
+    WARMUP[:] = rng.integers(1, vocab, length).tolist()
+    hit_prompts = [rng.integers(1, vocab, length).tolist() for _ in range(n_prompts)]
+    miss_prompts = [rng.integers(1, vocab, length).tolist() for _ in range(n_miss)]
+    hit_tokens = (length // BLOCK_TOKENS) * BLOCK_TOKENS
+    print(f"model {model} ({'quick' if args.quick else 'bench'}), {n_prompts} prompts of {length} tokens")
+
+    daemon = DaemonUnderTest(str(work), host_bytes="2GiB", disk_path=str(work / "disk"), disk_bytes="4GiB")
+    url = f"unix://{daemon.socket}"
+    conn = {"url": url, "block_tokens": BLOCK_TOKENS}
+    tier = {"spec_name": "TierdTieringSpec", "spec_module_path": "tierd.connectors.vllm_tier",
+            "cpu_bytes_to_use": 1 << 30, "block_size": BLOCK_TOKENS,
+            "secondary_tiers": [{"type": "TierdTier", "module_path": "tierd.connectors.vllm_tier", "url": url}]}
+    peer = {"spec_name": "HostCPUOffloadingSpec", "spec_module_path": "tierd.connectors.vllm_tier",
+            "cpu_bytes_to_use": 1 << 30, "block_size": BLOCK_TOKENS}
+    try:
+        base = run_engine(py, work, "recompute", model,
+                          singles("h", hit_prompts) + singles("m", miss_prompts, warmup=False))
+        fill = run_engine(py, work, "tierd-fill", model,
+                          singles("h", hit_prompts) + singles("m", miss_prompts, warmup=False), connector=conn)
+        host = run_engine(py, work, "tierd-host", model, singles("h", hit_prompts), connector=conn)
+        host_sync = run_engine(py, work, "tierd-host-sync", model, singles("h", hit_prompts),
+                               connector=dict(conn, load_async=False))
+        with tierd.connect(url) as c:
+            c.sync()
+            c.flush(tier="host")
+        disk = run_engine(py, work, "tierd-disk", model, singles("h", hit_prompts), connector=conn)
+        run_engine(py, work, "tier-fill", model, singles("h", hit_prompts), offload=tier)
+        sec = run_engine(py, work, "tier-hit", model, singles("h", hit_prompts), offload=tier)
+        vpeer = run_engine(py, work, "vllm-offload", model,
+                           singles("f", hit_prompts) + singles("h", hit_prompts, warmup=False), offload=peer)
+    finally:
+        daemon.stop()
+
+    ref = statistics.median(ttfts(base, "h"))
+    expected = tokens(base, "h")
+    results = []
+    for label, run in (("tierd host hit", host), ("tierd host hit, synchronous load", host_sync),
+                       ("tierd disk hit", disk), ("tierd as vLLM secondary tier", sec),
+                       ("vLLM CPU offloading hit (peer)", vpeer)):
+        t = statistics.median(ttfts(run, "h"))
+        same = tokens(run, "h") == expected
+        results.append(Result(f"{label} TTFT", {"prompt_tokens": length, "loaded_tokens": hits(run, "h") / n_prompts},
+                              t, "s", "vLLM recompute TTFT", ref, higher_is_better=False,
+                              note="" if same else "greedy tokens differ from recompute"))
+        results.append(Result(f"{label} prefill throughput", {"prompt_tokens": length},
+                              length / t, "tok/s", "vLLM recompute tok/s", length / ref))
+    t_host, t_peer = statistics.median(ttfts(host, "h")), statistics.median(ttfts(vpeer, "h"))
+    results.append(Result("tierd host hit (new process) vs vLLM CPU offloading hit (same process)",
+                          {"prompt_tokens": length}, t_host, "s", "vLLM CPU offloading TTFT", t_peer,
+                          higher_is_better=False))
+    on, off = sum(ttfts(fill, "m")), sum(ttfts(base, "m"))
+    results.append(Result("no-hit cost: unique prompts, connector on", {"prompts": n_miss, "prompt_tokens": length},
+                          on, "s", "connector off", off, higher_is_better=False,
+                          note=f"overhead {100 * (on / off - 1):+.1f}% (goal <= 3%; TTFT summed over the prompts)"))
+    for name, run in (("tierd-host", host), ("tierd-host-sync", host_sync), ("tierd-disk", disk),
+                      ("tier-hit", sec), ("vllm-offload", vpeer)):
+        got = hits(run, "h") / n_prompts
+        if got < hit_tokens:
+            print(f"warning: {name} loaded {got:.0f} of {hit_tokens} cacheable tokens per prompt")
+    report("vllm_ttft", results, args.json)
+
+
+if __name__ == "__main__":
+    main()
