@@ -8,6 +8,11 @@ block is dropped and counted, so decode never stalls on a slow store. Daemon URL
 request timeout unless they name one (`unix:///...?timeout_s=0.5`): a stalled daemon costs a
 request at most twice that (the client retries once) once per back-off period. Any tierd error, OS error
 or lost connection is counted and starts a back-off (1 s, doubling, at most 30 s).
+
+With `background_connect` (the vLLM scheduler's lookups) the link never connects in the
+caller's thread: a connection attempt runs on its own thread, the caller that starts it waits at
+most one request timeout, and callers arriving meanwhile get None at once; with `retries=0` a
+timed-out request is not retried. Together: no caller waits longer than the timeout.
 """
 
 from __future__ import annotations
@@ -79,8 +84,10 @@ class StoreLink:
             return None
         if self._background:
             if self.store is None or not getattr(self.store, "connected", True):
-                # wait for the attempt at most one request timeout (the caller's deadline)
-                if not self._connect_in_background().wait(self._timeout_s):
+                # the caller that starts an attempt waits for it at most one request timeout (its
+                # deadline); callers arriving while it runs do not wait at all
+                done, started = self._connect_in_background()
+                if not started or not done.wait(self._timeout_s):
                     return None
                 if self.store is None or not getattr(self.store, "connected", True):
                     return None
@@ -93,11 +100,12 @@ class StoreLink:
                 return None
         return self.store
 
-    def _connect_in_background(self) -> threading.Event:
-        """Start a connection attempt unless one runs; the returned event is set when it ends."""
+    def _connect_in_background(self) -> tuple[threading.Event, bool]:
+        """Start a connection attempt unless one runs: (an event set when it ends, whether this
+        call started it)."""
         with self._lock:
             if self._connecting or self._stop:
-                return self._connected_event
+                return self._connected_event, False
             self._connecting = True
             done = self._connected_event = threading.Event()
 
@@ -115,7 +123,7 @@ class StoreLink:
                 done.set()
 
         threading.Thread(target=attempt, name=f"{self._name}-connect", daemon=True).start()
-        return done
+        return done, True
 
     def failed(self, e: Exception, what: str) -> None:
         with self._lock:

@@ -256,7 +256,8 @@ class TierdConnector(KVConnectorBase_V1):
             self.save_link = StoreLink(store, timeout_s=timeout_s, name="tierd-vllm-save")
             self.save_link.stats = self.link.stats
         self.stats = self.link.stats
-        for k in ("lookup_timeouts", "loads_async", "stores_present", "lost_leases", "requests_not_keyed"):
+        for k in ("lookup_timeouts", "loads_async", "stores_present", "lost_leases", "requests_not_keyed",
+                  "save_s"):
             self.stats.setdefault(k, 0)
         if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning("kv_load_failure_policy is %r: a tier block evicted between lookup and load "
@@ -589,6 +590,7 @@ class TierdConnector(KVConnectorBase_V1):
                 errors = set(spec.block_ids)
             with self._lock:
                 self._queued.discard(spec.req_id)
+                self._cancelled.discard(spec.req_id)
                 self._done_loads[spec.req_id] = errors
 
     def _load(self, spec: LoadSpec) -> set[int]:
@@ -700,6 +702,15 @@ class TierdConnector(KVConnectorBase_V1):
 
     def wait_for_save(self):
         pending, self._step_saves = self._step_saves, []
+        if not pending:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._wait_and_copy(pending)
+        finally:
+            self.stats["save_s"] += time.perf_counter() - t0
+
+    def _wait_and_copy(self, pending: list[_Pending]) -> None:
         deadline = time.monotonic() + self.save_wait_s
         for p in pending:
             if not p.event.wait(max(0.0, deadline - time.monotonic())):
@@ -821,6 +832,9 @@ class TierdConnector(KVConnectorBase_V1):
         return False
 
     def shutdown(self):
+        log.info("tierd connector (%s) at shutdown: %s", "worker" if self.role == KVConnectorRole.WORKER
+                 else "scheduler", ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                             for k, v in self.stats.items() if v))
         if self.role == KVConnectorRole.WORKER:
             self.flush(5.0)
             for q, t in ((self._save_q, self._saver), (self._load_q, self._loader)):

