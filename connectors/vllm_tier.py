@@ -423,7 +423,9 @@ class HostCopyOffloadingWorker(OffloadingWorker):
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         return self._transfer(job_id, src_spec, dst_spec.block_ids, store=True)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+                    expedited: bool = False) -> bool:
+        # `expedited` (vLLM 0.33: a load to run ahead of queued ones): copies complete at once here
         return self._transfer(job_id, dst_spec, src_spec.block_ids, store=False)
 
     def get_finished(self) -> list[TransferResult]:

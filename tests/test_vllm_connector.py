@@ -140,7 +140,7 @@ def test_conformance_with_the_installed_vllm(tmp_path, env):
     environments (`make vllm-env` builds them; CI builds them and fails if it cannot)."""
     py = vllm_python(env)
     if py is None:
-        if os.environ.get("TIERD_REQUIRE_VLLM"):
+        if os.environ.get("TEST_REQUIRE_VLLM"):
             pytest.fail(f"the vLLM environment {VLLM_ENVS[env]} is part of this suite here, and it is missing")
         pytest.skip(f"no {VLLM_ENVS[env]} environment; `make vllm-env` builds it")
     env_vars = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING", TMPDIR=str(tmp_path))

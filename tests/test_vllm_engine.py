@@ -126,7 +126,7 @@ def _run(py: str, spec: Path, log: Path) -> dict:
 def runs(tmp_path_factory):
     py = vllm_python()
     if py is None:
-        if os.environ.get("TIERD_REQUIRE_VLLM"):
+        if os.environ.get("TEST_REQUIRE_VLLM"):
             pytest.fail("the vLLM environment is part of this suite here, and it is missing")
         pytest.skip("no vLLM environment (.venv-vllm); `make vllm-env` builds one")
     from tierd.engine import LLM, SamplingParams

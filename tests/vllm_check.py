@@ -35,17 +35,7 @@ def main() -> int:
 
     # -- the class itself -----------------------------------------------------------------------
     assert tv.HAVE_VLLM, "tierd.connectors.vllm did not pick up vLLM's base class"
-    assert issubclass(tv.TierdConnector, KVConnectorBase_V1)
-    assert not tv.TierdConnector.__abstractmethods__, tv.TierdConnector.__abstractmethods__
-    checked = []
-    for name, member in vars(tv.TierdConnector).items():
-        base = getattr(KVConnectorBase_V1, name, None)
-        if name.startswith("__") or not callable(member) or base is None:
-            continue
-        ours = [(p.name, p.kind) for p in inspect.signature(member).parameters.values()]
-        theirs = [(p.name, p.kind) for p in inspect.signature(base).parameters.values()]
-        assert ours == theirs, f"{name}: {ours} != vLLM's {theirs}"
-        checked.append(name)
+    checked = same_signatures(tv.TierdConnector, KVConnectorBase_V1)
     missing = {"get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                "request_finished", "register_kv_caches", "start_load_kv", "wait_for_layer_load",
                "save_kv_layer", "wait_for_save", "get_finished"} - set(checked)
@@ -111,9 +101,47 @@ def main() -> int:
     worker.shutdown()
     sched.shutdown()
     store.close()
+    tier_checked = check_secondary_tier()
     print(f"vLLM connector conformance: OK (vLLM {vllm.__version__}, torch {torch.__version__}; "
-          f"checked {len(checked)} overridden methods: {', '.join(sorted(checked))})")
+          f"checked {len(checked)} overridden methods: {', '.join(sorted(checked))}; "
+          f"secondary tier: {tier_checked})")
     return 0
+
+
+def check_secondary_tier() -> str:
+    """The secondary tier and its specs against this vLLM's tiering API: no abstract method left,
+    every overridden method with the base class's parameters."""
+    from vllm.v1.kv_offload.base import OffloadingWorker
+    from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    from tierd.connectors import vllm_tier as vt
+
+    n = sum(len(same_signatures(ours, base)) for ours, base in (
+        (vt.TierdTier, SecondaryTierManager), (vt.HostCopyOffloadingWorker, OffloadingWorker),
+        (vt.TierdTieringSpec, TieringOffloadingSpec)))
+    return f"{n} overridden methods"
+
+
+def same_signatures(ours: type, base: type) -> list[str]:
+    """`ours` subclasses `base`, leaves no abstract method, and every public method it overrides
+    takes the base's parameters (names and kinds, in order); parameters beyond them must have
+    defaults (so one class serves vLLM releases that added a parameter). Returns the names checked."""
+    assert issubclass(ours, base), (ours, base)
+    assert not ours.__abstractmethods__, (ours, ours.__abstractmethods__)
+    checked = []
+    for name, member in vars(ours).items():
+        theirs = getattr(base, name, None)
+        if name.startswith("_") or not callable(member) or theirs is None:
+            continue
+        params = list(inspect.signature(member).parameters.values())
+        a = [(p.name, p.kind) for p in params]
+        b = [(p.name, p.kind) for p in inspect.signature(theirs).parameters.values()]
+        extra = params[len(b):]
+        assert a[:len(b)] == b and all(p.default is not inspect.Parameter.empty for p in extra), \
+            f"{ours.__name__}.{name}: {a} does not take vLLM's {b}"
+        checked.append(name)
+    return checked
 
 
 if __name__ == "__main__":
