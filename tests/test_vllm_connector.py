@@ -349,3 +349,25 @@ def test_a_stalled_daemon_costs_a_save_at_most_the_wait(daemon):
         daemon.signal(signal.SIGCONT)
     worker.shutdown()
     sched.shutdown()
+
+
+def test_another_model_or_layout_never_hits(embedded_url):
+    """Blocks are found only under the namespace they were written in: another model revision,
+    KV dtype or tier block size finds nothing."""
+    sched, worker = pair(embedded_url)
+    objs = drv.Objects()
+    prompt = list(range(1, 101))
+    r = objs.request("A", prompt)
+    drv.admit(sched, objs, r, 0, list(range(7)), worker)
+    drv.step(sched, worker, objs.output([(r, range(7), 0, 100)]))
+    assert worker.flush(30)
+    assert sched.get_num_new_matched_tokens(objs.request("same", prompt), 0)[0] == 96
+    base = drv.extra_config(embedded_url)["namespace"]
+    for change in ({"model": "another-model"}, {"kv_dtype": "bfloat16"}):
+        other = tv.TierdConnector(config(embedded_url, namespace=dict(base, **change)),
+                                  tv.KVConnectorRole.SCHEDULER, None)
+        assert other.get_num_new_matched_tokens(objs.request("x", prompt), 0) == (0, False), change
+    other = tv.TierdConnector(config(embedded_url, block_tokens=64), tv.KVConnectorRole.SCHEDULER, None)
+    assert other.get_num_new_matched_tokens(objs.request("y", prompt), 0) == (0, False)
+    worker.shutdown()
+    sched.shutdown()

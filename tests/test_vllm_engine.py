@@ -97,8 +97,9 @@ def _spec(tmp: Path, name: str, model: Path, loras: dict, batches: list, url: st
             "connector": None if url is None or tier else {"url": url, "block_tokens": BLOCK_TOKENS,
                                                            "lookup_deadline_ms": DEADLINE_MS}}
     if tier:   # vLLM's own offloading, tierd as its secondary tier
+        # chunks of two vLLM blocks: the host-copy worker's sub-block placement is exercised
         spec["offload"] = {"spec_name": "TierdTieringSpec", "spec_module_path": "tierd.connectors.vllm_tier",
-                           "cpu_bytes_to_use": 32 << 20,
+                           "cpu_bytes_to_use": 32 << 20, "block_size": BLOCK_TOKENS,
                            "secondary_tiers": [{"type": "TierdTier", "module_path": "tierd.connectors.vllm_tier",
                                                 "url": url}]}
     path = tmp / f"{name}.spec.json"
@@ -295,7 +296,7 @@ def test_cross_engine_blocks_give_each_engine_its_own_tokens(runs):
 def test_tierd_as_vllm_secondary_tier(runs):
     expected = _expected(runs, "p1", "repeat")
     assert _tokens(runs["s1"], "repeat") == expected
-    # a fresh engine: vLLM's CPU tier is empty, the chunks come from tierd (4 of 128 tokens per prompt)
+    # a fresh engine: vLLM's CPU tier is empty, the chunks come from tierd (2 of 256 tokens per prompt)
     assert _external(runs["s2"], "repeat") == 2 * 512
     assert _tokens(runs["s2"], "repeat") == expected
     layouts = [ns["description"].get("layout", "") for ns in runs["stats_s2"]["namespaces"].values()]
