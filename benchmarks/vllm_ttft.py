@@ -7,7 +7,8 @@ vLLM's own prefix cache off so that every hit is the connector's or the offloadi
 
 - recompute: vLLM alone after a restart (the reference of every hit);
 - tierd host hit: a fresh engine whose prompts' prefixes another engine stored in the daemon
-  (asynchronous loads, the default; and synchronous ones, `load_async: false`);
+  (`load_async: "auto"`, the default, which copies a small host-RAM hit before the step; and
+  `load_async: true`, every load through vLLM's asynchronous path);
 - tierd disk hit: the same after `tierd sync` and a host-tier flush (blocks only on disk);
 - tierd secondary tier: vLLM's own offloading with tierd below its CPU tier, a fresh engine;
 - vLLM CPU offloading (the peer): vLLM's OffloadingConnector, second pass in one process (its
@@ -127,8 +128,8 @@ def main() -> None:
         off2 = run_engine(py, work, "nohit-off", model, singles("m", miss_sets[1]))
         on2 = run_engine(py, work, "nohit-on", model, singles("m", miss_sets[1]), connector=conn)
         host = run_engine(py, work, "tierd-host", model, singles("h", hit_prompts), connector=conn)
-        host_sync = run_engine(py, work, "tierd-host-sync", model, singles("h", hit_prompts),
-                               connector=dict(conn, load_async=False))
+        host_async = run_engine(py, work, "tierd-host-async", model, singles("h", hit_prompts),
+                                connector=dict(conn, load_async=True))
         with tierd.connect(url) as c:
             c.sync()
             c.flush(tier="host")
@@ -143,7 +144,7 @@ def main() -> None:
     ref = statistics.median(ttfts(base, "h"))
     expected = tokens(base, "h")
     results = []
-    for label, run in (("tierd host hit", host), ("tierd host hit, synchronous load", host_sync),
+    for label, run in (("tierd host hit", host), ("tierd host hit, asynchronous load", host_async),
                        ("tierd disk hit", disk), ("tierd as vLLM secondary tier", sec),
                        ("vLLM CPU offloading hit (peer)", vpeer)):
         t = statistics.median(ttfts(run, "h"))
@@ -169,7 +170,7 @@ def main() -> None:
     # the connector never claims a prompt's last token (its logits are needed); vLLM's offloading
     # loads it and recomputes it itself
     for name, run, most in (("tierd-host", host, min(hit_tokens, length - 1)),
-                            ("tierd-host-sync", host_sync, min(hit_tokens, length - 1)),
+                            ("tierd-host-async", host_async, min(hit_tokens, length - 1)),
                             ("tierd-disk", disk, min(hit_tokens, length - 1)), ("tier-hit", sec, hit_tokens),
                             ("vllm-offload", vpeer, hit_tokens)):
         got = hits(run, "h") / n_prompts

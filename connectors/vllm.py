@@ -20,8 +20,10 @@ Load with::
 - ``lookup_deadline_ms``: the scheduler's lookup waits at most this long (50 by default); a
   lookup that does not answer in time counts as a miss and starts a back-off, during which
   requests do not ask at all.
-- ``load_async``: load through vLLM's asynchronous path (true by default): the request waits
-  for its blocks outside the batch, so one request's disk hit never stalls the others.
+- ``load_async``: ``"auto"`` (default): a load that needs a promotion from disk or is larger
+  than ``async_min_bytes`` (64 MiB) goes through vLLM's asynchronous path (the request waits for
+  its blocks outside the batch, so one request's disk hit never stalls the others); a small load
+  from host RAM is copied before the step. ``true``/``false``: always/never asynchronous.
 - ``max_inflight_bytes``: blocks being saved (reserved, not yet committed) at most (256 MiB by
   default); a save past it is dropped and counted before anything is copied.
 - ``save_wait_ms``: how long the end of a step waits for the reservation of a block it saves
@@ -172,6 +174,7 @@ class _Req:
     saved: int = 0            # leading tier blocks every rank holds or has been sent
     hit: int = 0              # tier blocks the last lookup found on every rank
     local: int = 0            # tokens vLLM's own prefix cache had at that lookup
+    load_async: bool = False  # how the load of that lookup goes
     load_attempts: int = 0
 
 
@@ -223,7 +226,11 @@ class TierdConnector(KVConnectorBase_V1):
             raise TierdError(f"tierd block_tokens={self.block_tokens} must be a positive multiple of "
                              f"vLLM's block_size={self.block_size}")
         self.ratio = self.block_tokens // self.block_size
-        self.load_async = bool(_extra(ktc, "load_async", True))
+        mode = _extra(ktc, "load_async", "auto")
+        if mode not in ("auto", True, False, "true", "false"):
+            raise TierdError(f"load_async={mode!r}: use \"auto\", true or false")
+        self.load_mode = {"true": True, "false": False}.get(mode, mode)
+        self.async_min_bytes = int(_extra(ktc, "async_min_bytes", 64 << 20))
         self.deadline_s = float(_extra(ktc, "lookup_deadline_ms", 50)) / 1000
         self.max_inflight_bytes = int(_extra(ktc, "max_inflight_bytes", 256 << 20))
         self.save_wait_s = float(_extra(ktc, "save_wait_ms", 50)) / 1000
@@ -398,12 +405,17 @@ class TierdConnector(KVConnectorBase_V1):
             return 0, False
         self._extend(st, n_full)
         self.stats["lookups"] += 1
+        auto = self.load_mode == "auto"
         try:
-            if self.tp_size == 1:
-                n = store.lookup(self.namespace(st.salt, 0), st.keys[0][:n_full])
+            if self.tp_size == 1 and not auto:
+                n = n_host = store.lookup(self.namespace(st.salt, 0), st.keys[0][:n_full])
             else:   # one round trip for every rank; the hit is what all of them hold
-                n = min(store.lookup_all([(self.namespace(st.salt, r), st.keys[r][:n_full])
-                                          for r in range(self.tp_size)]))
+                found = store.lookup_all([(self.namespace(st.salt, r), st.keys[r][:n_full])
+                                          for r in range(self.tp_size)], host=auto)
+                if auto:
+                    n, n_host = min(f[0] for f in found), min(f[1] for f in found)
+                else:
+                    n = n_host = min(found)
         except STORE_ERRORS as e:
             if isinstance(e, TimeoutError) or "timed out" in str(e):
                 self.stats["lookup_timeouts"] += 1
@@ -413,7 +425,18 @@ class TierdConnector(KVConnectorBase_V1):
         st.hit, st.local = n, num_computed_tokens
         hit = min(n * self.block_tokens, len(tokens) - 1)   # the last token is always computed
         ext = max(0, hit - num_computed_tokens)
-        return ext, bool(ext and self.load_async)
+        st.load_async = bool(ext) and self._load_async(num_computed_tokens, ext, n_host, st.salt)
+        return ext, st.load_async
+
+    def _load_async(self, start: int, ext: int, n_host: int, salt: str) -> bool:
+        """Whether a load goes through vLLM's asynchronous path: always, never, or ("auto") when
+        it needs a promotion from disk or is large — a small load from host RAM is a memcpy,
+        cheaper done before the step than one engine step of waiting."""
+        if self.load_mode != "auto":
+            return bool(self.load_mode)
+        last_tier = -(-(start + ext) // self.block_tokens)
+        nbytes = (last_tier - start // self.block_tokens) * self.namespace(salt, 0).block_bytes
+        return last_tier > n_host or nbytes > self.async_min_bytes
 
     def _not_keyed(self, request, e: Exception) -> None:
         self.stats["requests_not_keyed"] += 1
@@ -444,10 +467,10 @@ class TierdConnector(KVConnectorBase_V1):
         st.load_attempts += 1
         self._loads.append(LoadSpec(request.request_id, st.salt,
                                     [k[first_tier:last_tier] for k in st.keys], first_tier, first_block,
-                                    block_ids[first_block:last_block], self.load_async))
+                                    block_ids[first_block:last_block], st.load_async))
         self.stats["hit_blocks"] += last_tier - first_tier
         self.stats["loaded_tokens"] += num_external_tokens
-        if self.load_async:
+        if st.load_async:
             self.stats["loads_async"] += 1
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:

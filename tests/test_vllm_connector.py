@@ -48,7 +48,7 @@ def embedded_url(tmp_path):
         store.close()
 
 
-@pytest.mark.parametrize("layout,load_async", [("BHN2D", True), ("2BNHD", False), ("B2NHD", True),
+@pytest.mark.parametrize("layout,load_async", [("BHN2D", True), ("2BNHD", False), ("B2NHD", "auto"),
                                                ("2BHND", False)])
 def test_roundtrip_embedded_every_layout(embedded_url, layout, load_async):
     sched, worker = pair(embedded_url, layout, load_async=load_async)
@@ -58,7 +58,7 @@ def test_roundtrip_embedded_every_layout(embedded_url, layout, load_async):
     sched.shutdown()
 
 
-@pytest.mark.parametrize("load_async", [True, False])
+@pytest.mark.parametrize("load_async", [True, False, "auto"])
 def test_roundtrip_and_load_errors_through_the_daemon(daemon, load_async):
     # separate connections, as vLLM's scheduler and worker processes have
     sched, worker = pair(daemon.url, load_async=load_async)
@@ -371,3 +371,36 @@ def test_another_model_or_layout_never_hits(embedded_url):
     assert other.get_num_new_matched_tokens(objs.request("y", prompt), 0) == (0, False)
     worker.shutdown()
     sched.shutdown()
+
+
+def test_auto_loads_asynchronously_what_needs_the_disk_or_is_large(daemon):
+    sched, worker = pair(daemon.url)                       # load_async "auto" (the default)
+    objs = drv.Objects()
+    prompt = list(range(1, 101))
+    r = objs.request("A", prompt)
+    drv.admit(sched, objs, r, 0, list(range(7)), worker)
+    drv.step(sched, worker, objs.output([(r, range(7), 0, 100)]))
+    assert worker.flush(30)
+    # in host RAM and small: copied before the step
+    assert sched.get_num_new_matched_tokens(objs.request("B", prompt), 0) == (96, False)
+    big = tv.TierdConnector(config(daemon.url, async_min_bytes=1), tv.KVConnectorRole.SCHEDULER, None)
+    assert big.get_num_new_matched_tokens(objs.request("C", prompt), 0) == (96, True)
+    with tierd.connect(daemon.url) as admin:
+        admin.sync()
+        admin.flush(tier="host")                           # now only on disk
+        ns = worker.namespace("")
+        assert admin.lookup_all([(ns, ns.block_keys(prompt))], host=True) == [(3, 0)]
+    # a promotion from disk: outside the batch
+    d = objs.request("D", prompt)
+    assert sched.get_num_new_matched_tokens(d, 0) == (96, True)
+    sched.update_state_after_alloc(d, objs.blocks(list(range(10, 17))), 96)
+    import time
+    done, deadline = set(), time.monotonic() + 30
+    while "D" not in done and time.monotonic() < deadline:
+        done |= drv.step(sched, worker, objs, objs.output([]))
+        time.sleep(0.001)
+    assert done == {"D"} and objs.take_errors() == set(), worker.stats
+    for i in range(6):
+        assert torch.equal(drv.block_kv(worker, 10 + i), drv.block_kv(worker, i))
+    for c in (big, worker, sched):
+        c.shutdown()

@@ -91,11 +91,11 @@ P2_BATCHES = [
 
 
 def _spec(tmp: Path, name: str, model: Path, loras: dict, batches: list, url: str | None,
-          tier: bool = False) -> Path:
+          tier: bool = False, **connector) -> Path:
     spec = {"model": str(model), "out": str(tmp / f"{name}.json"), "engine": ENGINE, "loras": loras,
             "batches": batches,
             "connector": None if url is None or tier else {"url": url, "block_tokens": BLOCK_TOKENS,
-                                                           "lookup_deadline_ms": DEADLINE_MS}}
+                                                           "lookup_deadline_ms": DEADLINE_MS, **connector}}
     if tier:   # vLLM's own offloading, tierd as its secondary tier
         # chunks of two vLLM blocks: the host-copy worker's sub-block placement is exercised
         spec["offload"] = {"spec_name": "TierdTieringSpec", "spec_module_path": "tierd.connectors.vllm_tier",
@@ -160,7 +160,9 @@ def runs(tmp_path_factory):
         with_tierd.close()
 
         # P2: a fresh vLLM process; the daemon is stalled, killed and restarted under it
-        spec = _spec(tmp, "p2", model, loras, P2_BATCHES, url)
+        # P1 loads as "auto" picks (small host-RAM hits: before the step); P2 always through
+        # vLLM's asynchronous path
+        spec = _spec(tmp, "p2", model, loras, P2_BATCHES, url, load_async=True)
         proc = _start(py, spec, tmp / "p2.log")
         res = Path(json.loads(spec.read_text())["out"])
 

@@ -103,7 +103,7 @@ def admit(sched, objs, request, num_local: int, block_ids: list[int], worker=Non
     load the steps until the worker reports it (then the request is allocated again, with no
     external tokens, and scheduled by the caller)."""
     ext, is_async = sched.get_num_new_matched_tokens(request, num_local)
-    assert is_async == bool(ext and sched.load_async), (ext, is_async)
+    assert ext or not is_async, (ext, is_async)
     sched.update_state_after_alloc(request, objs.blocks(block_ids), ext)
     if before_load is not None:
         before_load()

@@ -301,9 +301,13 @@ class Client:
     def lookup(self, ns, keys: Sequence[bytes]) -> int:
         return self._call("lookup", ns=self._ns_name(ns), keys=check_keys(keys))["n"]
 
-    def lookup_all(self, queries) -> list[int]:
-        """`lookup` for several (namespace, keys) pairs in one round trip."""
+    def lookup_all(self, queries, *, host: bool = False):
+        """`lookup` for several (namespace, keys) pairs in one round trip (see
+        `TieredStore.lookup_all`; with `host`, (present, ready in host RAM) pairs)."""
         q = [{"ns": self._ns_name(ns), "keys": check_keys(keys)} for ns, keys in queries]
+        if host:
+            r = self._call("lookup_all", queries=q, host=True)
+            return list(zip(r["n"], r["host"]))
         return list(self._call("lookup_all", queries=q)["n"])
 
     def where(self, ns, keys: Sequence[bytes]) -> list[str]:

@@ -419,6 +419,9 @@ class Daemon:
             keys = P.keys_field(q, budget)
             budget -= len(keys)
             parsed.append((self._ns(conn, q), keys))
+        if msg.get("host"):
+            pairs = self.store.lookup_all(parsed, host=True)
+            return {"n": [n for n, _ in pairs], "host": [h for _, h in pairs]}
         return {"n": self.store.lookup_all(parsed)}
 
     def _op_where(self, conn: _Conn, msg: dict) -> dict:
