@@ -151,6 +151,16 @@ def test_conformance_with_the_installed_vllm(tmp_path, env):
     print(r.stdout.strip().splitlines()[-1], file=sys.stderr)
 
 
+def _stored(sched, worker, objs, prompt, rid="A"):
+    """Request `rid` over `prompt` runs its prefill; its full tier blocks are in tierd after."""
+    r = objs.request(rid, prompt)
+    nb = -(-len(prompt) // drv.BLOCK_SIZE)
+    drv.admit(sched, objs, r, 0, list(range(nb)), worker)
+    drv.step(sched, worker, objs.output([(r, range(nb), 0, len(prompt))]))
+    assert worker.flush(30)
+    return r
+
+
 # -- tensor parallelism ---------------------------------------------------------------------------
 def _tp(url, rank=None, **extra):
     ns = dict(drv.extra_config(url)["namespace"], tp_size=2)
@@ -222,10 +232,7 @@ def test_lookups_keep_their_deadline_on_a_stalled_daemon_and_recover(daemon):
     sched, worker = pair(daemon.url, lookup_deadline_ms=50)
     objs = drv.Objects()
     prompt = list(range(1, 101))
-    a = objs.request("A", prompt)
-    drv.admit(sched, objs, a, 0, list(range(7)), worker)
-    drv.step(sched, worker, objs.output([(a, range(7), 0, 100)]))
-    assert worker.flush(30)
+    _stored(sched, worker, objs, prompt)
     daemon.signal(signal.SIGSTOP)
     try:
         times = []
@@ -357,10 +364,7 @@ def test_another_model_or_layout_never_hits(embedded_url):
     sched, worker = pair(embedded_url)
     objs = drv.Objects()
     prompt = list(range(1, 101))
-    r = objs.request("A", prompt)
-    drv.admit(sched, objs, r, 0, list(range(7)), worker)
-    drv.step(sched, worker, objs.output([(r, range(7), 0, 100)]))
-    assert worker.flush(30)
+    _stored(sched, worker, objs, prompt)
     assert sched.get_num_new_matched_tokens(objs.request("same", prompt), 0)[0] == 96
     base = drv.extra_config(embedded_url)["namespace"]
     for change in ({"model": "another-model"}, {"kv_dtype": "bfloat16"}):
@@ -377,10 +381,7 @@ def test_auto_loads_asynchronously_what_needs_the_disk_or_is_large(daemon):
     sched, worker = pair(daemon.url)                       # load_async "auto" (the default)
     objs = drv.Objects()
     prompt = list(range(1, 101))
-    r = objs.request("A", prompt)
-    drv.admit(sched, objs, r, 0, list(range(7)), worker)
-    drv.step(sched, worker, objs.output([(r, range(7), 0, 100)]))
-    assert worker.flush(30)
+    _stored(sched, worker, objs, prompt)
     # in host RAM and small: copied before the step
     assert sched.get_num_new_matched_tokens(objs.request("B", prompt), 0) == (96, False)
     big = tv.TierdConnector(config(daemon.url, async_min_bytes=1), tv.KVConnectorRole.SCHEDULER, None)
