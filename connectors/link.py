@@ -17,13 +17,14 @@ timed-out request is not retried. Together: no caller waits longer than the time
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 
 import tierd
-from tierd.errors import TierdError
+from tierd.errors import LeaseError, TierdError
 
 log = logging.getLogger("tierd.connectors")
 
@@ -32,6 +33,21 @@ DEFAULT_TIMEOUT_S = 10.0  # per request to a daemon, for connectors (the Client'
 # long enough for a large prefix promoted from disk in one acquire, short enough to bound a stall
 STAT_KEYS = ("lookups", "hit_blocks", "loaded_tokens", "load_failures", "stored_blocks", "store_failures",
              "stores_dropped", "unavailable", "load_s", "loaded_bytes")
+
+
+@contextlib.contextmanager
+def holding(store, held):
+    """While copying through the slots of `held` (a lease or reservation `store` handed out):
+    keep the daemon connection that obtained them open (`Client.hold`), and raise LeaseError if
+    it is already gone — then the daemon may have given the slots to someone else. An embedded
+    store's slots cannot be lost."""
+    if not hasattr(store, "hold"):
+        yield
+        return
+    with store.hold():
+        if not store.connected or held._generation != store.generation():
+            raise LeaseError("the connection that holds these slots is gone")
+        yield
 
 
 class StoreLink:

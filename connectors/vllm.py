@@ -72,13 +72,13 @@ from typing import Any
 
 import torch
 
-from tierd.errors import LeaseError, NamespaceError, TierdError
+from tierd.errors import NamespaceError, TierdError
 from tierd.keys import extend_keys
 from tierd.kernels.transfer import host_tensor
 from tierd.namespace import DEFAULT_BLOCK_TOKENS, Namespace, canonical_dtype, model_fingerprint
 
 from . import vllm_layout
-from .link import STORE_ERRORS, StoreLink
+from .link import STORE_ERRORS, StoreLink, holding
 from .vllm_keys import block_extra
 try:  # vLLM is optional: the real base class where it is installed
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -624,7 +624,6 @@ class TierdConnector(KVConnectorBase_V1):
         loaded = 0
         lease = None
         keys = spec.keys[self._rank]
-        hold = getattr(store, "hold", None)
         try:
             if store is not None:
                 try:
@@ -634,32 +633,16 @@ class TierdConnector(KVConnectorBase_V1):
                 except STORE_ERRORS as e:
                     self.stats["load_failures"] += 1
                     self.link.failed(e, "load")
-            last = spec.first_block + len(spec.block_ids)
             if loaded:
-                with (hold() if hold else _nothing()):
-                    _check_slots(store, lease)
-                    for j in range(loaded):
-                        tier = spec.first_tier + j
-                        lo = max(spec.first_block, tier * self.ratio)
-                        hi = min(last, (tier + 1) * self.ratio)
-                        if lo >= hi:
-                            continue
-                        src = self._tier_view(lease.buffers[j])[:, :, lo - tier * self.ratio:hi - tier * self.ratio]
-                        src = src.to(self._device, non_blocking=True)
-                        dst = torch.tensor(spec.block_ids[lo - spec.first_block:hi - spec.first_block],
-                                           dtype=torch.long, device=self._device)
-                        for layer, (k, v) in enumerate(self._layers):
-                            k[dst] = src[layer, 0]
-                            v[dst] = src[layer, 1]
-                    if self._device.type == "cuda":
-                        torch.cuda.current_stream(self._device).synchronize()  # the lease ends below
-                    try:   # the bytes count only if the lease held until now
+                try:   # the bytes count only if the lease held from before the copy until its end
+                    with holding(store, lease):
+                        self._copy_from(lease, spec, loaded)
                         lease, held = None, lease
-                        _release(store, held, confirm=True)
-                    except STORE_ERRORS as e:
-                        self.stats["lost_leases"] += 1
-                        log.warning("tierd lease lost during a load (%s); the blocks are recomputed", e)
-                        loaded = 0
+                        store.release(held, confirm=True)
+                except STORE_ERRORS as e:
+                    self.stats["lost_leases"] += 1
+                    log.warning("tierd lease lost during a load (%s); the blocks are recomputed", e)
+                    loaded = 0
             # blocks of tier blocks that were not there any more: vLLM recomputes them
             first_missing = (spec.first_tier + loaded) * self.ratio
             missing = set(spec.block_ids[max(0, first_missing - spec.first_block):])
@@ -671,10 +654,29 @@ class TierdConnector(KVConnectorBase_V1):
         finally:
             if lease is not None:
                 try:
-                    _release(store, lease)
+                    store.release(lease)
                 except STORE_ERRORS:
                     pass
             self.stats["load_s"] += time.perf_counter() - t0
+
+    def _copy_from(self, lease, spec: LoadSpec, loaded: int) -> None:
+        """Copy the first `loaded` leased tier blocks into the vLLM blocks of `spec`."""
+        last = spec.first_block + len(spec.block_ids)
+        for j in range(loaded):
+            tier = spec.first_tier + j
+            lo = max(spec.first_block, tier * self.ratio)
+            hi = min(last, (tier + 1) * self.ratio)
+            if lo >= hi:
+                continue
+            src = self._tier_view(lease.buffers[j])[:, :, lo - tier * self.ratio:hi - tier * self.ratio]
+            src = src.to(self._device, non_blocking=True)
+            dst = torch.tensor(spec.block_ids[lo - spec.first_block:hi - spec.first_block],
+                               dtype=torch.long, device=self._device)
+            for layer, (k, v) in enumerate(self._layers):
+                k[dst] = src[layer, 0]
+                v[dst] = src[layer, 1]
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()  # the lease ends after this
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # synchronous loads complete inside start_load_kv; asynchronous ones outside the batch
@@ -758,10 +760,7 @@ class TierdConnector(KVConnectorBase_V1):
 
     def _copy_into(self, res, spec: SaveSpec) -> None:
         """Copy the reserved tier blocks of `spec` from the paged cache straight into their slots."""
-        store = self.save_link.store
-        hold = getattr(store, "hold", None)
-        with (hold() if hold else _nothing()):
-            _check_slots(store, res)
+        with holding(self.save_link.store, res):
             for j, status in enumerate(res.status):
                 if status != "reserved":
                     continue
@@ -867,33 +866,6 @@ class TierdConnector(KVConnectorBase_V1):
             if self.save_link is not self.link:
                 self.save_link.close()
         self.link.close()
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _check_slots(store, held) -> None:
-    """Raise LeaseError if the connection that obtained `held` (a lease or reservation) is gone:
-    the daemon may have handed its slots to someone else. Call it while holding the connection."""
-    if not hasattr(store, "connected"):
-        return                       # an embedded store: nothing can be lost
-    if not store.connected or getattr(held, "_generation", None) != store.generation():
-        raise LeaseError("the connection that holds these slots is gone")
-
-
-def _release(store, lease, confirm: bool = False) -> None:
-    if confirm:
-        try:
-            store.release(lease, confirm=True)
-            return
-        except TypeError:    # a Store without confirmation (its leases cannot be lost)
-            pass
-    lease.__exit__(None, None, None)
 
 
 # -- store sharing ------------------------------------------------------------------------------

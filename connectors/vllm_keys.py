@@ -28,7 +28,7 @@ from tierd.namespace import content_digests
 
 log = logging.getLogger("tierd.connectors.vllm")
 
-_adapter_ids: dict[tuple, bytes] = {}
+_adapter_ids: dict[tuple, bytes] = {}   # vLLM loads an adapter once per id: so is it hashed
 _warned: set[str] = set()
 
 
@@ -36,15 +36,14 @@ def adapter_identity(lora_request) -> bytes:
     """16 bytes naming a LoRA adapter by content (see the module docstring)."""
     path = str(getattr(lora_request, "lora_path", "") or getattr(lora_request, "path", "") or "")
     name = str(getattr(lora_request, "lora_name", "") or getattr(lora_request, "name", "") or "")
+    known = (name, getattr(lora_request, "lora_int_id", None), path)
+    cached = _adapter_ids.get(known)          # no file access per request on the scheduler's path
+    if cached is not None:
+        return cached
     d = Path(path)
     if path and d.is_dir():
         files = sorted(p for ext in ("*.safetensors", "*.bin", "*.pt") for p in d.glob(ext))
         cfg = d / "adapter_config.json"
-        stat_key = tuple((p.name, p.stat().st_ino, p.stat().st_size, p.stat().st_mtime_ns)
-                         for p in [*files, *([cfg] if cfg.exists() else [])])
-        cached = _adapter_ids.get((path, stat_key))
-        if cached is not None:
-            return cached
         h = hashlib.blake2b(b"tierd-lora-v1\x00", digest_size=16)
         if cfg.exists():
             try:
@@ -55,8 +54,7 @@ def adapter_identity(lora_request) -> bytes:
         digests = content_digests(files)
         for p in files:
             h.update(p.name.encode() + b"\x00" + bytes.fromhex(digests[p]))
-        ident = h.digest()
-        _adapter_ids[(path, stat_key)] = ident
+        ident = _adapter_ids[known] = h.digest()
         return ident
     if name not in _warned:
         _warned.add(name)

@@ -65,8 +65,8 @@ import tierd
 from tierd.errors import TierdError
 from tierd.namespace import Namespace, canonical_dtype, model_fingerprint, read_model_config
 
-from .link import DEFAULT_TIMEOUT_S, STORE_ERRORS
-from .vllm import _release
+from .link import DEFAULT_TIMEOUT_S, STORE_ERRORS, holding
+from .vllm import _open
 
 log = logging.getLogger("tierd.connectors.vllm_tier")
 
@@ -183,8 +183,8 @@ class TierdTier(SecondaryTierManager):
         store = self._stores.get(role)
         if store is None:
             try:
-                store = self._stores[role] = (tierd.connect(self._url) if not self._url.startswith("embedded:")
-                                              else _embedded(self._url))
+                shared = _open(self._url)     # an embedded store is shared within the process
+                store = self._stores[role] = tierd.connect(shared) if isinstance(shared, str) else shared
             except STORE_ERRORS as e:
                 self._failed(role, e)
                 return None
@@ -253,7 +253,7 @@ class TierdTier(SecondaryTierManager):
         self._lookups.shutdown()
         self._primary = None         # let vLLM unmap its region
         for store in self._stores.values():
-            if not self._url.startswith("embedded:"):
+            if hasattr(store, "hold"):        # a daemon connection of ours, not the shared embedded store
                 try:
                     store.close()
                 except STORE_ERRORS:
@@ -293,11 +293,8 @@ class TierdTier(SecondaryTierManager):
             self._failed("store", e)
             return JobResult(job.job_id, False)
         written = 0
-        hold = getattr(store, "hold", None)
         try:
-            with (hold() if hold else _Nothing()):
-                if hasattr(store, "connected") and (not store.connected or res._generation != store.generation()):
-                    raise TierdError("the connection holding the reservation is gone")
+            with holding(store, res):
                 for status, buf, row in zip(res.status, res.buffers, self._rows(job.chunk_ids)):
                     if status == "reserved":
                         np.copyto(np.asarray(buf).reshape(-1), row)
@@ -331,10 +328,11 @@ class TierdTier(SecondaryTierManager):
                 lease = store.acquire(self.ns, [tier_key(k) for k in keys[i:]])
                 n = len(lease)
                 try:
-                    for j in range(n):
-                        np.copyto(rows[i + j], np.asarray(lease.buffers[j]).reshape(-1))
+                    with holding(store, lease):
+                        for j in range(n):
+                            np.copyto(rows[i + j], np.asarray(lease.buffers[j]).reshape(-1))
                 finally:
-                    _release(store, lease, confirm=True)   # raises if the lease was lost meanwhile
+                    store.release(lease, confirm=True)   # raises if the lease was lost meanwhile
                 ok.extend(keys[i:i + n])
                 i += n if n else 1
                 if n == 0:
@@ -346,23 +344,6 @@ class TierdTier(SecondaryTierManager):
             return JobResult(job.job_id, True, transfer_bytes=len(ok) * self._used)
         return JobResult(job.job_id, False, successful_keys=tuple(ok) or None,
                          transfer_bytes=len(ok) * self._used)
-
-
-class _Nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-_EMBEDDED: dict[str, Any] = {}
-
-
-def _embedded(url: str):
-    if url not in _EMBEDDED:
-        _EMBEDDED[url] = tierd.connect(url)
-    return _EMBEDDED[url]
 
 
 # -- the worker side: a host-memory copy worker for CPU-only hosts --------------------------------

@@ -30,7 +30,12 @@ from .test_vllm_connector import ROOT, vllm_python
 pytestmark = pytest.mark.slow
 
 BLOCK_TOKENS = 256
-DEADLINE_MS = 50
+# The lookup deadline of these engines. Above the 50 ms default: on two cores shared by an engine,
+# its worker, the daemon and pytest, a healthy daemon's answer can be late by tens of milliseconds
+# now and then, and a missed deadline (correctly) costs that request its hit, which would make the
+# exact hit counts below flaky. The 50 ms bound itself is tested without engines
+# (test_vllm_connector.py::test_lookups_keep_their_deadline_on_a_stalled_daemon_and_recover).
+DEADLINE_MS = 500
 ENGINE = {"max_num_batched_tokens": 256, "num_gpu_blocks_override": 12, "max_model_len": 1024,
           "enable_prefix_caching": False,
           "max_num_seqs": 8}
@@ -277,7 +282,8 @@ def test_f_lora_adapters_never_share_kv(runs):
 def test_g_daemon_stalled_killed_and_restarted_mid_run(runs):
     for name in ("stall", "kill", "restart"):
         assert _tokens(runs["p2"], name) == _expected(runs, "p2", name), name
-    # a stalled daemon costs a request at most the lookup deadline, and saves give up at once
+    # a stalled daemon costs a request at most the lookup deadline (once per back-off period), and
+    # saves give up after their wait
     p0 = runs["p0"]["batches"][len(P1_BATCHES) + [b["name"] for b in P2_BATCHES].index("stall")]
     extra = _batches(runs["p2"])["stall"]["wall_s"] - p0["wall_s"]
     print(f"\nstalled daemon: batch {_batches(runs['p2'])['stall']['wall_s']:.3f} s vs "

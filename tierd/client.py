@@ -170,9 +170,8 @@ class Client:
         the daemon reclaims the slots — only once every holder is done."""
         with self._hold_lock:
             self._holds += 1
-            gen = self._generation
         try:
-            yield gen
+            yield
         finally:
             with self._hold_lock:
                 self._holds -= 1

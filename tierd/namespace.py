@@ -285,7 +285,7 @@ def hf_blob_digest(path: Path) -> str | None:
     return None
 
 
-def _sha256_file(path: Path, size: int, progress: "_Progress") -> str:
+def _sha256_file(path: Path, progress: "_Progress") -> str:
     h = hashlib.sha256()
     buf = bytearray(16 << 20)
     view = memoryview(buf)
@@ -336,6 +336,7 @@ def content_digests(paths: list[Path]) -> dict[Path, str]:
     remembered). The same bytes give the same digest wherever they are stored."""
     out: dict[Path, str] = {}
     todo: list[tuple[Path, tuple, int]] = []
+    seen: dict[tuple, str] = {}
     cache = None
     for p in paths:
         named = hf_blob_digest(p)
@@ -351,25 +352,21 @@ def content_digests(paths: list[Path]) -> dict[Path, str]:
                 cache = _load_digest_cache(digest_cache_path())
             known = cache.get(":".join(map(str, key)))
         if isinstance(known, str) and _HEX64.fullmatch(known):
-            out[p] = known
+            out[p] = seen[key] = known
         else:
             todo.append((p, key, st.st_size))
     if todo:
         progress = _Progress(sum(size for _, _, size in todo), todo[0][0].parent)
         found = {}
-        for p, key, size in todo:
-            digest = _sha256_file(p, size, progress)
+        for p, key, _ in todo:
+            digest = _sha256_file(p, progress)
             if _stat_key(p.stat()) != key:
                 raise NamespaceError(f"{p} changed while it was being hashed; start again once it is written")
-            out[p] = found[key] = digest
+            out[p] = found[key] = seen[key] = digest
         progress.finish()
         _remember_digests(found)
     with _memo_lock:
-        for p, d in out.items():
-            try:
-                _memo[_stat_key(p.stat())] = d
-            except OSError:
-                pass
+        _memo.update(seen)
     return out
 
 

@@ -795,18 +795,7 @@ class TieredStore:
     # -- Store interface: reads --------------------------------------------------------------
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """Number of leading `keys` present in any tier."""
-        keys = check_keys(keys)
-        with self._cond:
-            self._check_open()
-            st = self._ns(ns)
-            st.counters["lookups"] += 1
-            n = 0
-            for k in keys:
-                b = self._blocks.get(st.ns_id + k)
-                if b is None or not (b.host_state in (READY, LOADING) or b.disk is not None):
-                    break
-                n += 1
-            return n
+        return self._leading(ns, keys)[0]
 
     def lookup_all(self, queries: Sequence[tuple[Namespace, Sequence[bytes]]], *,
                    host: bool = False) -> list[int] | list[tuple[int, int]]:
@@ -814,25 +803,25 @@ class TieredStore:
         rank's chain of one prompt): one call, one answer per pair. With `host`, each answer is
         (leading keys present in any tier, leading keys ready in host RAM): a load of more than
         the second number needs a promotion from disk."""
-        if not host:
-            return [self.lookup(ns, keys) for ns, keys in queries]
-        out = []
-        for ns, keys in queries:
-            keys = check_keys(keys)
-            with self._cond:
-                self._check_open()
-                st = self._ns(ns)
-                st.counters["lookups"] += 1
-                n = n_host = 0
-                for k in keys:
-                    b = self._blocks.get(st.ns_id + k)
-                    if b is None or not (b.host_state in (READY, LOADING) or b.disk is not None):
-                        break
-                    if n_host == n and b.host_state == READY:
-                        n_host += 1
-                    n += 1
-            out.append((n, n_host))
-        return out
+        found = [self._leading(ns, keys) for ns, keys in queries]
+        return found if host else [n for n, _ in found]
+
+    def _leading(self, ns: Namespace, keys: Sequence[bytes]) -> tuple[int, int]:
+        """(leading keys present in any tier, leading keys ready in host RAM)."""
+        keys = check_keys(keys)
+        with self._cond:
+            self._check_open()
+            st = self._ns(ns)
+            st.counters["lookups"] += 1
+            n = n_host = 0
+            for k in keys:
+                b = self._blocks.get(st.ns_id + k)
+                if b is None or not (b.host_state in (READY, LOADING) or b.disk is not None):
+                    break
+                if n_host == n and b.host_state == READY:
+                    n_host += 1
+                n += 1
+            return n, n_host
 
     def where(self, ns: Namespace, keys: Sequence[bytes]) -> list[str]:
         """Per key: "host", "disk", "host+disk" or "" (absent)."""
