@@ -206,3 +206,178 @@ def test_a_vanished_disk_directory_degrades_then_a_fresh_one_is_used(tmp_path):
     with tierd.connect(d.url) as c:
         assert check_served_exact(c, ns, list(stored)) == len(stored)   # synced after the reopen
     d.stop()
+
+
+class _NotifySocket:
+    """A datagram socket standing in for systemd's: counts the daemon's WATCHDOG=1 beats."""
+
+    def __init__(self, path):
+        import socket
+        import threading
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.settimeout(0.2)
+        self.beats: list[float] = []
+        self._stop = False
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop:
+            try:
+                msg = self.sock.recv(4096)
+            except OSError:
+                continue
+            if b"WATCHDOG=1" in msg:
+                self.beats.append(time.monotonic())
+
+    def beats_between(self, t0: float, t1: float) -> int:
+        return sum(t0 <= t <= t1 for t in self.beats)
+
+    def close(self):
+        self._stop = True
+        self._t.join()
+        self.sock.close()
+
+
+def _latencies(fn, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return sorted(out)
+
+
+def _p99(xs: list[float]) -> float:
+    return xs[min(len(xs) - 1, int(len(xs) * 0.99))]
+
+
+@pytest.mark.slow
+def test_a_hanging_disk_stalls_no_one_and_recovers_by_itself(tmp_path):
+    """Writes, fdatasyncs and reads that hang for seconds (a dying disk, a lost NFS server):
+    other clients' lookups and host hits keep their latency, `tierd stats` answers, the watchdog
+    keeps beating, the disk tier is reported degraded, hung requests time out without leaking
+    their slots, and everything recovers by itself when the I/O returns."""
+    import threading
+    notify = _NotifySocket(tmp_path / "notify.sock")
+    faults = tmp_path / "faults"
+    faults.write_text("")
+    toml = SMALL_TOML.replace("[disk]\n", f'[disk]\nfault_file = "{faults}"\nstall_s = 0.5\n') + \
+        "[limits]\nrequest_timeout_s = 3\n"
+    d = DaemonProc(tmp_path, toml=toml, env={"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "200000"}).start()
+    ns = make_ns()
+    try:
+        with tierd.connect(d.url) as c, tierd.connect(d.url) as writer:
+            on_disk = put_chains(c, ns, range(4))
+            assert c.sync() > 0
+            disk_keys = list(on_disk)
+            wait_for(lambda: c.flush("host") >= 0 and all(t == "disk" for t in c.where(ns, disk_keys)),
+                     what="host copies flushed")
+            hot = put_chains(c, ns, range(50, 52))          # host-only blocks: the host hits below
+            hot_keys = list(hot)
+            lookup = lambda: c.lookup(ns, hot_keys)  # noqa: E731
+            host_hit = lambda: c.get(ns, hot_keys[:4])  # noqa: E731
+            base_lookup, base_hit = _latencies(lookup, 300), _latencies(host_hit, 300)
+
+            # -- the disk hangs on writes and fdatasyncs; a sync is stuck in it ---------------------
+            faults.write_text("write=hang:60 flush=hang:60")
+            put_chains(writer, ns, range(200, 204))         # host-only blocks for the sync to write
+            stuck = {}
+            t = threading.Thread(target=lambda: stuck.setdefault("r", _try(writer.sync)))
+            t.start()
+            t0 = time.monotonic()
+            wait_for(lambda: "stalled" in disk_stats(c)["degraded"], what="stall noticed")
+            lk, hh = _latencies(lookup, 500), _latencies(host_hit, 500)
+            assert _p99(lk) < 1e-3, f"lookup p99 {_p99(lk) * 1e6:.0f} us while the disk hangs " \
+                                    f"(before: {_p99(base_lookup) * 1e6:.0f} us)"
+            assert _p99(hh) < 1e-3, f"host-hit p99 {_p99(hh) * 1e6:.0f} us while the disk hangs " \
+                                    f"(before: {_p99(base_hit) * 1e6:.0f} us)"
+            # blocks only a hung disk holds are not promised: lookups count host RAM alone
+            assert c.lookup(ns, disk_keys) == 0
+            t_stats = time.monotonic()
+            out = cli("stats", "--socket", d.socket)
+            assert out.returncode == 0 and "DISK TIER DEGRADED" in out.stdout
+            assert time.monotonic() - t_stats < 5
+            assert check_served_exact(c, ns, hot_keys) == len(hot_keys)
+            time.sleep(1.0)
+            t1 = time.monotonic()
+            # beats every 0.1 s: at least half of them arrived while the disk hung
+            assert notify.beats_between(t0, t1) >= (t1 - t0) / 0.1 / 2, notify.beats[-20:]
+
+            # -- the I/O returns: the stuck request finishes, the disk tier recovers --------------------
+            faults.write_text("")
+            t.join(30)
+            assert not t.is_alive()
+            wait_for(lambda: disk_stats(c)["degraded"] == "", what="recovery", timeout_s=15)
+            assert c.sync() >= 0
+            assert c.lookup(ns, disk_keys) == len(disk_keys)
+
+            # -- reads hang: a promotion times out, gives its slots back, others go on --------------
+            faults.write_text("read=hang:60")
+            r = _try(lambda: writer.get(ns, disk_keys[:4]))
+            assert isinstance(r, Exception) and "took longer" in str(r)   # request_timeout_s
+            wait_for(lambda: "stalled" in disk_stats(c)["degraded"], what="read stall noticed")
+            lk = _latencies(lookup, 300)
+            assert _p99(lk) < 1e-3, f"lookup p99 {_p99(lk) * 1e6:.0f} us while reads hang"
+            with c.acquire(ns, disk_keys[:4]) as lease:
+                assert len(lease) == 0                       # a stalled disk is a miss, not a wait
+            faults.write_text("")
+            wait_for(lambda: disk_stats(c)["degraded"] == "", what="recovery after reads", timeout_s=15)
+            assert check_served_exact(c, ns, disk_keys) == len(disk_keys)
+            # nothing was left behind by the requests that timed out
+            st = wait_for(lambda: (lambda s: s if not s["leases"] and not s["reservations"] else None)(c.stats()),
+                          what="no open leases or reservations")
+            assert st["leases"] == 0 and st["reservations"] == 0
+    finally:
+        assert d.stop() == 0
+        notify.close()
+    log = d.log.read_text()
+    assert "stalled" in log and "disk tier recovered" in log
+
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 -- the caller checks what it got
+        return e
+
+
+def test_the_host_arena_is_reserved_at_start_or_refused_and_never_faults(tmp_path):
+    """A shared-memory arena larger than its tmpfs is refused at start with one line naming the
+    filesystem, its free space and the setting; one that fits is reserved whole, so a tmpfs
+    filled up by someone else afterwards cannot kill the daemon (or a client) with SIGBUS."""
+    import sys
+    from .daemon import ROOT
+    mnt = tmp_path / "shm"
+    if not _mount_tmpfs(mnt, "16m"):
+        pytest.skip("cannot mount a size-capped tmpfs here (needs root and mount rights)")
+    try:
+        (tmp_path / "big").mkdir()
+        big = DaemonProc(tmp_path / "big", host_bytes="64MiB", env={"TIERD_ARENA_DIR": str(mnt)})
+        r = subprocess.run([sys.executable, "-m", "tierd", "serve", *big.args], cwd=ROOT, env=big.env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0
+        line = r.stderr.strip().splitlines()[-1]
+        assert "cannot reserve 64" in line and str(mnt) in line and "tmpfs" in line, line
+        assert "free" in line and "host.bytes" in line, line
+        assert not list(mnt.iterdir()), "a refused arena leaves nothing behind"
+
+        (tmp_path / "ok").mkdir()
+        d = DaemonProc(tmp_path / "ok", host_bytes="8MiB", env={"TIERD_ARENA_DIR": str(mnt)}).start()
+        try:
+            filler = mnt / "filler"
+            subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M", "count=64"], capture_output=True)
+            assert shutil.disk_usage(mnt).free < 64 * 1024          # the tmpfs is full now
+            ns = make_ns()
+            with tierd.connect(d.url) as c:
+                stored = put_chains(c, ns, range(200))              # 800 blocks of 16 KiB: the arena over and over
+                recent = list(stored)[-16:]
+                assert check_served_exact(c, ns, recent) > 0
+                assert c.stats()["tiers"]["host"]["blocks"] > 0
+            assert d.alive()
+        finally:
+            assert d.stop() == 0
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

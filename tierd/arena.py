@@ -9,6 +9,7 @@ Neither class knows about blocks, keys or policy.
 
 from __future__ import annotations
 
+import errno
 import heapq
 import mmap
 import os
@@ -186,7 +187,7 @@ class SharedArena:
     """
 
     def __init__(self, capacity_bytes: int, *, path: str | None = None, name: str = "tierd-host",
-                 mode: int = 0o600):
+                 mode: int = 0o600, reserve: bool | None = None, setting: str = "host.bytes (--host-bytes)"):
         if mode & 0o007:
             raise ConfigError(f"host arena mode {mode:o} would let any user read the cache; use 0600 or 0660")
         if capacity_bytes <= 0 or capacity_bytes % ALIGN:
@@ -201,6 +202,8 @@ class SharedArena:
             if path is not None:
                 os.fchmod(self.fd, mode)  # not subject to the umask
             os.ftruncate(self.fd, capacity_bytes)
+            if reserve if reserve is not None else path is not None:
+                self._reserve(setting)
             self._mmap = mmap.mmap(self.fd, capacity_bytes, mmap.MAP_SHARED,
                                    mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
@@ -213,6 +216,33 @@ class SharedArena:
         except (AttributeError, OSError):
             pass
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)  # (capacity_bytes,)
+
+    def _reserve(self, setting: str) -> None:
+        """Allocate every page of the file now. A sparse shared-memory file is filled page by
+        page on first touch, and when its filesystem (a tmpfs: /dev/shm is 64 MiB in a default
+        container) runs out, the touching process — the daemon or an engine copying into a slot
+        — dies of SIGBUS. Reserved, the arena can never fault; if the room is not there, the
+        arena is refused now, with the reason."""
+        try:
+            os.posix_fallocate(self.fd, 0, self.capacity_bytes)
+        except OSError as e:
+            where = os.path.dirname(os.path.abspath(self.path)) if self.path else "shared memory"
+            free = fs = None
+            try:
+                st = os.statvfs(where)
+                free = st.f_bavail * st.f_frsize
+            except OSError:
+                pass
+            if self.path:
+                fs = filesystem_type(where)
+            from .config import format_size
+            room = f"{format_size(free)} free" if free is not None else "free space unknown"
+            if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise CapacityError(
+                    f"host tier: cannot reserve {format_size(self.capacity_bytes)} for the shared-memory arena "
+                    f"in {where} ({fs or 'unknown filesystem'}, {room}); lower {setting} or give that "
+                    f"filesystem more room (e.g. a larger /dev/shm: docker run --shm-size)") from None
+            raise CapacityError(f"host tier: cannot reserve the shared-memory arena in {where}: {e.strerror}") from None
 
     def view(self, offset: int, length: int) -> np.ndarray:
         """A writable (length,) uint8 view of the arena at `offset`."""
@@ -233,6 +263,23 @@ class SharedArena:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+def filesystem_type(path: str) -> str | None:
+    """The type of the filesystem holding `path` (from /proc/self/mounts), or None."""
+    path = os.path.realpath(path)
+    best, fstype = "", None
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3:
+                    mnt = parts[1].replace("\\040", " ")
+                    if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                        best, fstype = mnt, parts[2]
+    except OSError:
+        return None
+    return fstype
 
 
 def slot_bytes_for(block_bytes: int) -> int:

@@ -96,6 +96,7 @@ class StoreConfig:
     disk_admit_min_hits: int = 0         # SSD admission: demote to disk only blocks hit >= N times
     disk_io_threads: int = 4
     disk_fault_file: str = ""            # failpoints for fault tests (see tiers/disk.py); off
+    disk_stall_s: float = 2.0            # a disk call running longer than this: disk tier degraded
     gpu_bytes: int | str = 0             # HBM tier (0: none): bytes, or % of the device's memory
     gpu_slab_bytes: int | str = "64MiB"
     gpu_device: str = "cuda"             # torch device of the HBM tier ("cpu" only for tests)
@@ -148,6 +149,8 @@ class StoreConfig:
             raise ConfigError("disk_admit_min_hits must be >= 0")
         if c.disk_io_threads < 1:
             raise ConfigError("disk_io_threads must be >= 1")
+        if not c.disk_stall_s > 0:
+            raise ConfigError("disk_stall_s must be > 0")
         return c
 
 
@@ -208,6 +211,7 @@ SERVE_KEYS: dict[str, tuple[str, str, Any]] = {
     "allowed_uids": ("serve", "allowed_uids", _ids),
     "allowed_gids": ("serve", "allowed_gids", _ids),
     "sync_on_stop": ("serve", "sync_on_stop", _bool),
+    "event_loop": ("serve", "event_loop", str),
     "host.bytes": ("store", "host_bytes", str),
     "host.slab_bytes": ("store", "host_slab_bytes", str),
     "host.high_watermark": ("store", "host_high_watermark", float),
@@ -224,6 +228,7 @@ SERVE_KEYS: dict[str, tuple[str, str, Any]] = {
     "disk.admit_min_hits": ("store", "disk_admit_min_hits", int),
     "disk.io_threads": ("store", "disk_io_threads", int),
     "disk.fault_file": ("store", "disk_fault_file", str),
+    "disk.stall_s": ("store", "disk_stall_s", float),
     "gpu.bytes": ("store", "gpu_bytes", str),
     "gpu.slab_bytes": ("store", "gpu_slab_bytes", str),
     "gpu.device": ("store", "gpu_device", str),
@@ -252,6 +257,7 @@ class ServeConfig:
     allowed_uids: list[int] = field(default_factory=list)
     allowed_gids: list[int] = field(default_factory=list)
     sync_on_stop: bool = True
+    event_loop: str = "auto"           # auto: uvloop where installed, else asyncio; or either by name
     max_frame_bytes: int = 1 << 20
     max_keys_per_request: int = 4096
     idle_timeout_s: float = 0.0        # 0: an idle connection is kept (engines idle for hours)

@@ -112,8 +112,14 @@ def extend_keys(keys: list[bytes], root: bytes, token_ids: Sequence[int], block_
     return keys
 
 
+_BYTES, _KEY_LEN = {bytes}, {KEY_BYTES}
+
+
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:
     """Validate a list of keys (16 bytes each) and return them as `bytes`."""
+    # Fast path (C loops only): a sequence of 16-byte `bytes`, as every caller of ours passes.
+    if keys and set(map(type, keys)) == _BYTES and set(map(len, keys)) == _KEY_LEN:
+        return list(keys)
     out = []
     for k in keys:
         if not isinstance(k, (bytes, bytearray, memoryview)) or len(k) != KEY_BYTES:

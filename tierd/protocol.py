@@ -93,7 +93,9 @@ def keys_field(msg: dict, max_keys: int, name: str = "keys") -> list[bytes]:
     keys = field(msg, name, list, what="a list of 16-byte keys")
     if len(keys) > max_keys:
         raise ProtocolError(f"{len(keys)} keys in one request; the limit is {max_keys}")
-    for k in keys:
-        if not isinstance(k, bytes) or len(k) != 16:
-            raise ProtocolError("every key must be 16 bytes (msgpack bin)")
+    if keys and (set(map(type, keys)) != _BYTES or set(map(len, keys)) != _KEY_LEN):
+        raise ProtocolError("every key must be 16 bytes (msgpack bin)")
     return keys
+
+
+_BYTES, _KEY_LEN = {bytes}, {16}

@@ -23,6 +23,7 @@ from typing import Any
 
 from . import __version__
 from . import protocol as P
+from .arena import filesystem_type
 from .config import RELOADABLE, SERVE_KEYS, ServeConfig, load_serve_config, setting_value
 from .errors import ConfigError, TierdError
 from .metrics import Metrics
@@ -39,55 +40,219 @@ MAX_NAMESPACES = 4096  # layouts one daemon will track: a bound on what clients 
 _INLINE_OPS = {"hello", "register", "lookup", "lookup_all", "where", "commit", "abort", "release", "stats", "ping"}
 
 
-if hasattr(asyncio, "timeout"):  # 3.11+: a deadline without the extra task wait_for makes
-    _timeout = asyncio.timeout
-else:  # pragma: no cover - Python 3.10
-    import contextlib
+class _Conn(asyncio.Protocol):
+    """One client connection: frames in, replies out, in request order.
 
-    @contextlib.asynccontextmanager
-    async def _timeout(delay):
-        task = asyncio.current_task()
-        handle = asyncio.get_running_loop().call_later(delay, task.cancel)
-        try:
-            yield
-        except asyncio.CancelledError:
-            raise asyncio.TimeoutError() from None
-        finally:
-            handle.cancel()
+    Frames are parsed as bytes arrive (no reader task, no per-frame timers); a request served
+    inline is answered before the next frame is read. One that runs on the worker pool holds
+    back the connection's later requests until its reply is written, so replies never
+    overtake each other. Reading pauses while replies cannot be written (a client that does not
+    read) or a request is running, which bounds what one connection can make the daemon buffer.
+    """
 
-
-class _Conn:
-    __slots__ = ("id", "pid", "uid", "gid", "writer", "name", "namespaces", "ops", "greeted")
-
-    def __init__(self, cid: int, pid: int, uid: int, gid: int, writer):
-        self.id, self.pid, self.uid, self.gid, self.writer = cid, pid, uid, gid, writer
+    def __init__(self, daemon: "Daemon", cid: int):
+        self.d = daemon
+        self.id = cid
+        self.pid = self.uid = self.gid = -1
         self.greeted = False
         self.name = ""
         self.namespaces: set[str] = set()
         self.ops = 0
+        self.transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._busy = False          # a request on the worker pool: later frames wait
+        self._paused_write = False
+        self._paused_read = False
+        self._closed = False
+        self._last = 0.0            # monotonic time of the last complete frame
+        self._frame_started = 0.0   # when the incomplete frame at the head of _buf began (0: none)
+        self._timer = None
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        d = self.d
+        try:
+            self.pid, self.uid, self.gid = peer_credentials(transport.get_extra_info("socket"))
+        except OSError:
+            transport.abort()
+            self._closed = True
+            return
+        allowed = d._allowed(self.uid, self.gid)
+        if not allowed or len(d.conns) >= d.cfg.max_clients:
+            d.counters["refused_peers"] += not allowed
+            log.warning("refused connection from pid %d uid %d gid %d (%s)", self.pid, self.uid, self.gid,
+                        "not allowed" if allowed is False else "too many clients")
+            self._write(P.error_reply(None, "forbidden" if not allowed else "busy",
+                                      "peer not allowed by allowed_uids/allowed_gids"
+                                      if not allowed else "too many clients"))
+            self._close()
+            return
+        d.conns[self.id] = self
+        d.counters["connections_total"] += 1
+        self._last = time.monotonic()
+        self._arm_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._closed:
+            return
+        self._buf += data
+        self._pump()
+
+    def eof_received(self):
+        return False   # close our side too
+
+    def pause_writing(self) -> None:
+        self._paused_write = True
+        self._set_reading()
+
+    def resume_writing(self) -> None:
+        self._paused_write = False
+        self._set_reading()
+        self._pump()
+
+    def connection_lost(self, exc) -> None:
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        d = self.d
+        if d.conns.pop(self.id, None) is None:
+            return
+        nr, nl = d.store.drop_owner(self.id)   # only the store lock, never I/O: inline
+        d.counters["reclaimed_reservations"] += nr
+        d.counters["reclaimed_leases"] += nl
+        if nr or nl:
+            log.info("client %d (pid %d) went away: reclaimed %d reservations, %d leases",
+                     self.id, self.pid, nr, nl)
+
+    # -- frames -------------------------------------------------------------------------------
+    def _pump(self) -> None:
+        """Serve every complete frame in the buffer, in order, until one must wait."""
+        buf = self._buf
+        cfg = self.d.cfg
+        while not self._busy and not self._paused_write and not self._closed:
+            if len(buf) < 4:
+                break
+            try:
+                n = P.frame_length(bytes(buf[:4]), cfg.max_frame_bytes)
+            except P.FrameTooLarge as e:
+                self.d.counters["bad_requests"] += 1
+                self._write(P.error_reply(None, e.code, str(e)))
+                self._close()   # the stream cannot be resynchronised
+                return
+            if len(buf) < 4 + n:
+                break
+            body = bytes(buf[4:4 + n])
+            del buf[:4 + n]
+            self._frame_started = 0.0
+            self._last = time.monotonic()
+            try:
+                msg = P.decode_body(body)
+            except P.ProtocolError as e:
+                self.d.counters["bad_requests"] += 1
+                self._write(P.error_reply(None, e.code, str(e)))
+                continue   # framing is intact: keep the connection
+            out = self.d._dispatch(self, msg)
+            if isinstance(out, dict):
+                self._write(out)
+            else:
+                self._wait_for(out, msg)
+        if buf and not self._frame_started and not self._busy:
+            self._frame_started = time.monotonic()
+        self._set_reading()
+
+    def _wait_for(self, fut, msg: dict) -> None:
+        """A request runs on the worker pool: hold later frames until its reply is written, or
+        until it passes request_timeout_s (then it is answered with a timeout, and whatever it
+        takes when it finishes is given back)."""
+        d = self.d
+        loop = asyncio.get_running_loop()
+        self._busy = True
+        state = {"answered": False}
+        req_id, op = msg.get("id"), msg.get("op")
+
+        def finish(reply: dict | None) -> None:
+            if state["answered"]:
+                return
+            state["answered"] = True
+            timer.cancel()
+            self._busy = False
+            if reply is not None and not self._closed:
+                self._write(reply)
+            self._pump()
+
+        def on_timeout() -> None:
+            if state["answered"]:
+                return
+            finish(P.error_reply(req_id, "timeout", f"{op} took longer than {d.cfg.request_timeout_s}s"))
+
+        def done(f) -> None:   # on a worker thread
+            loop.call_soon_threadsafe(settle, f)
+
+        def settle(f) -> None:
+            d._inflight -= 1
+            reply = f.result()   # _reply never raises
+            if state["answered"] or self._closed:
+                d._undo_late(reply)   # nobody will use what it took
+                return
+            finish(reply)
+
+        timer = loop.call_later(d.cfg.request_timeout_s, on_timeout)
+        fut.add_done_callback(done)
+
+    def _write(self, reply: dict) -> None:
+        if self._closed or self.transport is None:
+            return
+        if "_obj" in reply:
+            reply = _strip_private(reply)
+        try:
+            self.transport.write(P.encode(reply))
+        except (RuntimeError, OSError):
+            self._close()
+
+    def _set_reading(self) -> None:
+        if self.transport is None or self._closed:
+            return
+        want_pause = self._busy or self._paused_write
+        if want_pause and not self._paused_read:
+            self.transport.pause_reading()
+            self._paused_read = True
+        elif not want_pause and self._paused_read:
+            self.transport.resume_reading()
+            self._paused_read = False
+
+    def _close(self) -> None:
+        if not self._closed and self.transport is not None:
+            self._closed = True
+            self.transport.close()
+
+    # -- time limits --------------------------------------------------------------------------
+    def _arm_timer(self) -> None:
+        """One periodic check per connection (not one timer per frame): a frame started but not
+        finished within frame_timeout_s, or no request for idle_timeout_s, closes it."""
+        cfg = self.d.cfg
+        period = min(cfg.frame_timeout_s, cfg.idle_timeout_s or cfg.frame_timeout_s) / 4
+        self._timer = asyncio.get_running_loop().call_later(max(0.05, period), self._check_time)
+
+    def _check_time(self) -> None:
+        if self._closed:
+            return
+        cfg, now = self.d.cfg, time.monotonic()
+        if self._frame_started and now - self._frame_started > cfg.frame_timeout_s:
+            self._write(P.error_reply(None, "timeout", "frame incomplete"))
+            self._close()
+            return
+        if cfg.idle_timeout_s and not self._busy and now - self._last > cfg.idle_timeout_s:
+            self._write(P.error_reply(None, "timeout", "connection idle"))
+            self._close()
+            return
+        self._arm_timer()
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process at the other end of a Unix socket."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", raw)
-
-
-def filesystem_type(path: str) -> str | None:
-    """The type of the filesystem holding `path` (from /proc/self/mounts), or None."""
-    path = os.path.realpath(path)
-    best, fstype = "", None
-    try:
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 3:
-                    mnt = parts[1].replace("\\040", " ")
-                    if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                        best, fstype = mnt, parts[2]
-    except OSError:
-        return None
-    return fstype
 
 
 def check_socket_dir(path: str) -> None:
@@ -155,7 +320,7 @@ class Daemon:
             if _socket_alive(path):
                 raise ConfigError(f"another daemon is serving {path}; stop it or choose another --socket")
             os.unlink(path)
-        self._server = await asyncio.start_unix_server(self._handle, path=path)
+        self._server = await loop.create_unix_server(self._connection, path=path)
         os.chmod(path, self.cfg.socket_mode)
         metrics_at = None
         if self.cfg.metrics_addr:
@@ -177,7 +342,7 @@ class Daemon:
         while self._inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         for c in list(self.conns.values()):
-            c.writer.close()
+            c._close()
         if wd_task:
             wd_task.cancel()
         if self.cfg.sync_on_stop and self.store.disk is not None:
@@ -224,82 +389,13 @@ class Daemon:
         return (uid in (os.geteuid(), 0) or uid in self.cfg.allowed_uids
                 or gid in self.cfg.allowed_gids)
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        sock = writer.get_extra_info("socket")
-        try:
-            pid, uid, gid = peer_credentials(sock)
-        except OSError:
-            writer.close()
-            return
-        if not self._allowed(uid, gid) or len(self.conns) >= self.cfg.max_clients:
-            refused = not self._allowed(uid, gid)
-            self.counters["refused_peers"] += refused
-            log.warning("refused connection from pid %d uid %d gid %d (%s)", pid, uid, gid,
-                        "not allowed" if refused else "too many clients")
-            await self._send(writer, P.error_reply(None, "forbidden" if refused else "busy",
-                                                   "peer not allowed by allowed_uids/allowed_gids"
-                                                   if refused else "too many clients"))
-            writer.close()
-            return
+    def _connection(self) -> "_Conn":
         self._next_conn += 1
-        conn = _Conn(self._next_conn, pid, uid, gid, writer)
-        self.conns[conn.id] = conn
-        self.counters["connections_total"] += 1
-        try:
-            await self._serve_conn(conn, reader, writer)
-        finally:
-            del self.conns[conn.id]
-            loop = asyncio.get_running_loop()
-            try:
-                nr, nl = await loop.run_in_executor(self.executor, self.store.drop_owner, conn.id)
-            except RuntimeError:  # executor shut down at exit
-                nr, nl = self.store.drop_owner(conn.id)
-            self.counters["reclaimed_reservations"] += nr
-            self.counters["reclaimed_leases"] += nl
-            if nr or nl:
-                log.info("client %d (pid %d) went away: reclaimed %d reservations, %d leases",
-                         conn.id, conn.pid, nr, nl)
-            writer.close()
+        return _Conn(self, self._next_conn)
 
-    async def _serve_conn(self, conn: _Conn, reader, writer) -> None:
-        cfg = self.cfg
-        while True:
-            try:
-                if cfg.idle_timeout_s:
-                    header = await asyncio.wait_for(reader.readexactly(4), cfg.idle_timeout_s)
-                else:
-                    header = await reader.readexactly(4)
-                n = P.frame_length(header, cfg.max_frame_bytes)
-                async with _timeout(cfg.frame_timeout_s):
-                    body = await reader.readexactly(n)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
-            except asyncio.TimeoutError:
-                await self._send(writer, P.error_reply(None, "timeout", "connection idle or frame incomplete"))
-                return
-            except P.FrameTooLarge as e:
-                self.counters["bad_requests"] += 1
-                await self._send(writer, P.error_reply(None, e.code, str(e)))
-                return  # the stream cannot be resynchronised
-            try:
-                msg = P.decode_body(body)
-            except P.ProtocolError as e:
-                self.counters["bad_requests"] += 1
-                await self._send(writer, P.error_reply(None, e.code, str(e)))
-                continue  # framing is intact: keep the connection
-            reply = await self._dispatch(conn, msg)
-            if not await self._send(writer, reply):
-                return
-
-    async def _send(self, writer, msg: dict) -> bool:
-        try:
-            writer.write(P.encode(msg))
-            await writer.drain()
-            return True
-        except (ConnectionError, RuntimeError):
-            return False
-
-    async def _dispatch(self, conn: _Conn, msg: dict) -> dict:
+    def _dispatch(self, conn: "_Conn", msg: dict):
+        """Serve one decoded request. Returns its reply, or a concurrent future for an op that
+        runs on the worker pool (it may wait on disk I/O); never raises."""
         req_id = msg.get("id")
         if not isinstance(req_id, int) or isinstance(req_id, bool):
             self.counters["bad_requests"] += 1
@@ -314,19 +410,28 @@ class Daemon:
         conn.ops += 1
         self.counters["requests"] += 1
         handler = getattr(self, f"_op_{op}")
-        loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
-        self._inflight += 1
-        try:
-            if op in _INLINE_OPS or (op in ("acquire", "reserve") and self._quick(op, msg)):
-                return {"id": req_id, "ok": True, **_strip_private(handler(conn, msg))}
-            fut = loop.run_in_executor(self.executor, handler, conn, msg)
+        if op in _INLINE_OPS or (op in ("acquire", "reserve") and self._quick(op, msg)):
+            t0 = time.perf_counter()
             try:
-                result = await asyncio.wait_for(asyncio.shield(fut), self.cfg.request_timeout_s)
-            except asyncio.TimeoutError:
-                fut.add_done_callback(lambda f: self._undo_late(f))
-                return P.error_reply(req_id, "timeout", f"{op} took longer than {self.cfg.request_timeout_s}s")
-            return {"id": req_id, "ok": True, **_strip_private(result)}
+                return self._reply(req_id, op, handler, conn, msg)
+            finally:
+                self._observe(op, time.perf_counter() - t0)
+        self._inflight += 1
+        return self.executor.submit(self._timed_reply, req_id, op, handler, conn, msg)
+
+    def _timed_reply(self, req_id, op, handler, conn, msg) -> dict:
+        t0 = time.perf_counter()
+        try:
+            return self._reply(req_id, op, handler, conn, msg)
+        finally:
+            self._observe(op, time.perf_counter() - t0)
+
+    def _observe(self, op: str, seconds: float) -> None:
+        self.metrics.op_seconds.observe(op, seconds)
+
+    def _reply(self, req_id, op, handler, conn, msg) -> dict:
+        try:
+            return {"id": req_id, "ok": True, **handler(conn, msg)}
         except P.ProtocolError as e:
             self.counters["bad_requests"] += 1
             return P.error_reply(req_id, e.code, str(e))
@@ -335,9 +440,6 @@ class Daemon:
         except Exception as e:  # a bug must not take the daemon down
             log.exception("internal error in %s", op)
             return P.error_reply(req_id, "internal", f"internal error: {type(e).__name__}: {e}")
-        finally:
-            self._inflight -= 1
-            self.metrics.op_seconds.labels(op).observe(time.perf_counter() - t0)
 
     def _quick(self, op: str, msg: dict) -> bool:
         try:
@@ -349,11 +451,9 @@ class Daemon:
         except Exception:  # malformed: let the handler produce the error reply
             return True
 
-    def _undo_late(self, fut) -> None:
+    def _undo_late(self, reply: dict) -> None:
         """A request answered with a timeout finished later: give back what it took."""
-        if fut.cancelled() or fut.exception() is not None:
-            return
-        obj = fut.result().get("_obj")
+        obj = reply.get("_obj")
         try:
             if isinstance(obj, Lease):
                 self.store.release(obj)
@@ -439,11 +539,15 @@ class Daemon:
         return {"res": res.id, "slots": slots, "_obj": res}
 
     def _op_commit(self, conn: _Conn, msg: dict) -> dict:
-        res = self.store.find_reservation(P.field(msg, "res", int), conn.id)
-        return {"n": self.store.commit(res)}
+        rid = P.field(msg, "res", int)
+        if rid == 0:
+            return {"n": 0}   # a reservation of nothing (every block present or no room)
+        return {"n": self.store.commit(self.store.find_reservation(rid, conn.id))}
 
     def _op_abort(self, conn: _Conn, msg: dict) -> dict:
-        self.store.abort(self.store.find_reservation(P.field(msg, "res", int), conn.id))
+        rid = P.field(msg, "res", int)
+        if rid:
+            self.store.abort(self.store.find_reservation(rid, conn.id))
         return {}
 
     def _op_acquire(self, conn: _Conn, msg: dict) -> dict:
@@ -455,7 +559,9 @@ class Daemon:
         return reply
 
     def _op_release(self, conn: _Conn, msg: dict) -> dict:
-        self.store.release(self.store.find_lease(P.field(msg, "lease", int), conn.id))
+        lid = P.field(msg, "lease", int)
+        if lid:   # 0: a lease of nothing, never held
+            self.store.release(self.store.find_lease(lid, conn.id))
         return {}
 
     def _op_flush(self, conn: _Conn, msg: dict) -> dict:
@@ -500,6 +606,25 @@ def serve(config_path: str | None = None, flags: dict[str, Any] | None = None) -
     """Load the settings, log where each came from, and run the daemon until SIGTERM."""
     cfg = load_serve_config(config_path, flags)
     log_sources(cfg)
+    run = _loop_runner(cfg.event_loop)
     daemon = Daemon(cfg, flags)
-    asyncio.run(daemon.run())
+    run(daemon.run())
     return 0
+
+
+def _loop_runner(choice: str):
+    """How to run the daemon's event loop (setting `event_loop`: auto, uvloop or asyncio): on
+    uvloop (libuv, a faster loop) where it is installed, else on asyncio's own."""
+    if choice not in ("auto", "uvloop", "asyncio"):
+        raise ConfigError(f"event_loop = {choice!r}: use auto, uvloop or asyncio")
+    if choice != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if choice == "uvloop":
+                raise ConfigError("event_loop = 'uvloop' but uvloop is not installed (pip install uvloop)") from None
+        else:
+            log.info("event loop: uvloop %s", uvloop.__version__)
+            return uvloop.run
+    log.info("event loop: asyncio")
+    return asyncio.run

@@ -82,6 +82,7 @@ class _Block:
     hits: int = 0
     gpu_slot: int = -1           # copy in the HBM tier (always beside a host copy), or -1
     gpu_pins: int = 0            # leases reading the HBM copy
+    gpu_filling: bool = False    # its HBM copy is being made (outside the lock): not served yet
 
 
 class Reservation:
@@ -154,6 +155,7 @@ class TieredStore:
         self._cond = threading.Condition(threading.Lock())
         self._blocks: dict[bytes, _Block] = {}
         self._namespaces: dict[bytes, _NsState] = {}
+        self._by_name: dict[str, _NsState] = {}
         self._reservations: dict[int, Reservation] = {}
         self._leases: dict[int, Lease] = {}
         self._ids = itertools.count(1)
@@ -230,51 +232,83 @@ class TieredStore:
 
     def _disk_waiting(self) -> bool:
         """Degraded and not yet time for the next probe: leave the disk alone."""
+        self._note_stall()
         return self._disk_fault is not None and time.monotonic() < self._disk_retry_at
 
-    def _check_disk(self) -> None:
-        """Maintainer (lock held): notice a vanished directory; once it is back, start a fresh
-        disk tier there (the old one's blocks went with it)."""
-        now = time.monotonic()
-        if self.disk is None or now < self._disk_checked_at + self.DISK_CHECK_S:
-            return
-        self._disk_checked_at = now
-        if not self.disk.closed:
-            try:
-                self.disk.check_present()
-            except OSError as e:
-                self._disk_error("directory check", e)
-                self._abandon_disk()
-            else:
-                if self._disk_fault is not None and now >= self._disk_retry_at:
-                    try:
-                        self.disk.probe()
-                    except OSError as e:
-                        self._disk_error("probe", e)
-                    else:
-                        self._disk_healthy()
-                return
-        if os.path.isdir(self.config.disk_path) and now >= self._disk_retry_at:
-            try:
-                self.disk = self._open_disk()
-            except (OSError, TierdError) as e:
-                self._disk_error("reopen", e)
-                return
-            self._adopt_recovered()
-            self._disk_healthy()
+    def _note_stall(self) -> bool:
+        """(Lock held.) True while a disk call has been running longer than `disk_stall_s`: the
+        disk tier is then degraded (reads and writes skip it) until the call returns and a write
+        or a probe succeeds."""
+        disk = self.disk
+        io = disk.oldest_io() if disk is not None else None
+        if io is None or io[1] < self.config.disk_stall_s:
+            return False
+        op, age = io
+        if self._disk_fault is None:
+            self._disk_error(f"{op} stalled", TimeoutError(f"a disk {op} has not returned for {age:.1f}s"))
+        self._disk_retry_at = max(self._disk_retry_at, time.monotonic() + self.DISK_RETRY_S)
+        return True
 
-    def _abandon_disk(self) -> None:
-        """Forget every disk copy (their files are gone) and close the old tier."""
+    def _check_disk(self) -> None:
+        """Maintainer (takes the lock itself; every disk call runs outside it): notice a
+        vanished directory; probe a degraded disk; once a vanished directory is back, start a
+        fresh disk tier there (the old one's blocks went with it)."""
+        now = time.monotonic()
+        with self._cond:
+            disk = self.disk
+            if disk is None or now < self._disk_checked_at + self.DISK_CHECK_S:
+                return
+            self._disk_checked_at = now
+            stalled = self._note_stall()
+            probe = self._disk_fault is not None and now >= self._disk_retry_at and not stalled
+            reopen = disk.closed and now >= self._disk_retry_at
+        if not disk.closed:
+            try:
+                disk.check_present()
+            except OSError as e:
+                with self._cond:
+                    if self.disk is not disk:
+                        return
+                    self._disk_error("directory check", e)
+                    self._forget_disk()
+                try:
+                    disk.abandon()
+                except OSError:
+                    pass
+                return
+            if probe:
+                try:
+                    disk.probe()
+                except OSError as e:
+                    with self._cond:
+                        self._disk_error("probe", e)
+                else:
+                    with self._cond:
+                        if not self._note_stall():
+                            self._disk_healthy()
+            return
+        if reopen and os.path.isdir(self.config.disk_path):
+            try:
+                new = self._open_disk()   # may scan the directory: no lock
+            except (OSError, TierdError) as e:
+                with self._cond:
+                    self._disk_error("reopen", e)
+                return
+            with self._cond:
+                self.disk = new
+                self._adopt_recovered()
+                self._disk_healthy()
+
+    def _forget_disk(self) -> None:
+        """(Lock held.) Forget every disk copy (their files are gone); the caller then
+        abandons the old tier outside the lock."""
         while self._writes_in_flight or self._batch_writing:
             self._cond.wait(0.1)
         for b in [b for b in self._blocks.values() if b.disk is not None]:
             self._drop_disk(b, evicted=False)
         self._disk_owner.clear()
         self._disk_policy = make_policy(self.config.eviction_policy)
-        try:
-            self.disk.abandon()
-        except OSError:
-            pass
+        self.disk.mark_closed()   # no new I/O goes to it
 
     # -- namespaces -------------------------------------------------------------------------
     def register(self, ns: Namespace) -> None:
@@ -303,8 +337,12 @@ class TieredStore:
                 self._namespaces[ns.id] = st
             else:  # known from disk: attach the description
                 st.ns, st.desc = ns, ns.to_dict()
+            self._by_name[st.name] = st    # the names clients use (the daemon's protocol)
             return st
         if isinstance(ns, (bytes, str)):
+            st = self._by_name.get(ns)
+            if st is not None and st.ns is not None:
+                return st
             for st in self._namespaces.values():
                 if ns in (st.ns_id, st.name, st.ns_id.hex()):
                     if st.ns is None:
@@ -362,6 +400,13 @@ class TieredStore:
         if p is not None:
             p.host_children += b.host_state == READY
             p.disk_children += b.disk is not None
+
+    def _relink(self, pid: bytes, keys: Sequence[bytes], parent: bytes | None) -> None:
+        """A chain seen again (existing blocks) is linked for eviction order too."""
+        for i, k in enumerate(keys):
+            b = self._blocks.get(pid + k)
+            if b is not None and b.parent is None:
+                self._link(b, pid + keys[i - 1] if i else (pid + parent if parent else None))
 
     def _enter(self, b: _Block, tier: str) -> None:
         p = self._blocks.get(b.parent) if b.parent else None
@@ -457,27 +502,27 @@ class TieredStore:
             self._drop_gpu(self._blocks[key], evicted=True)
         return None
 
-    def _gpu_lease(self, b: _Block) -> int:
-        """For a leased host-resident block: its HBM offset (copying it there once it has been
-        served `gpu_admit_hits` times), pinned for the lease; -1 if it is not in HBM."""
+    def _gpu_lease(self, b: _Block) -> tuple[int, bool]:
+        """(Lock held.) For a leased host-resident block: its HBM offset, pinned for the lease,
+        and whether the copy into HBM is still to be made (by `_gpu_fill`, outside the lock: the
+        block is admitted once it has been served `gpu_admit_hits` times); (-1, False) when the
+        block is not in HBM."""
         if b.gpu_slot < 0:
             if b.hits - 1 < self.config.gpu_admit_hits:   # hits counts this serve too
-                return -1
+                return -1, False
             slot = self._gpu_alloc(b.st)
             if slot is None:
-                return -1
-            self.gpu.fill(slot, self.host.view(b.host_slot, b.st.block_bytes))
-            b.gpu_slot = slot
+                return -1, False
+            b.gpu_slot, b.gpu_filling = slot, True
             self._gpu_owner[slot] = b
-            self._gpu_policy.insert(b.ikey)
-            c = self._tier_counters["gpu"]
-            c["promotions"] += 1
-            c["bytes_in"] += b.st.block_bytes
-        else:
-            self._gpu_policy.hit(b.ikey)
-            self._tier_counters["gpu"]["bytes_out"] += b.st.block_bytes
+            b.gpu_pins += 1
+            return self.gpu.alloc.offset(slot), True
+        if b.gpu_filling:
+            return -1, False   # another lease is copying it in right now
+        self._gpu_policy.hit(b.ikey)
+        self._tier_counters["gpu"]["bytes_out"] += b.st.block_bytes
         b.gpu_pins += 1
-        return self.gpu.alloc.offset(b.gpu_slot)
+        return self.gpu.alloc.offset(b.gpu_slot), False
 
     def _host_alloc(self, st: _NsState) -> int | None:
         """A free host slot for `st`, evicting (demoting) in policy order if needed.
@@ -504,12 +549,12 @@ class TieredStore:
                     continue
                 # Everything evictable is being written to disk right now: wait for those
                 # writes (bounded) rather than drop the block.
-                if not self._writes_in_flight:
+                if not self._writes_in_flight or self._disk_waiting():
                     return None
                 deadline = deadline or time.monotonic() + self.ALLOC_WAIT_S
                 if time.monotonic() >= deadline:
                     return None
-                self._cond.wait(deadline - time.monotonic())
+                self._cond.wait(min(0.05, deadline - time.monotonic()))
                 continue
             self._evict_host(victim)
         return None
@@ -551,11 +596,12 @@ class TieredStore:
         return False
 
     # -- disk slots -------------------------------------------------------------------------
-    def _drop_disk(self, b: _Block, *, evicted: bool) -> None:
+    def _drop_disk(self, b: _Block, *, evicted: bool, free: bool = True) -> None:
         e = b.disk
         self._disk_policy.remove(b.ikey, evicted=evicted)
         self._leave(b, "disk")
-        self.disk.free_slot(e.slot)
+        if free:   # else the slot stays taken until its tombstone is written (_tombstone)
+            self.disk.free_slot(e.slot)
         del self._disk_owner[e.slot]
         b.disk = None
         if evicted:
@@ -618,31 +664,26 @@ class TieredStore:
         """Copy READY host-only blocks to disk, in parallel on the I/O pool; host copies stay.
         Lock held on entry and exit, released during the writes. Returns blocks written."""
         # One batch at a time: blocks reach the disk tier (and its eviction order) in the
-        # order they were chosen, and each batch's writes stay one sequential run.
+        # order they were chosen, and each batch's writes stay one sequential run. A stalled
+        # disk is not waited for.
         while self._batch_writing:
-            self._cond.wait()
+            if self._disk_waiting():
+                return 0
+            self._cond.wait(0.05)
         disk = self.disk
         if disk is None or disk.closed or self._disk_waiting():
             return 0
         jobs = []
+        remember: dict[bytes, dict] = {}
         for b in blocks:
             if b.host_state != READY or b.disk is not None or b.disk_writing:
                 continue
             st = b.st
-            try:
-                slot = self._disk_alloc(st)  # never releases the lock
-            except OSError as e:
-                self._disk_error("slab header write", e)
-                break
+            slot = self._disk_alloc(st)   # no I/O: slab headers are queued
             if slot is None:
                 break
-            if st.ns is not None:
-                try:
-                    disk.remember_namespace(st.ns_id, st.desc)
-                except OSError as e:
-                    disk.free_slot(slot)
-                    self._disk_error("namespace file", e)
-                    break
+            if st.ns is not None and disk.namespaces.get(st.ns_id) != st.desc:
+                remember[st.ns_id] = st.desc
             b.disk_writing = True
             b.host_pins += 1
             self._writes_in_flight += 1
@@ -650,6 +691,7 @@ class TieredStore:
                          self.host.view(b.host_slot, st.host_slot_bytes)))
         if not jobs:
             return 0
+        headers = disk.take_pending_headers()
         self._batch_writing = True
 
         def write(job):
@@ -662,7 +704,17 @@ class TieredStore:
 
         self._cond.release()
         try:
-            results = [write(jobs[0])] if len(jobs) == 1 else list(disk.pool.map(write, jobs))
+            # Everything a block's recovery depends on goes first: its slab's header and its
+            # namespace's description. If they fail, no block of the batch is written.
+            try:
+                if headers:
+                    disk.write_headers(headers)
+                for ns_id, desc in remember.items():
+                    disk.remember_namespace(ns_id, desc)
+            except OSError as e:
+                results = [e] * len(jobs)
+            else:
+                results = [write(jobs[0])] if len(jobs) == 1 else list(disk.pool.map(write, jobs))
         finally:
             self._cond.acquire()
             self._batch_writing = False
@@ -673,7 +725,8 @@ class TieredStore:
             self._writes_in_flight -= 1
             if not isinstance(entry, DiskEntry):
                 disk.free_slot(slot)
-                self._disk_error("write", entry)      # the block stays in host RAM only
+                if not failed:
+                    self._disk_error("write", entry)  # the block stays in host RAM only
                 failed += 1
                 continue
             b.disk = entry
@@ -725,6 +778,13 @@ class TieredStore:
                 else:
                     status.append("present"); buffers.append(None); blocks.append(None)
             offsets = [self.host.alloc.offset(b.host_slot) if b is not None else None for b in blocks]
+            if not any(b is not None for b in blocks):
+                # Nothing to write: no reservation is left open (id 0; commit and abort are
+                # no-ops), and the chain is re-linked for eviction order now.
+                self._relink(st.ns_id, keys, parent)
+                res = Reservation(0, st.ns, keys, status, buffers, blocks, owner, offsets)
+                res._parent = parent
+                return res
             res = Reservation(rid, st.ns, keys, status, buffers, blocks, owner, offsets)
             res._parent = parent
             self._reservations[rid] = res
@@ -732,6 +792,8 @@ class TieredStore:
 
     def commit(self, res: Reservation) -> int:
         """Make the reserved blocks visible. Returns how many became visible."""
+        if res.id == 0:
+            return 0   # nothing was reserved
         with self._cond:
             self._check_open()
             if self._reservations.pop(res.id, None) is None:
@@ -754,17 +816,15 @@ class TieredStore:
                 b.st.counters["put_bytes"] += b.st.block_bytes
                 self._tier_counters["host"]["bytes_in"] += b.st.block_bytes
                 n += 1
-            # A chain seen again later (existing blocks) is re-linked for eviction order too.
-            for i, k in enumerate(res.keys):
-                b = self._blocks.get(pid + k)
-                if b is not None and b.parent is None:
-                    self._link(b, pid + res.keys[i - 1] if i else (pid + res._parent if res._parent else None))
+            self._relink(pid, res.keys, res._parent)
             self._wake_demoter()
             self._cond.notify_all()
             return n
 
     def abort(self, res: Reservation) -> None:
         """Give back the slots of an uncommitted reservation."""
+        if res.id == 0:
+            return
         with self._cond:
             if self._reservations.pop(res.id, None) is None:
                 return
@@ -813,10 +873,11 @@ class TieredStore:
             self._check_open()
             st = self._ns(ns)
             st.counters["lookups"] += 1
+            disk_ok = self.disk is not None and not self._note_stall()
             n = n_host = 0
             for k in keys:
                 b = self._blocks.get(st.ns_id + k)
-                if b is None or not (b.host_state in (READY, LOADING) or b.disk is not None):
+                if b is None or not (b.host_state in (READY, LOADING) or (b.disk is not None and disk_ok)):
                     break
                 if n_host == n and b.host_state == READY:
                     n_host += 1
@@ -867,7 +928,10 @@ class TieredStore:
                 ikey = st.ns_id + k
                 b = self._blocks.get(ikey)
                 while b is not None and b.host_state == LOADING:
-                    self._cond.wait()
+                    if self._note_stall():   # its read hangs on a stalled disk: a miss
+                        b = None
+                        break
+                    self._cond.wait(0.05)
                     b = self._blocks.get(ikey)
                 if b is None:
                     break
@@ -875,7 +939,7 @@ class TieredStore:
                     b.host_pins += 1
                     plan.append((b, None))
                     continue
-                if b.disk is None:
+                if b.disk is None or self._note_stall():   # a stalled disk: a miss, not a wait
                     break
                 b.disk_pins += 1  # making room may evict from disk: not this block
                 slot = self._host_alloc(st)
@@ -897,7 +961,9 @@ class TieredStore:
                 b.disk_pins += 1
                 plan.append((b, b.disk))
         errors = self._load_from_disk([(b, e) for b, e in plan if e is not None])
+        discard: list[int] = []
         with self._cond:
+            disk = self.disk
             cut = len(plan)
             for i, (b, e) in enumerate(plan):
                 if e is None:
@@ -918,7 +984,8 @@ class TieredStore:
                     if isinstance(err, CorruptBlockError):
                         log.warning("disk tier: dropped a damaged block of %s (%s)", st.name, err)
                         self._tier_counters["disk"]["corrupt_dropped"] += 1
-                        self._discard_disk_copy(b)
+                        if b.disk is not None:
+                            discard.append(self._unindex_disk(b))
                     else:
                         self._disk_error("read", err)   # a miss; the copy may read later
             for b, _ in plan[cut:]:
@@ -932,7 +999,7 @@ class TieredStore:
             st.counters["hit_bytes"] += len(leased) * st.block_bytes
             st.counters["misses"] += len(keys) - len(leased)
             self._tier_counters["host"]["bytes_out"] += len(leased) * st.block_bytes
-            lid = next(self._ids)
+            lid = next(self._ids) if leased else 0   # nothing leased: nothing to release
             views = []
             for b in leased:
                 v = self.host.view(b.host_slot, st.block_bytes)
@@ -942,13 +1009,56 @@ class TieredStore:
             tiers = ["disk" if e is not None else "host" for _, e in plan[:cut]]
             lease = Lease(lid, st.ns, keys[:cut], views, leased, tiers, owner, self,
                           [self.host.alloc.offset(b.host_slot) for b in leased])
+            fills = []
             if self.gpu is not None:
-                lease.gpu_offsets = [self._gpu_lease(b) for b in leased]
-                lease.gpu_buffers = [self.gpu.buffer[o:o + st.block_bytes] if o >= 0 else None
-                                     for o in lease.gpu_offsets]
-            self._leases[lid] = lease
+                lease.gpu_offsets = []
+                for i, b in enumerate(leased):
+                    off, fill = self._gpu_lease(b)
+                    lease.gpu_offsets.append(off)
+                    if fill:
+                        fills.append(i)
+            if lid and not fills:
+                self._leases[lid] = lease
             self._cond.notify_all()
-            return lease
+        if discard:
+            self._tombstone(disk, discard)   # erase damaged copies on disk (no lock)
+        if fills:
+            self._gpu_fill(lease, fills)
+        if self.gpu is not None:
+            lease.gpu_buffers = [self.gpu.buffer[o:o + st.block_bytes] if o >= 0 else None
+                                 for o in lease.gpu_offsets]
+        return lease
+
+    def _gpu_fill(self, lease: Lease, fills: list[int]) -> None:
+        """Copy newly admitted blocks of `lease` into their HBM slots (no lock; the slots and the
+        host copies are pinned by the lease), then make them visible to other leases."""
+        ok = []
+        for i in fills:
+            b = lease._blocks[i]
+            try:
+                self.gpu.fill(b.gpu_slot, self.host.view(b.host_slot, b.st.block_bytes))
+                ok.append(True)
+            except Exception as e:  # noqa: BLE001 -- the host copy still serves the block
+                log.warning("HBM tier: copy failed (%s); serving from host RAM", e)
+                ok.append(False)
+        with self._cond:
+            c = self._tier_counters["gpu"]
+            for i, good in zip(fills, ok):
+                b = lease._blocks[i]
+                b.gpu_filling = False
+                if good:
+                    self._gpu_policy.insert(b.ikey)
+                    c["promotions"] += 1
+                    c["bytes_in"] += b.st.block_bytes
+                else:
+                    b.gpu_pins -= 1
+                    self.gpu.alloc.free(b.gpu_slot)
+                    del self._gpu_owner[b.gpu_slot]
+                    b.gpu_slot = -1
+                    lease.gpu_offsets[i] = -1
+            if lease.id:
+                self._leases[lease.id] = lease
+            self._cond.notify_all()
 
     def _load_from_disk(self, loads: list[tuple[_Block, DiskEntry]]) -> dict[int, Exception]:
         """Read pinned disk copies into their LOADING host slots in parallel (no lock)."""
@@ -969,19 +1079,41 @@ class TieredStore:
             list(self.disk.pool.map(one, loads))
         return errors
 
-    def _discard_disk_copy(self, b: _Block) -> None:
-        if b.disk is None:
-            return
+    def _unindex_disk(self, b: _Block) -> int:
+        """(Lock held.) Take `b`'s disk copy out of the index for good; its slot stays taken
+        until `_tombstone` has erased the header on disk (outside the lock). Returns the slot."""
         slot = b.disk.slot
+        self._drop_disk(b, evicted=False, free=False)
+        return slot
+
+    def _tombstone(self, disk: DiskTier, slots: list[int], *, durable: bool = False) -> OSError | None:
+        """(No lock.) Zero the headers of `slots` so that a restart does not bring their blocks
+        back (and fdatasync with `durable`), then free the slots. Returns the error, if any."""
+        err = None
         try:
-            self.disk.tombstone(slot)
-        except OSError:
-            pass
-        self._drop_disk(b, evicted=False)
+            for slot in slots:
+                disk.tombstone(slot)
+            if durable:
+                disk.flush()
+        except OSError as e:
+            err = e
+        with self._cond:
+            if self.disk is disk and not disk.closed:
+                for slot in slots:
+                    disk.free_slot(slot)
+            if err is not None:
+                self._disk_error("tombstone", err)
+            self._cond.notify_all()
+        return err
 
     def release(self, lease: Lease, *, confirm: bool = False) -> None:
         """End a lease; its buffers must no longer be read. (`confirm` is for the daemon's
         client, where a lease can be lost with its connection; here it cannot.)"""
+        if lease.id == 0:
+            if lease._blocks is None:
+                raise LeaseError("this (empty) lease is already released")
+            lease._blocks = None
+            return
         with self._cond:
             if self._leases.pop(lease.id, None) is None:
                 raise LeaseError(f"lease {lease.id} is unknown or already released")
@@ -1049,7 +1181,7 @@ class TieredStore:
             self._check_open()
             ns_id = None if namespace is None else self._ns_for_flush(namespace)
             dropped = 0
-            disk_touched = False
+            disk, erase = self.disk, []
             for b in list(self._blocks.values()):
                 if ns_id is not None and b.st.ns_id != ns_id:
                     continue
@@ -1060,15 +1192,16 @@ class TieredStore:
                 if tier in ("host", "all") and self._host_evictable(b):
                     self._drop_host(b, evicted=False)
                     hit = True
-                if tier in ("disk", "all") and self.disk is not None and b.disk is not None \
+                if tier in ("disk", "all") and disk is not None and b.disk is not None \
                         and b.disk_pins == 0:
-                    self.disk.tombstone(b.disk.slot)
-                    self._drop_disk(b, evicted=False)
-                    hit = disk_touched = True
+                    erase.append(self._unindex_disk(b))
+                    hit = True
                 dropped += hit
-            if disk_touched:
-                self.disk.flush()
-            return dropped
+        # Gone from the index now; erased on disk (tombstones, fdatasync) outside the lock.
+        if erase and (err := self._tombstone(disk, erase, durable=True)) is not None:
+            raise DiskDegradedError(f"flush: {len(erase)} blocks were dropped but could not be erased on "
+                                    f"disk ({err}); they may come back after a restart")
+        return dropped
 
     def _ns_for_flush(self, namespace) -> bytes:
         if isinstance(namespace, Namespace):
@@ -1104,8 +1237,8 @@ class TieredStore:
                 written += self._write_down_batch(todo[i:i + self.WRITE_BATCH])
                 if self._disk_fault is not None:
                     break
-            while self._writes_in_flight:
-                self._cond.wait()
+            while self._writes_in_flight and not self._note_stall():
+                self._cond.wait(0.05)
             fault, disk = self._disk_fault, self.disk
         if fault is not None:
             raise DiskDegradedError(f"sync: disk tier degraded ({fault}); "
@@ -1136,12 +1269,14 @@ class TieredStore:
                 if self._closed:
                     return
                 self._demote_wanted = False
-                try:
-                    self._check_disk()
-                    wrote = self._demote_pass()
-                except Exception:  # noqa: BLE001 -- the maintainer must outlive any one pass
-                    log.exception("tierd maintainer: unexpected error; continuing")
-                    wrote = 0
+            wrote = 0
+            try:
+                self._check_disk()            # takes the lock itself, does its I/O without it
+                with self._cond:
+                    if not self._closed:
+                        wrote = self._demote_pass()   # releases the lock around disk writes
+            except Exception:  # noqa: BLE001 -- the maintainer must outlive any one pass
+                log.exception("tierd maintainer: unexpected error; continuing")
             if wrote and self.disk is not None:
                 try:
                     self.disk.flush()
@@ -1214,6 +1349,7 @@ class TieredStore:
     def stats(self) -> dict:
         """Counters and gauges per tier and per namespace (see docs/operations.md)."""
         with self._cond:
+            self._note_stall()
             h = self.host.alloc
             host = {"capacity_bytes": self.host.capacity_bytes, "used_bytes": h.used_bytes,
                     "free_bytes": self.host.capacity_bytes - h.used_bytes,

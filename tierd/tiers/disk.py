@@ -12,6 +12,7 @@ slot = slot header (4 KiB page, first bytes used) + payload (4 KiB-aligned).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import itertools
@@ -20,6 +21,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -113,19 +115,21 @@ def unpack_slot_header(page) -> tuple | None:
 class FaultInjector:
     """Failpoints under the disk tier, for fault tests (`disk.fault_file`; off by default).
 
-    The control file holds `op=ERRNO` pairs, e.g. `write=EIO read=EIO flush=ENOSPC` or
-    `all=EROFS`; ops: write, read, flush, meta (namespace and checkpoint files). An empty or
-    missing file means no faults. It is re-read when its mtime changes, so a test (or an
-    operator rehearsing an incident) flips faults on and off while the daemon runs."""
+    The control file holds `op=FAULT` pairs, e.g. `write=EIO read=EIO flush=ENOSPC`, `all=EROFS`,
+    or `write=hang:30` (the call blocks for up to 30 s, as a dying disk or a lost NFS server
+    would; it returns early, successfully, as soon as the fault is removed). Ops: write, read,
+    flush, meta (namespace and checkpoint files). An empty or missing file means no faults. It is
+    re-read when its mtime changes, so a test (or an operator rehearsing an incident) flips
+    faults on and off while the daemon runs."""
 
     OPS = ("write", "read", "flush", "meta")
 
     def __init__(self, path: str):
         self.path = path
         self._stamp = None
-        self._faults: dict[str, int] = {}
+        self._faults: dict[str, tuple[str, float]] = {}
 
-    def check(self, op: str) -> None:
+    def _current(self, op: str) -> tuple[str, float] | None:
         try:
             st = os.stat(self.path)
             stamp = (st.st_mtime_ns, st.st_size)
@@ -136,11 +140,23 @@ class FaultInjector:
             # the new faults (parallel reads check at once)
             self._faults = self._parse() if stamp is not None else {}
             self._stamp = stamp
-        code = self._faults.get(op) or self._faults.get("all")
-        if code:
-            raise OSError(code, f"{os.strerror(code)} (injected by {self.path})")
+        return self._faults.get(op) or self._faults.get("all")
 
-    def _parse(self) -> dict[str, int]:
+    def check(self, op: str) -> None:
+        fault = self._current(op)
+        if fault is None:
+            return
+        kind, value = fault
+        if kind == "errno":
+            raise OSError(int(value), f"{os.strerror(int(value))} (injected by {self.path})")
+        end = time.monotonic() + value        # a hang: until it ends or is lifted
+        while time.monotonic() < end:
+            time.sleep(0.02)
+            now = self._current(op)
+            if now is None or now[0] != "hang":
+                return
+
+    def _parse(self) -> dict[str, tuple[str, float]]:
         faults = {}
         try:
             text = Path(self.path).read_text()
@@ -148,9 +164,18 @@ class FaultInjector:
             return {}
         for item in text.split():
             op, _, name = item.partition("=")
-            code = getattr(errno, name.strip().upper(), None)
-            if (op in self.OPS or op == "all") and isinstance(code, int):
-                faults[op] = code
+            if op not in self.OPS and op != "all":
+                continue
+            name = name.strip()
+            if name.lower().startswith("hang:"):
+                try:
+                    faults[op] = ("hang", float(name[5:]))
+                except ValueError:
+                    pass
+                continue
+            code = getattr(errno, name.upper(), None)
+            if isinstance(code, int):
+                faults[op] = ("errno", code)
         return faults
 
 
@@ -162,6 +187,11 @@ class DiskTier:
                  io_threads: int = 4, fault_file: str = ""):
         self.path = Path(path)
         self.faults = FaultInjector(fault_file) if fault_file else None
+        self._inflight: dict[int, tuple[str, float]] = {}   # I/O under way: token -> (op, start)
+        self._tokens = itertools.count()
+        # Slab headers decided under the store lock and written outside it, before the blocks
+        # that depend on them (see take_pending_headers).
+        self.pending_headers: dict[int, tuple[int, int]] = {}
         self.codec_name = codec
         self.zstd_level = zstd_level
         self._lock_fd = -1
@@ -294,8 +324,33 @@ class DiskTier:
             raise NotASlabFileError(f"disk tier: {file} says it is file {fields[2]}, expected {expect_index}")
         return fields
 
+    def _room_error(self, needed: int) -> DiskTierError:
+        from ..arena import filesystem_type
+        try:
+            st = os.statvfs(self.path)
+            room = f"{format_size(st.f_bavail * st.f_frsize)} free"
+        except OSError:
+            room = "free space unknown"
+        return DiskTierError(
+            f"disk tier: cannot reserve {format_size(needed)} in {self.path} "
+            f"({filesystem_type(str(self.path)) or 'unknown filesystem'}, {room}); lower disk.bytes "
+            "(--disk-bytes) or free space there")
+
     def _open_files(self) -> None:
         flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if self.direct_io else 0)
+        # All the room first, or nothing: a half-created set of slab files would not match a
+        # later, smaller disk.bytes.
+        needed = 0
+        for i in range(self.num_files):
+            fp = self.path / f"slab-{i:04d}.tds"
+            have = fp.stat().st_blocks * 512 if fp.exists() else 0
+            needed += max(0, self._file_size(i) - have)
+        try:
+            st = os.statvfs(self.path)
+            if needed > st.f_bavail * st.f_frsize:
+                raise self._room_error(needed)
+        except OSError:
+            pass
         store_uuid = None
         for i in range(self.num_files):
             fp = self.path / f"slab-{i:04d}.tds"
@@ -324,8 +379,7 @@ class DiskTier:
             os.posix_fallocate(fd, 0, size)
         except OSError as e:
             if e.errno == errno.ENOSPC:
-                raise DiskTierError(
-                    f"disk tier: not enough free space for {fp} ({format_size(size)}); lower disk_bytes") from None
+                raise self._room_error(size) from None
             raise DiskTierError(f"disk tier: cannot allocate {fp}: {e.strerror}") from None
 
     def _create_file(self, fp: Path, index: int, store_uuid: bytes) -> None:
@@ -366,6 +420,25 @@ class DiskTier:
         """Disk slot of a block: header page + payload rounded up to 4 KiB."""
         return PAGE + align_up(block_bytes)
 
+    # -- I/O in flight --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _io(self, op: str):
+        """Track one I/O call, so that a stalled disk is noticed while the call still hangs."""
+        token = next(self._tokens)
+        self._inflight[token] = (op, time.monotonic())
+        try:
+            yield
+        finally:
+            del self._inflight[token]
+
+    def oldest_io(self) -> tuple[str, float] | None:
+        """(op, seconds) of the longest-running I/O call now under way, or None."""
+        items = list(self._inflight.values())
+        if not items:
+            return None
+        op, t0 = min(items, key=lambda x: x[1])
+        return op, time.monotonic() - t0
+
     # -- slabs -----------------------------------------------------------------------------
     def _write_slab_header(self, slab: int, slot_bytes: int, gen: int) -> None:
         page = self._page()
@@ -373,17 +446,20 @@ class DiskTier:
         body = _SLAB.pack(SLAB_MAGIC, FORMAT_VERSION, 0, slot_bytes, gen)
         page[:_SLAB.size + _CSUM.size] = body + _CSUM.pack(_csum(body))
         fd, off = self._slab_loc(slab)
-        if self.faults:
-            self.faults.check("write")
-        os.pwrite(fd, page, off)
+        with self._io("write"):
+            if self.faults:
+                self.faults.check("write")
+            os.pwrite(fd, page, off)
 
     def alloc_slot(self, slot_bytes: int) -> int | None:
-        """A free slot (writing a slab header first if a free slab is taken); None when full."""
+        """A free slot, taking a free slab if needed (its header is queued in
+        `pending_headers`, written by `write_headers` before any block of it); None when full.
+        No I/O: called under the store lock."""
         c = self.alloc.classes.get(slot_bytes)
         if (c is None or not c.free) and self.alloc.free_slabs:
             slab = self.alloc.free_slabs[-1]
             gen = self.next_seq()
-            self._write_slab_header(slab, slot_bytes, gen)
+            self.pending_headers[slab] = (slot_bytes, gen)
             self.slab_gen[slab] = gen
             self.alloc.assign_slab(slab, slot_bytes)
         return self.alloc.alloc(slot_bytes)
@@ -392,8 +468,29 @@ class DiskTier:
         self.alloc.free(slot)
 
     def release_slab(self, slab: int) -> None:
+        """Return an empty slab to the free pool; its header (class 0, a new generation, so
+        that no earlier slot of it is ever recovered) is queued like a new slab's."""
         self.alloc.release_slab(slab)
-        self._write_slab_header(slab, 0, self.next_seq())
+        self.pending_headers[slab] = (0, self.next_seq())
+
+    def take_pending_headers(self) -> dict[int, tuple[int, int]]:
+        """The queued slab headers (store lock held); write them with `write_headers`."""
+        pending, self.pending_headers = self.pending_headers, {}
+        return pending
+
+    def write_headers(self, pending: dict[int, tuple[int, int]]) -> None:
+        """Write queued slab headers (no lock). On failure they are queued again, unless a
+        newer header for the slab was queued meanwhile."""
+        done = []
+        try:
+            for slab, (slot_bytes, gen) in pending.items():
+                self._write_slab_header(slab, slot_bytes, gen)
+                done.append(slab)
+        except BaseException:
+            for slab, hdr in pending.items():
+                if slab not in done:
+                    self.pending_headers.setdefault(slab, hdr)
+            raise
 
     def next_seq(self) -> int:
         return next(self._seq)
@@ -437,9 +534,10 @@ class DiskTier:
         stg[:PAGE] = 0
         stg[:len(header)] = np.frombuffer(header, dtype=np.uint8)
         fd, off = self._slot_loc(slot)
-        if self.faults:
-            self.faults.check("write")
-        n = os.pwrite(fd, memoryview(stg)[:length], off)
+        with self._io("write"):
+            if self.faults:
+                self.faults.check("write")
+            n = os.pwrite(fd, memoryview(stg)[:length], off)
         if n != length:
             raise OSError(errno.EIO, f"short write to disk tier ({n} of {length} bytes)")
         return DiskEntry(slot, ns_id, key, seq, payload_len, block_bytes, codec, parent or b"")
@@ -450,9 +548,10 @@ class DiskTier:
         fd, off = self._slot_loc(e.slot)
         want = PAGE + align_up(e.payload_len)
         stg = self._staging(want)
-        if self.faults:
-            self.faults.check("read")
-        n = os.preadv(fd, [memoryview(stg)[:want]], off)
+        with self._io("read"):
+            if self.faults:
+                self.faults.check("read")
+            n = os.preadv(fd, [memoryview(stg)[:want]], off)
         if n < PAGE + e.payload_len:
             raise CorruptBlockError(f"slot truncated ({n} of {want} bytes readable)")
         h = unpack_slot_header(stg[:PAGE])
@@ -480,16 +579,18 @@ class DiskTier:
         page = self._page()
         page[:] = b"\0" * PAGE
         fd, off = self._slot_loc(slot)
-        if self.faults:
-            self.faults.check("write")
-        os.pwrite(fd, page, off)
+        with self._io("write"):
+            if self.faults:
+                self.faults.check("write")
+            os.pwrite(fd, page, off)
 
     def flush(self) -> None:
         """Make every completed write durable."""
-        if self.faults:
-            self.faults.check("flush")
-        for fd in self._fds:
-            os.fdatasync(fd)
+        with self._io("flush"):
+            if self.faults:
+                self.faults.check("flush")
+            for fd in list(self._fds):
+                os.fdatasync(fd)
 
     # -- namespaces --------------------------------------------------------------------------
     def _load_namespaces(self) -> dict[bytes, dict]:
@@ -512,16 +613,17 @@ class DiskTier:
         self.namespaces = known   # only once it is on disk
 
     def _atomic_write(self, name: str, data: bytes) -> None:
-        if self.faults:
-            self.faults.check("meta")
-        tmp = self.path / (name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o600)
-        os.rename(tmp, self.path / name)
-        self._fsync_dir()
+        with self._io("meta"):
+            if self.faults:
+                self.faults.check("meta")
+            tmp = self.path / (name + ".tmp")
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o600)
+            os.rename(tmp, self.path / name)
+            self._fsync_dir()
 
     # -- recovery ----------------------------------------------------------------------------
     def _recover(self, io_threads: int) -> None:
@@ -625,6 +727,8 @@ class DiskTier:
         self._closed = True
         self.pool.shutdown(wait=True)
         try:
+            if self.pending_headers:
+                self.write_headers(self.take_pending_headers())
             self.flush()
             if entries is not None:
                 slabs = [(s, self.alloc.slab_class[s], self.slab_gen[s])
@@ -667,6 +771,10 @@ class DiskTier:
         """Raise OSError unless the disk takes a small durable write now: a file created,
         written, fsynced, read back and removed in the directory, and every slab file synced."""
         self.check_present()
+        with self._io("probe"):
+            self._probe()
+
+    def _probe(self) -> None:
         if self.faults:
             for op in ("write", "flush", "meta", "read"):
                 self.faults.check(op)
@@ -685,6 +793,10 @@ class DiskTier:
                 pass
         for fd in self._fds:
             os.fdatasync(fd)
+
+    def mark_closed(self) -> None:
+        """No new I/O may go to this tier (its directory is gone); `abandon` then lets go."""
+        self._closed = True
 
     def abandon(self) -> None:
         """Let go of a directory that vanished: close everything, write nothing."""
