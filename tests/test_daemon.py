@@ -379,3 +379,44 @@ def test_lookup_all_answers_per_namespace_in_one_request(daemon):
         c.put(b, kb[:1], [block_for(b, kb[0])])
         assert c.lookup_all([(a, ka), (b, kb), (a, kb)]) == [3, 1, 0]
         assert c.lookup_all([]) == []
+
+
+def test_no_reservation_or_lease_outlives_its_request_on_a_live_connection(tmp_path):
+    """Every reservation and lease ends — committed, aborted, released or undone after a
+    timeout — while the client stays connected: puts of blocks already there, gets that hit
+    and miss, reservations aborted or of nothing, and requests answered with a timeout."""
+    from tierd.protocol import RemoteError
+    d = DaemonProc(tmp_path, toml=SMALL_TOML + "[limits]\nrequest_timeout_s = 0.001\n").start()
+    try:
+        ns = make_ns()
+        with Client(d.socket) as c:
+            keys = chain(ns, 7, 4)
+            put_chain(c, ns, keys)
+            for _ in range(101):                    # the same block again and again: all present
+                assert c.put(ns, keys[:1], [block_for(ns, keys[0])]) == 0
+            assert c.put(ns, keys, [block_for(ns, k) for k in keys]) == 0
+            res = c.reserve(ns, keys)               # a reservation of nothing
+            assert res.num_reserved == 0
+            c.commit(res)
+            other = chain(ns, 8, 3)
+            c.abort(c.reserve(ns, other))           # aborted
+            res = c.reserve(ns, other)
+            c.abort(res)
+            c.abort(res)                            # twice: harmless
+            assert_exact(c, ns, keys)               # hits
+            assert c.get(ns, other) == []           # a miss
+            with c.acquire(ns, other) as lease:     # a lease of nothing
+                assert len(lease) == 0
+            with c.acquire(ns, keys) as lease:
+                assert len(lease) == 4
+            for seed in range(20):                  # enough to write that sync must time out
+                put_chain(c, ns, chain(ns, 500 + seed, 5))
+            with pytest.raises(RemoteError):
+                c.sync()
+            st = _wait_stats(d.url, lambda s: not s["leases"] and not s["reservations"])
+            assert (st["leases"], st["reservations"]) == (0, 0), st
+            assert c.connected
+            assert c.stats()["daemon"]["reclaimed_leases"] == 0
+            assert c.stats()["daemon"]["reclaimed_reservations"] == 0
+    finally:
+        assert d.stop() == 0

@@ -546,8 +546,9 @@ class Daemon:
 
     def _op_abort(self, conn: _Conn, msg: dict) -> dict:
         rid = P.field(msg, "res", int)
-        if rid:
-            self.store.abort(self.store.find_reservation(rid, conn.id))
+        res = self.store.find_reservation(rid, conn.id, missing_ok=True) if rid else None
+        if res is not None:   # aborting twice is harmless; another client's, an error
+            self.store.abort(res)
         return {}
 
     def _op_acquire(self, conn: _Conn, msg: dict) -> dict:

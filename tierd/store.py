@@ -1140,11 +1140,13 @@ class TieredStore:
         with self.acquire(ns, keys) as lease:
             return copy_out(lease, dsts, out)
 
-    def find_reservation(self, rid: int, owner) -> Reservation:
+    def find_reservation(self, rid: int, owner, *, missing_ok: bool = False) -> Reservation | None:
         """The open reservation `rid` held by `owner`; LeaseError otherwise (the daemon's check
         that a client names only its own slots)."""
         with self._cond:
             r = self._reservations.get(rid)
+            if r is None and missing_ok:
+                return None   # already committed, aborted or reclaimed
             if r is None or r.owner != owner:
                 raise LeaseError(f"reservation {rid} is not an open reservation of this client")
             return r
