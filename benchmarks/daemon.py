@@ -1,9 +1,17 @@
 """What does going through the daemon cost?
 
   lookup latency p50/p99 over the socket      beside the same lookup on an embedded store
+                                              (goal: p50 <= 50 us); also with busy-polling off
   store / fetch GB/s through the daemon       beside the embedded store, same blocks, same run,
-                                              measured alternately (goal >= 0.8x at >= 1 MiB)
-  ops/s with 1, 4 and 16 client processes     beside 1 client (scaling)
+                                              measured alternately (goals: >= 0.9x at 1 MiB,
+                                              >= 0.7x at 64 KiB)
+  p99 with 32 clients                         32 client processes, each pacing 80% lookups and
+                                              20% acquire+release like an engine's scheduler
+                                              (100 requests/s each), beside one such client
+                                              alone (goal: <= 5x)
+  ops/s with 1, 4 and 16 client processes     closed loop (each sends as fast as it can),
+                                              beside 1 client (scaling)
+  start-up time and idle RSS                  beside a bare Python interpreter's
 
     python -m benchmarks.daemon [--json PATH] [--quick]
 """
@@ -11,10 +19,14 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 import tempfile
 import time
 
 import numpy as np
+import psutil
 
 from tierd import Namespace, TieredStore
 from tierd.client import Client
@@ -26,12 +38,14 @@ from .tiers import kv_like, namespace_for, timed
 KiB = 1024
 
 
-def lookup_latency(store, ns: Namespace, keys: list[bytes], n: int) -> tuple[float, float]:
+def lookup_latency(store, ns: Namespace, keys: list[bytes], n: int, raw: bool = False):
     lat = np.empty(n)
     for i in range(n):
         t0 = time.perf_counter()
         store.lookup(ns, keys)
         lat[i] = time.perf_counter() - t0
+    if raw:
+        return list(lat)
     return float(np.percentile(lat, 50)), float(np.percentile(lat, 99))
 
 
@@ -87,6 +101,79 @@ def _client_ops(sock: str, seconds: float, seed: int, out) -> None:
     c.close()
 
 
+def _paced_client(sock: str, seconds: float, rate_hz: float, seed: int, start_at: float, out) -> None:
+    """One engine-like client: requests at `rate_hz` (jittered), each op's latency recorded."""
+    ns = namespace_for(64 * KiB)
+    c = Client(sock)
+    keys = [k for i in range(16) for k in ns.block_keys(np.full(ns.block_tokens, i))]
+    c.lookup(ns, keys)
+    rng = np.random.default_rng(seed)
+    lat = []
+    time.sleep(max(0.0, start_at - time.time()))
+    t_next = time.perf_counter()
+    deadline = t_next + seconds
+    while True:
+        t_next += rng.uniform(0.5, 1.5) / rate_hz
+        now = time.perf_counter()
+        if t_next > deadline:
+            break
+        if t_next > now:
+            time.sleep(t_next - now)
+        t0 = time.perf_counter()
+        if rng.random() < 0.8:
+            c.lookup(ns, keys)
+        else:
+            with c.acquire(ns, keys[:4]):
+                pass
+        lat.append(time.perf_counter() - t0)
+    out.put(lat)
+    c.close()
+
+
+def paced_p99(sock: str, clients: int, seconds: float, rate_hz: float) -> tuple[float, float, int]:
+    """(p50, p99) latency in seconds over every request of `clients` paced client processes."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    start_at = time.time() + 3.0 + 0.25 * clients      # every process started and connected
+    procs = [ctx.Process(target=_paced_client, args=(sock, seconds, rate_hz, i, start_at, q))
+             for i in range(clients)]
+    for p in procs:
+        p.start()
+    lat = [x for _ in procs for x in q.get(timeout=start_at - time.time() + seconds + 120)]
+    for p in procs:
+        p.join()
+    return float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), len(lat)
+
+
+def startup(tmp: str, host: str, repeats: int) -> list[Result]:
+    """Time from exec to serving, and the RSS of the idle daemon, beside a bare interpreter."""
+    best_start, rss = float("inf"), 0
+    for i in range(repeats):
+        d_dir = os.path.join(tmp, f"start{i}")
+        os.makedirs(d_dir)
+        t0 = time.perf_counter()
+        d = DaemonUnderTest(d_dir, host_bytes=host)
+        best_start = min(best_start, time.perf_counter() - t0)
+        time.sleep(0.5)
+        rss = psutil.Process(d.proc.pid).memory_info().rss
+        d.stop()
+    bare_start, bare_rss = float("inf"), 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        p = subprocess.Popen([sys.executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()"],
+                             stdout=subprocess.PIPE, stdin=subprocess.PIPE)
+        p.stdout.readline()
+        bare_start = min(bare_start, time.perf_counter() - t0)
+        bare_rss = psutil.Process(p.pid).memory_info().rss
+        p.stdin.close()
+        p.wait()
+    return [Result("daemon start-up", {"host": host}, best_start, "s", "bare python start s", bare_start,
+                   higher_is_better=False, note="exec to serving, arena reserved (posix_fallocate)"),
+            Result("idle daemon RSS", {"host": host}, rss / 2 ** 20, "MiB", "bare python RSS MiB",
+                   bare_rss / 2 ** 20, higher_is_better=False,
+                   note="no torch imported; the host arena is mapped but untouched")]
+
+
 def ops_per_second(sock: str, clients: int, seconds: float) -> float:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -116,17 +203,35 @@ def main() -> None:
             keys = [k for i in range(16) for k in ns.block_keys(np.full(ns.block_tokens, i))]
             for s in (client, embedded):
                 s.put(ns, keys, [kv_like(ns.block_bytes, i) for i in range(16)])
-            n = 500 if quick else 5000
-            e50, e99 = lookup_latency(embedded, ns, keys, n)
-            d50, d99 = lookup_latency(client, ns, keys, n)
+            n = 2000 if quick else 10000
+            nospin = Client(d.socket, spin_us=0)
+            lat = {"e": [], "d": [], "n": []}
+            for _ in range(10):    # alternately, so that both see the same machine
+                for name, s in (("e", embedded), ("d", client), ("n", nospin)):
+                    t = lookup_latency(s, ns, keys, n // 10, raw=True)
+                    lat[name] += t
+            pct = lambda xs, q: float(np.percentile(xs, q)) * 1e6  # noqa: E731
             p = {"keys": 16, "lookups": n}
-            results += [Result("lookup p50", p, d50 * 1e6, "us", "embedded p50 us", e50 * 1e6, higher_is_better=False),
-                        Result("lookup p99", p, d99 * 1e6, "us", "embedded p99 us", e99 * 1e6, higher_is_better=False)]
+            results += [Result("lookup p50", p, pct(lat["d"], 50), "us", "embedded p50 us", pct(lat["e"], 50),
+                               higher_is_better=False),
+                        Result("lookup p99", p, pct(lat["d"], 99), "us", "embedded p99 us", pct(lat["e"], 99),
+                               higher_is_better=False),
+                        Result("lookup p50, no busy-poll", {**p, "spin_us": 0}, pct(lat["n"], 50), "us",
+                               "embedded p50 us", pct(lat["e"], 50), higher_is_better=False)]
+            nospin.close()
             for bb in (64 * KiB, 1 * MiB, 16 * MiB):
                 ns_b = namespace_for(bb)
                 results += transfer(ns_b, embedded, client, max(8, total // bb), repeats)
                 embedded.flush()
                 client.flush()
+            paced_s = 3.0 if quick else 10.0
+            one50, one99, n1 = paced_p99(d.socket, 1, paced_s, 100.0)
+            many50, many99, nm = paced_p99(d.socket, 32, paced_s, 100.0)
+            pp = {"clients": 32, "rate_per_client": 100, "mix": "80% lookup, 20% acquire+release"}
+            results += [Result("p50 with 32 clients", {**pp, "requests": nm}, many50 * 1e6, "us",
+                               "1 client p50 us", one50 * 1e6, higher_is_better=False),
+                        Result("p99 with 32 clients", {**pp, "requests": nm}, many99 * 1e6, "us",
+                               "1 client p99 us", one99 * 1e6, higher_is_better=False)]
             seconds = 1.0 if quick else 4.0
             base = ops_per_second(d.socket, 1, seconds)
             for n_clients in (1, 4, 16):
@@ -137,6 +242,7 @@ def main() -> None:
             embedded.close()
         finally:
             d.stop()
+        results += startup(tmp, "256MiB" if quick else "1GiB", 2 if quick else 3)
     report("daemon", results, args.json)
 
 

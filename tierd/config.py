@@ -281,14 +281,19 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def read_toml(path: str) -> dict[str, Any]:
+def read_toml(path: str, data: bytes | None = None) -> dict[str, Any]:
+    """The settings in TOML file `path` (or in `data`, its contents already read)."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib
     try:
+        if data is not None:
+            return _flatten(tomllib.loads(data.decode()))
         with open(path, "rb") as f:
             return _flatten(tomllib.load(f))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
     except FileNotFoundError:
         raise ConfigError(f"config file {path} not found") from None
     except tomllib.TOMLDecodeError as e:
@@ -300,16 +305,17 @@ CLIENT_ENV = frozenset({"TIERD_CONFIG", "TIERD_URL", "TIERD_DIGEST_CACHE"})  # r
 
 
 def load_serve_config(config_path: str | None = None, flags: dict[str, Any] | None = None,
-                      env: dict[str, str] | None = None) -> ServeConfig:
+                      env: dict[str, str] | None = None, *, data: bytes | None = None) -> ServeConfig:
     """Defaults < config file < TIERD_* environment < command-line flags. Unknown keys in any
-    layer are errors, so a typo never silently does nothing."""
+    layer are errors, so a typo never silently does nothing. `data`: the config file's
+    contents, already read (the daemon reads it without blocking its event loop)."""
     cfg = ServeConfig()
     env = os.environ if env is None else env
     layers: list[tuple[str, dict[str, Any]]] = []
     if config_path is None and os.path.exists(DEFAULT_CONFIG_PATH):
         config_path = DEFAULT_CONFIG_PATH
     if config_path is not None:
-        layers.append((f"file {config_path}", read_toml(config_path)))
+        layers.append((f"file {config_path}", read_toml(config_path, data)))
         cfg.config_path = config_path
     env_layer = {}
     for name, value in env.items():

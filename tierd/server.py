@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
+import aiofiles
+
 from . import __version__
 from . import protocol as P
 from .arena import filesystem_type
@@ -327,7 +329,7 @@ class Daemon:
             metrics_at = self.metrics.serve(self.cfg.metrics_addr)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
-        loop.add_signal_handler(signal.SIGHUP, self.reload)
+        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload_async()))
         wd = watchdog_interval_s()
         wd_task = asyncio.create_task(self._watchdog(wd)) if wd else None
         status = f"serving {path}" + (f", metrics on {metrics_at[0]}:{metrics_at[1]}" if metrics_at else "")
@@ -362,11 +364,26 @@ class Daemon:
             notify("WATCHDOG=1")
             await asyncio.sleep(interval)
 
-    def reload(self) -> None:
-        """SIGHUP: re-read the config file (flags still override it) and apply the settings
-        that can change live (RELOADABLE); others need a restart and are reported."""
+    async def reload_async(self) -> None:
+        """SIGHUP: read the config file without blocking the event loop (aiofiles: a slow or
+        hung filesystem stalls this task, not the clients), then `reload`."""
+        data = None
+        path = self.cfg.config_path
+        if path is not None:
+            try:
+                async with aiofiles.open(path, "rb") as f:
+                    data = await f.read()
+            except OSError as e:
+                log.error("reload refused, keeping the running settings: cannot read %s: %s", path,
+                          e.strerror or e)
+                return
+        self.reload(data)
+
+    def reload(self, data: bytes | None = None) -> None:
+        """Re-read the config file (flags still override it) and apply the settings that can
+        change live (RELOADABLE); others need a restart and are reported."""
         try:
-            new = load_serve_config(self.cfg.config_path, self.flags)
+            new = load_serve_config(self.cfg.config_path, self.flags, data=data)
         except TierdError as e:
             log.error("reload refused, keeping the running settings: %s", e)
             return

@@ -1,13 +1,37 @@
-"""`TieredStore`: the embedded block store — index, tiers, policy and the Store interface.
+"""`TieredStore`: the embedded block store — index, pins, policy and the Store interface.
 
 Owns which block lives where, who pins it, and when it moves: blocks enter host RAM (the hub),
 are demoted to disk past the host's high watermark, promoted back to host on a hit (the disk
-copy stays valid), and evicted in policy order, descendants of a prefix chain before their
-ancestors. It must never serve a byte that failed verification, never evict or move a leased
-slot, and never hold its lock across disk I/O.
+copy stays valid), copied to HBM when hit often (an inclusive cache of host blocks), and evicted
+in policy order, descendants of a prefix chain before their ancestors. The tiers themselves
+(`tierd.tiers`) are storage only, behind one interface; the store keeps one `_Resident` record
+per tier (slot owners, eviction order, counters) and moves blocks through that interface.
 
-Thread safety: one lock (`_cond`) guards every field below; copies and disk I/O run outside
-it on slots pinned by `host_pins`/`disk_pins`.
+Invariants (the tests and the crash harness hold the store to them):
+
+- **The lock.** One lock (`_cond`) guards every field of the store and of its `_Block`s, the
+  tiers' slot allocators and the residency records. It is held only for memory work: no disk,
+  device or network I/O ever runs under it, and nothing under it waits on such I/O (a stalled
+  disk is detected from the calls in flight, `DiskTier.oldest_io`, and skipped). Code that does
+  I/O pins what it touches, drops the lock, does the I/O, retakes the lock and settles.
+- **Pins.** `host_pins > 0` (a lease, a copy to disk or HBM in flight): the host slot is neither
+  freed nor reused, so its bytes stay the block's. `disk_pins > 0` (a read in flight): the disk
+  copy is not evicted. `gpu_pins > 0` (a lease, or the copy into HBM in flight): the HBM slot
+  stays. A slot taken out of the index for erasure (a tombstone being written) stays allocated,
+  owned by no block, until the erase is done.
+- **Block states.** In host RAM a block is ABSENT, RESERVED (a writer's slot, invisible, owned by
+  one reservation), LOADING (a disk read into its slot in flight, invisible to acquire until
+  READY, counted by lookup) or READY (servable). On disk it has a copy (`disk`, an index entry
+  whose header and payload were written and read back only through checksums) or a write in
+  flight (`disk_writing`, host copy pinned). A block is in the index iff it has a host slot, a
+  disk copy or a disk write in flight; a READY block is in its tier's eviction order, a
+  RESERVED or LOADING one is not.
+- **What is served.** Only READY host slots are leased; a disk copy reaches a client only by
+  being read into a host slot and verified first; a block that fails verification is dropped
+  from the index and erased on disk, never served.
+- **Ownership.** Every reservation and lease has an owner (a daemon connection) and ends —
+  committed, aborted, released, or reclaimed with its connection; a request that touches
+  nothing leaves nothing open (id 0).
 """
 
 from __future__ import annotations
@@ -25,12 +49,13 @@ import numpy as np
 
 from .arena import slot_bytes_for
 from .config import StoreConfig
-from .errors import (CapacityError, ConfigError, DiskDegradedError, LeaseError, StoreClosedError, TierdError,
+from .errors import (ConfigError, DiskDegradedError, LeaseError, StoreClosedError, TierdError,
                      UnknownNamespaceError)
 from .keys import check_keys
 from .namespace import Namespace
 from .policy import AdmissionFilter, make_policy
 from .tiers.disk import CorruptBlockError, DiskEntry, DiskTier
+from .tiers.base import BlockMeta
 from .tiers.host import HostTier
 from .transfer import as_u8, copy_out, fill_reservation
 
@@ -38,7 +63,6 @@ log = logging.getLogger("tierd.store")
 
 # host_state of a block
 ABSENT, RESERVED, LOADING, READY = 0, 1, 2, 3
-TIERS = ("host", "disk")
 
 
 @dataclass(slots=True)
@@ -142,6 +166,34 @@ class Lease:
             self._store.release(self)
 
 
+COUNTERS = ("evictions", "demotions", "promotions", "bytes_in", "bytes_out", "corrupt_dropped",
+            "admission_rejected", "io_errors")
+
+
+class _Resident:
+    """The store's record of one tier: which block owns each of its slots, the tier's eviction
+    order, its counters, and how a block's slot, resident children and evictability are read
+    (the block fields differ per tier). Allocation with eviction and slab reclaim are written
+    once, for every tier, in terms of this record (TieredStore._alloc, _evict_slab)."""
+
+    __slots__ = ("name", "tier", "owner", "policy", "counters", "slot_of", "children_of", "evictable")
+
+    def __init__(self, name: str, policy, *, slot_of, children_of, evictable):
+        self.name = name
+        self.tier = None                       # the Tier (None: not configured)
+        self.owner: dict[int, _Block] = {}     # slot -> the block holding it
+        self.policy = policy                   # eviction order of the blocks resident here
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.slot_of, self.children_of, self.evictable = slot_of, children_of, evictable
+
+    def stats(self, extra_waste: int = 0) -> dict:
+        u = self.tier.usage()
+        u["waste_bytes"] += extra_waste
+        u.update(blocks=len(self.owner), **self.counters)
+        u["waste_ratio"] = u["waste_bytes"] / max(1, u["capacity_bytes"])
+        return u
+
+
 class TieredStore:
     """Embedded tiered block store (host RAM + optional disk). Thread-safe."""
 
@@ -163,21 +215,17 @@ class TieredStore:
         self._writes_in_flight = 0
         self._batch_writing = False   # one disk write batch at a time (see _write_down_batch)
         self._demote_wanted = False   # set past the host high watermark: wakes the demoter
-        self.host = HostTier(cfg.host_bytes, cfg.host_slab_bytes, shm_path=cfg.host_shm_path,
-                             shm_mode=cfg.host_shm_mode)
-        self._host_owner: dict[int, _Block] = {}
-        self._host_policy = make_policy(cfg.eviction_policy)
+        # One residency record per tier (see _Resident): the tiers themselves are storage only.
+        self._rh = _Resident("host", make_policy(cfg.eviction_policy), slot_of=lambda b: b.host_slot,
+                             children_of=lambda b: b.host_children, evictable=self._host_evictable)
+        self._rd = _Resident("disk", make_policy(cfg.eviction_policy), slot_of=lambda b: b.disk.slot,
+                             children_of=lambda b: b.disk_children, evictable=self._disk_evictable)
+        self._rg = _Resident("gpu", make_policy("lru"), slot_of=lambda b: b.gpu_slot,
+                             children_of=lambda b: 0, evictable=lambda b: b.gpu_pins == 0)
+        self._rh.tier = HostTier(cfg.host_bytes, cfg.host_slab_bytes, shm_path=cfg.host_shm_path,
+                                 shm_mode=cfg.host_shm_mode)
         self._pad_bytes = 0  # slot padding of host blocks (slot size - block size), for waste
-        self.disk: DiskTier | None = None
-        self._disk_owner: dict[int, _Block] = {}
-        self._disk_policy = make_policy(cfg.eviction_policy)
         self._admission = AdmissionFilter(cfg.disk_admit_min_hits)
-        self._tier_counters = {t: dict.fromkeys(
-            ("evictions", "demotions", "promotions", "bytes_in", "bytes_out", "corrupt_dropped",
-             "admission_rejected", "io_errors"), 0) for t in (*TIERS, "gpu")}
-        self.gpu = None
-        self._gpu_owner: dict[int, _Block] = {}
-        self._gpu_policy = make_policy("lru")
         self._disk_fault: str | None = None   # why the disk tier is degraded; None: healthy
         self._disk_fault_since = 0.0
         self._disk_retry_at = 0.0
@@ -189,13 +237,34 @@ class TieredStore:
                 self.gpu = GpuTier(cfg.gpu_bytes, cfg.gpu_slab_bytes, cfg.gpu_device)
             if cfg.disk_path:
                 self.disk = self._open_disk()
-                self._tier_counters["disk"]["corrupt_dropped"] = self.disk.corrupt_at_open
+                self._rd.counters["corrupt_dropped"] = self.disk.corrupt_at_open
                 self._adopt_recovered()
         except BaseException:
             self.host.close()
             raise
         self._maintainer = threading.Thread(target=self._maintain, name="tierd-demoter", daemon=True)
         self._maintainer.start()
+
+    # the tiers (storage only; the store's view of each is its _Resident record)
+    @property
+    def host(self) -> HostTier:
+        return self._rh.tier
+
+    @property
+    def disk(self) -> DiskTier | None:
+        return self._rd.tier
+
+    @disk.setter
+    def disk(self, tier: DiskTier | None) -> None:
+        self._rd.tier = tier
+
+    @property
+    def gpu(self):
+        return self._rg.tier
+
+    @gpu.setter
+    def gpu(self, tier) -> None:
+        self._rg.tier = tier
 
     def _open_disk(self) -> DiskTier:
         cfg = self.config
@@ -214,7 +283,7 @@ class TieredStore:
     def _disk_error(self, what: str, e: BaseException) -> None:
         """A disk fault (lock held): count it; the first one of an episode degrades the disk
         tier (logged once) until a later write succeeds."""
-        self._tier_counters["disk"]["io_errors"] += 1
+        self._rd.counters["io_errors"] += 1
         now = time.monotonic()
         if self._disk_fault is None:
             self._disk_fault = f"{what}: {e}"
@@ -306,8 +375,8 @@ class TieredStore:
             self._cond.wait(0.1)
         for b in [b for b in self._blocks.values() if b.disk is not None]:
             self._drop_disk(b, evicted=False)
-        self._disk_owner.clear()
-        self._disk_policy = make_policy(self.config.eviction_policy)
+        self._rd.owner.clear()
+        self._rd.policy = make_policy(self.config.eviction_policy)
         self.disk.mark_closed()   # no new I/O goes to it
 
     # -- namespaces -------------------------------------------------------------------------
@@ -323,15 +392,11 @@ class TieredStore:
             st = self._namespaces.get(ns.id)
             if st is not None and st.ns is not None:
                 return st
-            host_sb = slot_bytes_for(ns.block_bytes)
-            if host_sb > self.host.capacity_bytes:
-                raise CapacityError(
-                    f"host tier: capacity {self.host.capacity_bytes} bytes is smaller than one "
-                    f"block of namespace {ns.name} ({ns.block_bytes} bytes); raise host_bytes")
-            self.host.alloc.check_slot_bytes(host_sb, "host tier")
+            whose = f"of namespace {ns.name} "
+            host_sb = self.host.check_block(ns.block_bytes, whose)
             disk_sb = DiskTier.slot_bytes_for(ns.block_bytes)
             if self.disk is not None:
-                self.disk.alloc.check_slot_bytes(disk_sb, "disk tier")
+                self.disk.check_block(ns.block_bytes, whose)
             if st is None:
                 st = _NsState(ns.id, ns, ns.block_bytes, ns.dtype_bytes, host_sb, disk_sb, ns.to_dict())
                 self._namespaces[ns.id] = st
@@ -382,8 +447,8 @@ class TieredStore:
             b = _Block(e.ns_id + e.key, st, e.key, parent=(e.ns_id + e.parent) if e.parent else None)
             b.disk = e
             self._blocks[b.ikey] = b
-            self._disk_owner[e.slot] = b
-            self._disk_policy.insert(b.ikey)
+            self._rd.owner[e.slot] = b
+            self._rd.policy.insert(b.ikey)
             st.counters["disk_blocks"] += 1
         for b in self._blocks.values():
             p = self._blocks.get(b.parent) if b.parent else None
@@ -446,61 +511,127 @@ class TieredStore:
     def _disk_evictable(self, b: _Block) -> bool:
         return b.disk is not None and b.disk_pins == 0
 
-    # -- host slots -------------------------------------------------------------------------
+    # -- slots in any tier: allocation with eviction, written once ---------------------------------
+    def _alloc(self, r: _Resident, slot_bytes: int, evict, wait=None) -> int | None:
+        """(Lock held.) A free slot of `slot_bytes` in `r`'s tier: a free slot; else an empty
+        slab of another size class given back and taken; else the policy's coldest evictable
+        block of that size with no resident descendants evicted (`evict(block)`); else a whole
+        slab of another class emptied. When nothing can go, `wait()` may wait for something to
+        become evictable (True: try again). None when there is no room."""
+        tier = r.tier
+        alloc = tier.alloc
+        if slot_bytes > alloc.usable_slab_bytes:
+            return None
+        blocks = self._blocks
+        for _ in range(64 + 2 * len(r.owner)):
+            slot = tier.alloc_slot(slot_bytes)
+            if slot is not None:
+                return slot
+            slab = alloc.empty_slab_elsewhere(slot_bytes)
+            if slab is not None:
+                tier.release_slab(slab)
+                continue
+            victim = None
+            cls = alloc.classes.get(slot_bytes)
+            if cls is not None and cls.slabs:
+                key = r.policy.victim(
+                    lambda k: r.evictable(blocks[k]) and r.children_of(blocks[k]) == 0
+                    and alloc.slot_bytes_of(r.slot_of(blocks[k])) == slot_bytes)
+                victim = blocks[key] if key is not None else None
+            if victim is not None:
+                evict(victim)
+                continue
+            if self._evict_slab(r, slot_bytes, evict):
+                continue
+            if wait is None or not wait():
+                return None
+        return None
+
+    def _evict_slab(self, r: _Resident, slot_bytes: int, evict) -> bool:
+        """(Lock held.) Empty the slab of another size class that is cheapest to empty (every
+        block in it evictable, no slot held by a write or an erase in flight) and give it back
+        to the free pool. True on success."""
+        alloc = r.tier.alloc
+        best, best_used = None, None
+        for sb, c in alloc.classes.items():
+            if sb == slot_bytes:
+                continue
+            for slab in c.slabs:
+                owned = [r.owner[s] for s in alloc.slots_of_slab(slab) if s in r.owner]
+                if len(owned) != alloc.slab_used[slab] or not all(r.evictable(b) for b in owned):
+                    continue
+                if best is None or len(owned) < best_used:
+                    best, best_used = slab, len(owned)
+        if best is None:
+            return False
+        for s in alloc.slots_of_slab(best):
+            b = r.owner.get(s)
+            if b is not None and r.evictable(b):
+                evict(b)     # may release the lock (a host block written down first)
+        if alloc.slab_used[best] == 0 and alloc.slab_class[best]:
+            r.tier.release_slab(best)
+            return True
+        return False
+
+    def _free(self, r: _Resident, slot: int, *, evicted: bool, free: bool = True) -> None:
+        """(Lock held.) `slot` of `r`'s tier no longer belongs to its block."""
+        del r.owner[slot]
+        if free:
+            r.tier.free_slot(slot)
+        if evicted:
+            r.counters["evictions"] += 1
+
+    # -- host ------------------------------------------------------------------------------------------
     def _drop_host(self, b: _Block, *, evicted: bool) -> None:
         if b.gpu_slot >= 0:
             self._drop_gpu(b, evicted=False)   # inclusive: no HBM copy without the host copy
         if b.host_state == READY:
-            self._host_policy.remove(b.ikey, evicted=evicted)
+            self._rh.policy.remove(b.ikey, evicted=evicted)
             self._leave(b, "host")
-        self.host.alloc.free(b.host_slot)
-        del self._host_owner[b.host_slot]
+        self._free(self._rh, b.host_slot, evicted=evicted)
         b.host_slot, b.host_state = -1, ABSENT
-        if evicted:
-            self._tier_counters["host"]["evictions"] += 1
         self._forget_if_gone(b)
 
-    # -- the HBM tier (an inclusive cache of host blocks) ------------------------------------------
-    def _drop_gpu(self, b: _Block, *, evicted: bool) -> None:
-        self.gpu.alloc.free(b.gpu_slot)
-        del self._gpu_owner[b.gpu_slot]
-        self._gpu_policy.remove(b.ikey, evicted=evicted)
-        b.gpu_slot = -1
-        if evicted:
-            self._tier_counters["gpu"]["evictions"] += 1
+    def _host_alloc(self, st: _NsState) -> int | None:
+        """A free host slot for `st`, evicting (demoting) in policy order if needed.
+        Lock held; may release it during disk writes."""
+        deadline = None
 
-    @staticmethod
-    def _slot_or_reclaim(alloc, slot_bytes: int) -> tuple[int | None, bool]:
-        """A free slot of `slot_bytes`; else (None, True) once an empty slab of another class went
-        back to the free pool (try again); else (None, False): something must be evicted."""
-        slot = alloc.alloc(slot_bytes)
-        if slot is not None:
-            return slot, False
-        slab = alloc.empty_slab_elsewhere(slot_bytes)
-        if slab is not None:
-            alloc.release_slab(slab)
-            return None, True
-        return None, False
+        def wait() -> bool:
+            # Everything evictable is being written to disk right now: wait for those writes
+            # (bounded, and never for a stalled disk) rather than drop the block.
+            nonlocal deadline
+            if not self._writes_in_flight or self._disk_waiting():
+                return False
+            deadline = deadline or time.monotonic() + self.ALLOC_WAIT_S
+            if time.monotonic() >= deadline:
+                return False
+            self._cond.wait(min(0.05, deadline - time.monotonic()))
+            return True
+
+        return self._alloc(self._rh, st.host_slot_bytes, self._evict_host, wait)
+
+    def _evict_host(self, b: _Block) -> bool:
+        """Remove `b` from host RAM: drop it if its disk copy is valid, else write it down
+        (if admitted) first. Returns True if the host slot was freed."""
+        if self.disk is not None and b.disk is None and not b.disk_writing:
+            if self._admission.admit(b.hits):
+                self._write_down(b)
+            else:
+                self._rd.counters["admission_rejected"] += 1
+        if self._host_evictable(b):
+            self._drop_host(b, evicted=True)
+            return True
+        return False
+
+    # -- HBM (an inclusive cache of host blocks) ------------------------------------------------------
+    def _drop_gpu(self, b: _Block, *, evicted: bool) -> None:
+        self._rg.policy.remove(b.ikey, evicted=evicted)
+        self._free(self._rg, b.gpu_slot, evicted=evicted)
+        b.gpu_slot = -1
 
     def _gpu_alloc(self, st: _NsState) -> int | None:
-        sb = st.host_slot_bytes
-        alloc = self.gpu.alloc
-        if sb > alloc.usable_slab_bytes:
-            return None
-        for _ in range(64 + 2 * len(self._gpu_owner)):
-            slot, retry = self._slot_or_reclaim(alloc, sb)
-            if slot is not None:
-                return slot
-            if retry:
-                continue
-            key = self._gpu_policy.victim(
-                lambda k: self._blocks[k].gpu_pins == 0 and alloc.slot_bytes_of(self._blocks[k].gpu_slot) == sb)
-            if key is None:
-                key = self._gpu_policy.victim(lambda k: self._blocks[k].gpu_pins == 0)
-                if key is None:
-                    return None
-            self._drop_gpu(self._blocks[key], evicted=True)
-        return None
+        return self._alloc(self._rg, st.host_slot_bytes, lambda b: self._drop_gpu(b, evicted=True))
 
     def _gpu_lease(self, b: _Block) -> tuple[int, bool]:
         """(Lock held.) For a leased host-resident block: its HBM offset, pinned for the lease,
@@ -514,146 +645,28 @@ class TieredStore:
             if slot is None:
                 return -1, False
             b.gpu_slot, b.gpu_filling = slot, True
-            self._gpu_owner[slot] = b
+            self._rg.owner[slot] = b
             b.gpu_pins += 1
-            return self.gpu.alloc.offset(slot), True
+            return self.gpu.offset(slot), True
         if b.gpu_filling:
             return -1, False   # another lease is copying it in right now
-        self._gpu_policy.hit(b.ikey)
-        self._tier_counters["gpu"]["bytes_out"] += b.st.block_bytes
+        self._rg.policy.hit(b.ikey)
+        self._rg.counters["bytes_out"] += b.st.block_bytes
         b.gpu_pins += 1
-        return self.gpu.alloc.offset(b.gpu_slot), False
+        return self.gpu.offset(b.gpu_slot), False
 
-    def _host_alloc(self, st: _NsState) -> int | None:
-        """A free host slot for `st`, evicting (demoting) in policy order if needed.
-        Lock held; may release it during disk writes."""
-        sb = st.host_slot_bytes
-        alloc = self.host.alloc
-        deadline = None
-        for _ in range(64 + 2 * len(self._host_owner)):
-            slot, retry = self._slot_or_reclaim(alloc, sb)
-            if slot is not None:
-                return slot
-            if retry:
-                continue
-            victim = None
-            cls = alloc.classes.get(sb)
-            if cls is not None and cls.slabs:
-                key = self._host_policy.victim(
-                    lambda k: self._host_evictable(self._blocks[k])
-                    and self._blocks[k].host_children == 0
-                    and alloc.slot_bytes_of(self._blocks[k].host_slot) == sb)
-                victim = self._blocks[key] if key is not None else None
-            if victim is None:
-                if self._evict_host_slab(sb):
-                    continue
-                # Everything evictable is being written to disk right now: wait for those
-                # writes (bounded) rather than drop the block.
-                if not self._writes_in_flight or self._disk_waiting():
-                    return None
-                deadline = deadline or time.monotonic() + self.ALLOC_WAIT_S
-                if time.monotonic() >= deadline:
-                    return None
-                self._cond.wait(min(0.05, deadline - time.monotonic()))
-                continue
-            self._evict_host(victim)
-        return None
-
-    def _evict_host(self, b: _Block) -> bool:
-        """Remove `b` from host RAM: drop it if its disk copy is valid, else write it down
-        (if admitted) first. Returns True if the host slot was freed."""
-        if self.disk is not None and b.disk is None and not b.disk_writing:
-            if self._admission.admit(b.hits):
-                self._write_down(b)
-            else:
-                self._tier_counters["disk"]["admission_rejected"] += 1
-        if self._host_evictable(b):
-            self._drop_host(b, evicted=True)
-            return True
-        return False
-
-    def _evict_host_slab(self, slot_bytes: int) -> bool:
-        """Empty the host slab of another class that is cheapest to empty; True on success."""
-        alloc = self.host.alloc
-        best, best_used = None, None
-        for sb, c in alloc.classes.items():
-            if sb == slot_bytes:
-                continue
-            for slab in c.slabs:
-                blocks = [self._host_owner[s] for s in alloc.slots_of_slab(slab) if s in self._host_owner]
-                if all(self._host_evictable(b) for b in blocks):
-                    if best is None or len(blocks) < best_used:
-                        best, best_used = slab, len(blocks)
-        if best is None:
-            return False
-        for s in alloc.slots_of_slab(best):
-            b = self._host_owner.get(s)
-            if b is not None and self._host_evictable(b):
-                self._evict_host(b)
-        if alloc.slab_used[best] == 0 and alloc.slab_class[best]:
-            alloc.release_slab(best)
-            return True
-        return False
-
-    # -- disk slots -------------------------------------------------------------------------
+    # -- disk ------------------------------------------------------------------------------------------
     def _drop_disk(self, b: _Block, *, evicted: bool, free: bool = True) -> None:
-        e = b.disk
-        self._disk_policy.remove(b.ikey, evicted=evicted)
+        """(Lock held.) Forget `b`'s disk copy; with `free=False` its slot stays taken until its
+        header is erased on disk (`_tombstone`)."""
+        self._rd.policy.remove(b.ikey, evicted=evicted)
         self._leave(b, "disk")
-        if free:   # else the slot stays taken until its tombstone is written (_tombstone)
-            self.disk.free_slot(e.slot)
-        del self._disk_owner[e.slot]
+        self._free(self._rd, b.disk.slot, evicted=evicted, free=free)
         b.disk = None
-        if evicted:
-            self._tier_counters["disk"]["evictions"] += 1
         self._forget_if_gone(b)
 
     def _disk_alloc(self, st: _NsState) -> int | None:
-        sb = st.disk_slot_bytes
-        disk = self.disk
-        for _ in range(64 + 2 * len(self._disk_owner)):
-            slot = disk.alloc_slot(sb)
-            if slot is not None:
-                return slot
-            slab = disk.alloc.empty_slab_elsewhere(sb)
-            if slab is not None:
-                disk.release_slab(slab)
-                continue
-            key = None
-            cls = disk.alloc.classes.get(sb)
-            if cls is not None and cls.slabs:
-                key = self._disk_policy.victim(
-                    lambda k: self._disk_evictable(self._blocks[k])
-                    and self._blocks[k].disk_children == 0
-                    and disk.alloc.slot_bytes_of(self._blocks[k].disk.slot) == sb)
-            if key is None:
-                if not self._evict_disk_slab(sb):
-                    return None
-                continue
-            self._drop_disk(self._blocks[key], evicted=True)
-        return None
-
-    def _evict_disk_slab(self, slot_bytes: int) -> bool:
-        alloc = self.disk.alloc
-        best, best_used = None, None
-        for sb, c in alloc.classes.items():
-            if sb == slot_bytes:
-                continue
-            for slab in c.slabs:
-                rng = alloc.slots_of_slab(slab)
-                blocks = [self._disk_owner[s] for s in rng if s in self._disk_owner]
-                busy = any(not self._disk_evictable(b) for b in blocks) or \
-                    alloc.slab_used[slab] != len(blocks)  # a write in flight holds a slot
-                if not busy and (best is None or len(blocks) < best_used):
-                    best, best_used = slab, len(blocks)
-        if best is None:
-            return False
-        for s in alloc.slots_of_slab(best):
-            b = self._disk_owner.get(s)
-            if b is not None:
-                self._drop_disk(b, evicted=True)
-        self.disk.release_slab(best)
-        return True
+        return self._alloc(self._rd, st.disk_slot_bytes, lambda b: self._drop_disk(b, evicted=True))
 
     def _write_down(self, b: _Block) -> bool:
         """Copy one READY host block to disk (its host copy stays); see `_write_down_batch`."""
@@ -697,8 +710,8 @@ class TieredStore:
         def write(job):
             b, slot, parent_key, src = job
             try:
-                return disk.write_block(slot, b.st.ns_id, b.key, parent_key, src,
-                                        b.st.block_bytes, b.st.dtype_bytes)
+                return disk.write(slot, src, BlockMeta(b.st.ns_id, b.key, parent_key, b.st.block_bytes,
+                                                       b.st.dtype_bytes))
             except Exception as e:  # noqa: BLE001 - any failure must still unpin below
                 return e
 
@@ -730,10 +743,10 @@ class TieredStore:
                 failed += 1
                 continue
             b.disk = entry
-            self._disk_owner[slot] = b
-            self._disk_policy.insert(b.ikey)
+            self._rd.owner[slot] = b
+            self._rd.policy.insert(b.ikey)
             self._enter(b, "disk")
-            c = self._tier_counters["disk"]
+            c = self._rd.counters
             c["demotions"] += 1
             c["bytes_in"] += b.st.block_bytes
             written += 1
@@ -761,7 +774,7 @@ class TieredStore:
                     b = self._blocks.get(ikey)  # the lock may have been released
                     if b is not None and (b.host_state != ABSENT or b.disk is not None or b.disk_writing):
                         if slot is not None:
-                            self.host.alloc.free(slot)
+                            self.host.free_slot(slot)
                         status.append("present"); buffers.append(None); blocks.append(None)
                         continue
                     if slot is None:
@@ -771,7 +784,7 @@ class TieredStore:
                     if b is None:
                         b = self._blocks[ikey] = _Block(ikey, st, k)
                     b.host_slot, b.host_state, b.owner_res = slot, RESERVED, rid
-                    self._host_owner[slot] = b
+                    self._rh.owner[slot] = b
                     status.append("reserved")
                     buffers.append(self.host.view(slot, st.block_bytes))
                     blocks.append(b)
@@ -810,11 +823,11 @@ class TieredStore:
                 if b is None or b.host_state != RESERVED or b.owner_res != res.id:
                     continue
                 b.host_state, b.owner_res = READY, 0
-                self._host_policy.insert(b.ikey)
+                self._rh.policy.insert(b.ikey)
                 self._enter(b, "host")
                 b.st.counters["puts"] += 1
                 b.st.counters["put_bytes"] += b.st.block_bytes
-                self._tier_counters["host"]["bytes_in"] += b.st.block_bytes
+                self._rh.counters["bytes_in"] += b.st.block_bytes
                 n += 1
             self._relink(pid, res.keys, res._parent)
             self._wake_demoter()
@@ -947,16 +960,16 @@ class TieredStore:
                 b = self._blocks.get(ikey)
                 if b is not None and b.host_state == READY:  # promoted meanwhile
                     if slot is not None:
-                        self.host.alloc.free(slot)
+                        self.host.free_slot(slot)
                     b.host_pins += 1
                     plan.append((b, None))
                     continue
                 if b is None or b.disk is None or b.host_state != ABSENT or slot is None:
                     if slot is not None:
-                        self.host.alloc.free(slot)
+                        self.host.free_slot(slot)
                     break
                 b.host_slot, b.host_state = slot, LOADING
-                self._host_owner[slot] = b
+                self._rh.owner[slot] = b
                 b.host_pins += 1
                 b.disk_pins += 1
                 plan.append((b, b.disk))
@@ -972,9 +985,9 @@ class TieredStore:
                 err = errors.get(id(b))
                 if err is None:
                     b.host_state = READY
-                    self._host_policy.insert(b.ikey)
+                    self._rh.policy.insert(b.ikey)
                     self._enter(b, "host")
-                    c = self._tier_counters["disk"]
+                    c = self._rd.counters
                     c["promotions"] += 1
                     c["bytes_out"] += st.block_bytes
                 else:
@@ -983,7 +996,7 @@ class TieredStore:
                     self._drop_host(b, evicted=False)
                     if isinstance(err, CorruptBlockError):
                         log.warning("disk tier: dropped a damaged block of %s (%s)", st.name, err)
-                        self._tier_counters["disk"]["corrupt_dropped"] += 1
+                        self._rd.counters["corrupt_dropped"] += 1
                         if b.disk is not None:
                             discard.append(self._unindex_disk(b))
                     else:
@@ -994,11 +1007,11 @@ class TieredStore:
             leased = [b for b, _ in plan[:cut]]
             for b in reversed(leased):  # ancestors touched last: they stay the most recent
                 b.hits += 1
-                self._host_policy.hit(b.ikey)
+                self._rh.policy.hit(b.ikey)
             st.counters["hits"] += len(leased)
             st.counters["hit_bytes"] += len(leased) * st.block_bytes
             st.counters["misses"] += len(keys) - len(leased)
-            self._tier_counters["host"]["bytes_out"] += len(leased) * st.block_bytes
+            self._rh.counters["bytes_out"] += len(leased) * st.block_bytes
             lid = next(self._ids) if leased else 0   # nothing leased: nothing to release
             views = []
             for b in leased:
@@ -1036,24 +1049,24 @@ class TieredStore:
         for i in fills:
             b = lease._blocks[i]
             try:
-                self.gpu.fill(b.gpu_slot, self.host.view(b.host_slot, b.st.block_bytes))
+                self.gpu.write(b.gpu_slot, self.host.view(b.host_slot, b.st.block_bytes),
+                               BlockMeta(b.st.ns_id, b.key, None, b.st.block_bytes, b.st.dtype_bytes))
                 ok.append(True)
             except Exception as e:  # noqa: BLE001 -- the host copy still serves the block
                 log.warning("HBM tier: copy failed (%s); serving from host RAM", e)
                 ok.append(False)
         with self._cond:
-            c = self._tier_counters["gpu"]
+            c = self._rg.counters
             for i, good in zip(fills, ok):
                 b = lease._blocks[i]
                 b.gpu_filling = False
                 if good:
-                    self._gpu_policy.insert(b.ikey)
+                    self._rg.policy.insert(b.ikey)
                     c["promotions"] += 1
                     c["bytes_in"] += b.st.block_bytes
                 else:
                     b.gpu_pins -= 1
-                    self.gpu.alloc.free(b.gpu_slot)
-                    del self._gpu_owner[b.gpu_slot]
+                    self._free(self._rg, b.gpu_slot, evicted=False)
                     b.gpu_slot = -1
                     lease.gpu_offsets[i] = -1
             if lease.id:
@@ -1069,7 +1082,7 @@ class TieredStore:
         def one(item):
             b, e = item
             try:
-                self.disk.read_block(e, self.host.view(b.host_slot, b.st.host_slot_bytes))
+                self.disk.read(e, self.host.view(b.host_slot, b.st.host_slot_bytes))
             except (CorruptBlockError, OSError) as ex:
                 errors[id(b)] = ex
 
@@ -1298,7 +1311,7 @@ class TieredStore:
                 batch: list[_Block] = []
                 excess = self.host.alloc.used_bytes - cfg.host_low_watermark * host_cap
                 while len(batch) < self.WRITE_BATCH and excess > 0:
-                    key = self._host_policy.victim(
+                    key = self._rh.policy.victim(
                         lambda k: self._host_evictable(self._blocks[k]) and self._blocks[k].host_children == 0)
                     if key is None:
                         break
@@ -1316,7 +1329,7 @@ class TieredStore:
                         if self._admission.admit(b.hits):
                             need.append(b)
                         else:
-                            self._tier_counters["disk"]["admission_rejected"] += 1
+                            self._rd.counters["admission_rejected"] += 1
                 if need:
                     moved += self._write_down_batch(need)
                 freed = 0
@@ -1330,7 +1343,7 @@ class TieredStore:
             disk_cap = self.disk.capacity_bytes
             if self.disk.alloc.used_bytes > cfg.disk_high_watermark * disk_cap:
                 while self.disk.alloc.used_bytes > cfg.disk_low_watermark * disk_cap:
-                    key = self._disk_policy.victim(
+                    key = self._rd.policy.victim(
                         lambda k: self._disk_evictable(self._blocks[k]) and self._blocks[k].disk_children == 0)
                     if key is None:
                         break
@@ -1352,38 +1365,18 @@ class TieredStore:
         """Counters and gauges per tier and per namespace (see docs/operations.md)."""
         with self._cond:
             self._note_stall()
-            h = self.host.alloc
-            host = {"capacity_bytes": self.host.capacity_bytes, "used_bytes": h.used_bytes,
-                    "free_bytes": self.host.capacity_bytes - h.used_bytes,
-                    "blocks": len(self._host_owner), "slab_bytes": h.slab_bytes,
-                    "waste_bytes": h.waste_bytes() + self._pad_bytes,
-                    **self._tier_counters["host"]}
-            host["waste_ratio"] = host["waste_bytes"] / max(1, host["capacity_bytes"])
-            tiers = {"host": host}
+            tiers = {"host": self._rh.stats(extra_waste=self._pad_bytes)}
             if self.gpu is not None:
-                g = self.gpu.alloc
-                tiers["gpu"] = {"capacity_bytes": self.gpu.capacity_bytes, "used_bytes": g.used_bytes,
-                                "free_bytes": self.gpu.capacity_bytes - g.used_bytes,
-                                "blocks": len(self._gpu_owner), "slab_bytes": g.slab_bytes,
-                                "waste_bytes": g.waste_bytes(), "device": str(self.gpu.device),
-                                **self._tier_counters["gpu"]}
-                tiers["gpu"]["waste_ratio"] = tiers["gpu"]["waste_bytes"] / max(1, self.gpu.capacity_bytes)
+                tiers["gpu"] = self._rg.stats()
             if self.disk is not None:
-                d = self.disk.alloc
                 pad = sum(st.counters["disk_blocks"] * (st.disk_slot_bytes - st.block_bytes)
                           for st in self._namespaces.values())
-                disk = {"capacity_bytes": self.disk.capacity_bytes, "used_bytes": d.used_bytes,
-                        "free_bytes": self.disk.capacity_bytes - d.used_bytes,
-                        "blocks": len(self._disk_owner), "slab_bytes": d.slab_bytes,
-                        "waste_bytes": d.waste_bytes() + pad, "path": str(self.disk.path),
-                        "direct_io": self.disk.direct_io, "codec": self.disk.codec_name,
-                        "recovered_from": self.disk.recovered_from,
-                        "degraded": self._disk_fault or "",
-                        "degraded_seconds": (time.monotonic() - self._disk_fault_since
-                                             if self._disk_fault else 0.0),
-                        "degraded_episodes": self._disk_fault_count,
-                        **self._tier_counters["disk"]}
-                disk["waste_ratio"] = disk["waste_bytes"] / max(1, disk["capacity_bytes"])
+                disk = self._rd.stats(extra_waste=pad)
+                disk.pop("files", None)
+                disk.update(degraded=self._disk_fault or "",
+                            degraded_seconds=(time.monotonic() - self._disk_fault_since
+                                              if self._disk_fault else 0.0),
+                            degraded_episodes=self._disk_fault_count)
                 tiers["disk"] = disk
             namespaces = {}
             for st in self._namespaces.values():

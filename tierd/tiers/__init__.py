@@ -1,6 +1,8 @@
-"""Tiers: where a block's bytes live. `host` (shared-memory RAM) and `disk` (NVMe slab files)."""
+"""Tiers: where a block's bytes live, each behind the interface of `base.Tier`: `host`
+(shared-memory RAM), `disk` (NVMe slab files), `gpu` (an HBM arena; imports torch)."""
 
+from .base import BlockMeta, Tier
 from .disk import DiskTier
 from .host import HostTier
 
-__all__ = ["DiskTier", "HostTier"]
+__all__ = ["BlockMeta", "DiskTier", "HostTier", "Tier"]

@@ -36,6 +36,7 @@ from ..arena import SlabAllocator
 from ..config import ALIGN, align_up, format_size
 from ..errors import (CapacityError, ConfigError, DirectoryLockedError, DiskTierError,
                       NotASlabFileError, TierdError)
+from .base import BlockMeta, Tier
 
 log = logging.getLogger("tierd.disk")
 
@@ -179,7 +180,7 @@ class FaultInjector:
         return faults
 
 
-class DiskTier:
+class DiskTier(Tier):
     name = "disk"
 
     def __init__(self, path: str, capacity_bytes: int, slab_bytes: int, file_bytes: int, *,
@@ -542,6 +543,13 @@ class DiskTier:
             raise OSError(errno.EIO, f"short write to disk tier ({n} of {length} bytes)")
         return DiskEntry(slot, ns_id, key, seq, payload_len, block_bytes, codec, parent or b"")
 
+    def write(self, slot: int, src: np.ndarray, meta: BlockMeta) -> DiskEntry:
+        return self.write_block(slot, meta.ns_id, meta.key, meta.parent, src, meta.block_bytes,
+                                meta.dtype_bytes)
+
+    def read(self, where: DiskEntry, dst: np.ndarray) -> None:
+        self.read_block(where, dst)
+
     def read_block(self, e: DiskEntry, dst: np.ndarray) -> None:
         """Read and verify one block into `dst` (>= raw_len,) uint8.
         Raises CorruptBlockError if anything does not match the index entry."""
@@ -805,6 +813,5 @@ class DiskTier:
         self._release_fds()
 
     def usage(self) -> dict:
-        return {"capacity_bytes": self.capacity_bytes, "used_bytes": self.alloc.used_bytes,
-                "waste_bytes": self.alloc.waste_bytes(), "direct_io": self.direct_io,
-                "files": self.num_files, "slab_bytes": self.slab_bytes}
+        return {**super().usage(), "path": str(self.path), "direct_io": self.direct_io,
+                "codec": self.codec_name, "recovered_from": self.recovered_from, "files": self.num_files}

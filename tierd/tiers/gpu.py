@@ -14,11 +14,12 @@ import torch
 from ..arena import SlabAllocator, plan_slabs
 from ..config import ALIGN
 from ..errors import ConfigError
+from .base import BlockMeta, Tier
 
 GPU_SLOT_ALIGN = ALIGN   # slots keep 4 KiB alignment, as on the host, so 16-byte accesses hold
 
 
-class GpuTier:
+class GpuTier(Tier):
     name = "gpu"
 
     def __init__(self, capacity_bytes: int, slab_bytes: int, device: str = "cuda"):
@@ -64,6 +65,16 @@ class GpuTier:
         self.view(slot, t.numel()).copy_(t)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+
+    def write(self, slot: int, src, meta: BlockMeta) -> int:
+        self.fill(slot, src[:meta.block_bytes])
+        return slot
+
+    def read(self, slot: int, dst) -> None:
+        torch.from_numpy(dst).copy_(self.view(slot, dst.nbytes).cpu())
+
+    def usage(self) -> dict:
+        return {**super().usage(), "device": str(self.device)}
 
     def descriptor(self) -> dict | None:
         """What a client on this node needs to map the tier (CUDA only: an IPC handle)."""

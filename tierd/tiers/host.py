@@ -10,9 +10,10 @@ import numpy as np
 
 from ..arena import SharedArena, SlabAllocator, plan_slabs
 from ..config import ALIGN
+from .base import BlockMeta, Tier
 
 
-class HostTier:
+class HostTier(Tier):
     name = "host"
 
     def __init__(self, capacity_bytes: int, slab_bytes: int, *, shm_path: str | None = None,
@@ -24,8 +25,16 @@ class HostTier:
         self.alloc = SlabAllocator(num_slabs, slab_bytes, capacity_bytes=capacity_bytes)
 
     def view(self, slot: int, nbytes: int) -> np.ndarray:
-        """(nbytes,) uint8 view of a slot; nbytes <= the slot's size."""
+        """(nbytes,) uint8 view of a slot; nbytes <= the slot's size. Clients write into and
+        read out of these directly (the zero-copy data plane); `write`/`read` are the copies."""
         return self.arena.view(self.alloc.offset(slot), nbytes)
+
+    def write(self, slot: int, src: np.ndarray, meta: BlockMeta) -> int:
+        np.copyto(self.view(slot, meta.block_bytes), src[:meta.block_bytes])
+        return slot
+
+    def read(self, slot: int, dst: np.ndarray) -> None:
+        np.copyto(dst, self.view(slot, dst.nbytes))
 
     def descriptor(self) -> dict:
         """What another process needs to map this arena."""
