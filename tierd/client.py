@@ -90,7 +90,8 @@ class Client:
     RETRY_OPS = {"lookup", "lookup_all", "where", "acquire", "stats", "ping", "flush", "sync", "register"}
 
     def __init__(self, path: str, *, timeout_s: float = 60.0, name: str | None = None,
-                 connect_timeout_s: float = 5.0, retries: int = 1, spin_us: float = 100.0):
+                 connect_timeout_s: float = 5.0, retries: int = 1, spin_us: float = 100.0,
+                 use_index: bool = True):
         self.path = path
         self._spin_s = max(0.0, spin_us) / 1e6   # busy-poll for a reply this long (0: never)
         self._spin_skip = 0
@@ -107,7 +108,10 @@ class Client:
         self._gpu_arena = None
         self._generation = 0
         self._deferred: list[dict] = []
+        self._deferred_commits = 0   # commits among them (a lookup from the index waits for them)
         self._rbuf = bytearray()     # received bytes not yet parsed into a reply
+        self._index = None           # the daemon's shared lookup index (tierd.index), when mapped
+        self.use_index = use_index
         self._hold_lock = threading.Lock()
         self._holds = 0
         self._zombies: list[socket.socket] = []
@@ -136,6 +140,7 @@ class Client:
         self.server_version = reply.get("server")
         self.limits = reply.get("limits", {})
         self._map_arena(reply["arenas"][0])
+        self._map_index(reply.get("index"))
         gpu = [a for a in reply["arenas"][1:] if a.get("tier") == "gpu"]
         self._gpu_arena = None
         if gpu:
@@ -160,8 +165,42 @@ class Client:
             os.close(fd)
         self._arena = np.frombuffer(self._arena_mmap, dtype=np.uint8)
 
+    def _map_index(self, desc: dict | None) -> None:
+        if self._index is not None:
+            self._index.close()
+            self._index = None
+        if desc and self.use_index:
+            from .index import SharedIndex
+            self._index = SharedIndex.open(desc["path"], int(desc["instance"]))
+        if self._index is not None:
+            self._hup = select.poll()
+            self._hup.register(self._sock, select.POLLRDHUP)
+
+    def _index_usable(self) -> bool:
+        """The shared index answers for the daemon only while this connection is up (a dead
+        daemon's table is frozen) and once this client's commits have been applied (a lookup
+        right after a put must see the blocks)."""
+        if self._index is None or self._sock is None:
+            return False
+        if not self._index.fresh() or self._hup.poll(0):
+            return False   # the daemon is stopped, stuck or gone: ask it (deadline, reconnect)
+        if self._deferred_commits:
+            try:
+                deadline = time.monotonic() + self.timeout_s
+                while self._deferred:
+                    sent = self._deferred.pop(0)
+                    r = self._read_reply(deadline)
+                    if "error" in r:
+                        log.warning("deferred %s failed: %s", sent["op"], r["error"].get("message"))
+            except (OSError, EOFError):
+                self._disconnect()
+                return False
+            self._deferred_commits = 0
+        return True
+
     def _disconnect(self) -> None:
         self._deferred = []
+        self._deferred_commits = 0
         self._rbuf = bytearray()
         if self._sock is not None:
             sock, self._sock = self._sock, None
@@ -293,6 +332,7 @@ class Client:
                 r = self._read_reply(deadline)
                 if "error" in r:
                     log.warning("deferred %s failed: %s", sent["op"], r["error"].get("message"))
+            self._deferred_commits = 0
             reply = self._read_reply(deadline)
         except (OSError, EOFError) as e:
             self._disconnect()
@@ -355,12 +395,25 @@ class Client:
         self._ns_name(ns)
 
     def lookup(self, ns, keys: Sequence[bytes]) -> int:
-        return self._call("lookup", ns=self._ns_name(ns), keys=check_keys(keys))["n"]
+        keys = check_keys(keys)
+        name = self._ns_name(ns)
+        with self._lock:
+            if self._index_usable():
+                r = self._index.leading(self._namespaces[name].id, keys)
+                if r is not None:
+                    return r[0]
+            return self._call("lookup", ns=name, keys=keys)["n"]
 
     def lookup_all(self, queries, *, host: bool = False):
-        """`lookup` for several (namespace, keys) pairs in one round trip (see
-        `TieredStore.lookup_all`; with `host`, (present, ready in host RAM) pairs)."""
+        """`lookup` for several (namespace, keys) pairs at once, from the shared index or in one
+        round trip (see `TieredStore.lookup_all`; with `host`, (present, ready in host RAM)
+        pairs)."""
         q = [{"ns": self._ns_name(ns), "keys": check_keys(keys)} for ns, keys in queries]
+        with self._lock:
+            if self._index_usable():
+                found = [self._index.leading(self._namespaces[x["ns"]].id, x["keys"]) for x in q]
+                if all(f is not None for f in found):
+                    return found if host else [n for n, _ in found]
         if host:
             r = self._call("lookup_all", queries=q, host=True)
             return list(zip(r["n"], r["host"]))
@@ -417,6 +470,7 @@ class Client:
             # next already sees the blocks; the commit's reply is read with the next reply.
             if not self._send_deferred({"op": "commit", "res": res.id}):
                 raise DaemonUnavailableError(f"lost the tierd daemon at {self.path} during put")
+            self._deferred_commits += 1
             return res.num_reserved
 
     def acquire(self, ns, keys: Sequence[bytes]) -> ClientLease:
@@ -494,6 +548,9 @@ class Client:
     def close(self) -> None:
         with self._lock:
             self._disconnect()
+            if self._index is not None:
+                self._index.close()
+                self._index = None
             self._arena = None
             if self._arena_mmap is not None:
                 try:

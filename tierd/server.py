@@ -28,6 +28,7 @@ from . import protocol as P
 from .arena import filesystem_type
 from .config import RELOADABLE, SERVE_KEYS, ServeConfig, load_serve_config, setting_value
 from .errors import ConfigError, TierdError
+from .index import BEAT_S, SharedIndex
 from .metrics import Metrics
 from .namespace import Namespace
 from .sdnotify import notify, watchdog_interval_s
@@ -286,6 +287,22 @@ class Daemon:
                         "that filesystem; use /dev/shm or /run/tierd", cfg.arena_dir, fs or "an unknown filesystem")
         store_cfg = replace(cfg.store, host_shm_path=self.arena_path, host_shm_mode=0o660)
         self.store = TieredStore(store_cfg)
+        # The shared lookup index: clients answer lookups from it without a request.
+        self.index_path = os.path.join(cfg.arena_dir, f"tierd-{os.geteuid()}-{tag}.index")
+        self.instance = int.from_bytes(os.urandom(8), "little")
+        try:
+            os.unlink(self.index_path)
+        except FileNotFoundError:
+            pass
+        try:
+            self.index = SharedIndex.create(self.index_path, self.store.host.capacity_bytes
+                                            + (self.store.disk.capacity_bytes if self.store.disk else 0),
+                                            self.instance)
+        except OSError as e:
+            log.warning("no shared lookup index (%s): clients will ask for every lookup", e)
+            self.index = None
+        else:
+            self.store.attach_index(self.index)
         self.gpu_descriptor = None
         if self.store.gpu is not None:
             try:
@@ -330,6 +347,11 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload_async()))
+        if self.index is not None:
+            def beat():
+                self.index.beat()
+                self._beat_handle = loop.call_later(BEAT_S, beat)
+            beat()
         wd = watchdog_interval_s()
         wd_task = asyncio.create_task(self._watchdog(wd)) if wd else None
         status = f"serving {path}" + (f", metrics on {metrics_at[0]}:{metrics_at[1]}" if metrics_at else "")
@@ -340,6 +362,8 @@ class Daemon:
         notify("STOPPING=1\nSTATUS=stopping")
         log.info("stopping: no new connections; finishing %d requests", self._inflight)
         self._server.close()
+        if self.index is not None:
+            self._beat_handle.cancel()
         deadline = time.monotonic() + 20
         while self._inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -351,6 +375,8 @@ class Daemon:
             n = await loop.run_in_executor(self.executor, self.store.sync)
             log.info("sync_on_stop: wrote %d blocks to disk", n)
         await loop.run_in_executor(self.executor, self.store.close)
+        if self.index is not None:
+            self.index.close()
         self.executor.shutdown(wait=False)
         self.metrics.close()
         try:
@@ -513,9 +539,11 @@ class Daemon:
         arenas = [{"tier": "host", "path": self.arena_path, "capacity_bytes": host.capacity_bytes}]
         if self.gpu_descriptor is not None:
             arenas.append(self.gpu_descriptor)
+        index = {"path": self.index_path, "instance": self.instance} if self.index is not None else None
         return {"version": P.PROTOCOL_VERSION, "server": __version__, "pid": os.getpid(),
                 "namespaces": names,
                 "arenas": arenas,
+                "index": index,
                 "limits": {"max_frame_bytes": self.cfg.max_frame_bytes,
                            "max_keys_per_request": self.cfg.max_keys_per_request}}
 

@@ -117,16 +117,25 @@ class Reservation:
     """
 
     def __init__(self, rid: int, ns: Namespace, keys: list[bytes], status: list[str],
-                 buffers: list[np.ndarray | None], blocks: list[_Block | None], owner,
-                 offsets: list[int | None]):
+                 blocks: list[_Block | None], owner, offsets: list[int | None], host):
         self.id = rid
         self.namespace = ns
         self.keys = keys
         self.status = status
-        self.buffers = buffers
         self.offsets = offsets  # byte offset of each reserved slot in the host arena
         self._blocks = blocks
         self.owner = owner
+        self._host = host
+        self._buffers = None
+
+    @property
+    def buffers(self) -> list[np.ndarray | None]:
+        """Per key: a writable (block_bytes,) uint8 view of its reserved slot, or None. Made on
+        first use (the daemon hands out offsets and never needs them)."""
+        if self._buffers is None:
+            n = self.namespace.block_bytes
+            self._buffers = [self._host.arena.view(o, n) if o is not None else None for o in self.offsets]
+        return self._buffers
 
     @property
     def num_reserved(self) -> int:
@@ -140,13 +149,12 @@ class Lease:
     `release`. Use as a context manager to release on exit.
     """
 
-    def __init__(self, lid: int, ns: Namespace, keys: list[bytes], buffers: list[np.ndarray],
-                 blocks: list[_Block], tiers: list[str], owner, store: "TieredStore",
-                 offsets: list[int]):
+    def __init__(self, lid: int, ns: Namespace, keys: list[bytes], blocks: list[_Block],
+                 tiers: list[str], owner, store: "TieredStore", offsets: list[int]):
         self.id = lid
         self.namespace = ns
         self.keys = keys
-        self.buffers = buffers
+        self._buffers = None
         self.offsets = offsets  # byte offset of each leased slot in the host arena
         self.tiers = tiers  # where each block was found: "host" or "disk" (promoted)
         self.gpu_offsets: list[int] = []     # per block: byte offset in the HBM tier, or -1
@@ -154,6 +162,21 @@ class Lease:
         self._blocks = blocks
         self.owner = owner
         self._store = store
+
+    @property
+    def buffers(self) -> list[np.ndarray]:
+        """Per leased block: a read-only (block_bytes,) uint8 view of its slot, valid until
+        `release`. Made on first use (the daemon hands out offsets and never needs them)."""
+        if self._buffers is None:
+            n = self.namespace.block_bytes
+            arena = self._store.host.arena
+            views = []
+            for o in self.offsets:
+                v = arena.view(o, n).view()
+                v.flags.writeable = False
+                views.append(v)
+            self._buffers = views
+        return self._buffers
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -226,6 +249,7 @@ class TieredStore:
                                  shm_mode=cfg.host_shm_mode)
         self._pad_bytes = 0  # slot padding of host blocks (slot size - block size), for waste
         self._admission = AdmissionFilter(cfg.disk_admit_min_hits)
+        self._index = None   # the daemon's shared lookup index (tierd.index), if attached
         self._disk_fault: str | None = None   # why the disk tier is degraded; None: healthy
         self._disk_fault_since = 0.0
         self._disk_retry_at = 0.0
@@ -311,7 +335,11 @@ class TieredStore:
         disk = self.disk
         io = disk.oldest_io() if disk is not None else None
         if io is None or io[1] < self.config.disk_stall_s:
+            if self._index is not None:
+                self._index.set_disk_ok(True)
             return False
+        if self._index is not None:
+            self._index.set_disk_ok(False)
         op, age = io
         if self._disk_fault is None:
             self._disk_error(f"{op} stalled", TimeoutError(f"a disk {op} has not returned for {age:.1f}s"))
@@ -447,6 +475,7 @@ class TieredStore:
             b = _Block(e.ns_id + e.key, st, e.key, parent=(e.ns_id + e.parent) if e.parent else None)
             b.disk = e
             self._blocks[b.ikey] = b
+            self._publish(b)
             self._rd.owner[e.slot] = b
             self._rd.policy.insert(b.ikey)
             st.counters["disk_blocks"] += 1
@@ -473,7 +502,22 @@ class TieredStore:
             if b is not None and b.parent is None:
                 self._link(b, pid + keys[i - 1] if i else (pid + parent if parent else None))
 
+    # -- the shared lookup index (daemon only) ----------------------------------------------------
+    def attach_index(self, index) -> None:
+        """Publish every block's presence in `index` (a tierd.index.SharedIndex) from now on."""
+        with self._cond:
+            self._index = index
+            for b in self._blocks.values():
+                self._publish(b)
+            self._note_stall()
+
+    def _publish(self, b: _Block) -> None:
+        if self._index is not None:
+            self._index.set(b.st.ns_id, b.key, (b.host_state == READY) | ((b.disk is not None) << 1)
+                            | ((b.host_state == LOADING) << 2))
+
     def _enter(self, b: _Block, tier: str) -> None:
+        self._publish(b)
         p = self._blocks.get(b.parent) if b.parent else None
         if tier == "host":
             b.st.counters["host_blocks"] += 1
@@ -590,6 +634,7 @@ class TieredStore:
             self._leave(b, "host")
         self._free(self._rh, b.host_slot, evicted=evicted)
         b.host_slot, b.host_state = -1, ABSENT
+        self._publish(b)
         self._forget_if_gone(b)
 
     def _host_alloc(self, st: _NsState) -> int | None:
@@ -663,6 +708,7 @@ class TieredStore:
         self._leave(b, "disk")
         self._free(self._rd, b.disk.slot, evicted=evicted, free=free)
         b.disk = None
+        self._publish(b)
         self._forget_if_gone(b)
 
     def _disk_alloc(self, st: _NsState) -> int | None:
@@ -764,7 +810,7 @@ class TieredStore:
             self._check_open()
             st = self._ns(ns)
             pid = st.ns_id
-            status, buffers, blocks = [], [], []
+            status, blocks = [], []
             rid = next(self._ids)
             for i, k in enumerate(keys):
                 ikey = pid + k
@@ -775,30 +821,29 @@ class TieredStore:
                     if b is not None and (b.host_state != ABSENT or b.disk is not None or b.disk_writing):
                         if slot is not None:
                             self.host.free_slot(slot)
-                        status.append("present"); buffers.append(None); blocks.append(None)
+                        status.append("present"); blocks.append(None)
                         continue
                     if slot is None:
                         st.counters["put_dropped"] += 1
-                        status.append("full"); buffers.append(None); blocks.append(None)
+                        status.append("full"); blocks.append(None)
                         continue
                     if b is None:
                         b = self._blocks[ikey] = _Block(ikey, st, k)
                     b.host_slot, b.host_state, b.owner_res = slot, RESERVED, rid
                     self._rh.owner[slot] = b
                     status.append("reserved")
-                    buffers.append(self.host.view(slot, st.block_bytes))
                     blocks.append(b)
                 else:
-                    status.append("present"); buffers.append(None); blocks.append(None)
+                    status.append("present"); blocks.append(None)
             offsets = [self.host.alloc.offset(b.host_slot) if b is not None else None for b in blocks]
             if not any(b is not None for b in blocks):
                 # Nothing to write: no reservation is left open (id 0; commit and abort are
                 # no-ops), and the chain is re-linked for eviction order now.
                 self._relink(st.ns_id, keys, parent)
-                res = Reservation(0, st.ns, keys, status, buffers, blocks, owner, offsets)
+                res = Reservation(0, st.ns, keys, status, blocks, owner, offsets, self.host)
                 res._parent = parent
                 return res
-            res = Reservation(rid, st.ns, keys, status, buffers, blocks, owner, offsets)
+            res = Reservation(rid, st.ns, keys, status, blocks, owner, offsets, self.host)
             res._parent = parent
             self._reservations[rid] = res
             return res
@@ -970,6 +1015,7 @@ class TieredStore:
                     break
                 b.host_slot, b.host_state = slot, LOADING
                 self._rh.owner[slot] = b
+                self._publish(b)
                 b.host_pins += 1
                 b.disk_pins += 1
                 plan.append((b, b.disk))
@@ -1013,15 +1059,9 @@ class TieredStore:
             st.counters["misses"] += len(keys) - len(leased)
             self._rh.counters["bytes_out"] += len(leased) * st.block_bytes
             lid = next(self._ids) if leased else 0   # nothing leased: nothing to release
-            views = []
-            for b in leased:
-                v = self.host.view(b.host_slot, st.block_bytes)
-                v = v.view()
-                v.flags.writeable = False
-                views.append(v)
             tiers = ["disk" if e is not None else "host" for _, e in plan[:cut]]
-            lease = Lease(lid, st.ns, keys[:cut], views, leased, tiers, owner, self,
-                          [self.host.alloc.offset(b.host_slot) for b in leased])
+            lease = Lease(lid, st.ns, keys[:cut], leased, tiers, owner, self,
+                          [self.host.offset(b.host_slot) for b in leased])
             fills = []
             if self.gpu is not None:
                 lease.gpu_offsets = []

@@ -1,0 +1,215 @@
+"""The shared lookup index: which blocks the daemon holds, readable by clients without a request.
+
+A lookup ("how many leading blocks of this prompt are cached?") is asked for every request an
+engine schedules, and its answer is advisory: by the time a load runs the blocks may be gone,
+and the load (a lease) is what counts. So the daemon publishes the set of blocks it holds in a
+shared-memory table, written only under the store lock, and clients answer lookups from it at
+memory speed — no socket, no daemon wake-up. A request-based lookup remains for whatever the
+table cannot answer.
+
+Layout (one file beside the host arena, mode 0660, all little-endian):
+
+  header (4096 bytes): magic "TIERDIDX", version u32, num_buckets u32, daemon instance u64,
+                       disk_ok u8 (0 while the disk tier is stalled: disk-only blocks do not count);
+                       at byte 32, heartbeat u64: CLOCK_MONOTONIC ns, written by the daemon's event
+                       loop every BEAT_S (a stopped or stuck daemon's table is not used: a lookup
+                       then goes to the daemon, and meets the caller's deadline there)
+  tags:   num_buckets x WAYS x 16 bytes   tag = key XOR namespace id (never all zero)
+  states: num_buckets x WAYS bytes        bit 0: ready in host RAM, bit 1: on disk, bit 2: being
+                                          loaded into host RAM; 0: the way is free
+  overflow: num_buckets bytes             1: a block of this bucket found no free way (it is not
+                                          in the table): a miss there must be asked of the daemon
+
+A block lives in bucket `tag[0:8] mod num_buckets`, in one of its WAYS ways. Writers publish a
+tag before its state and clear the state before the tag; a reader may see a state a few
+microseconds old — never a tag that was not written (a torn tag matches no key).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+
+import numpy as np
+
+from .config import ALIGN
+
+MAGIC = b"TIERDIDX"
+VERSION = 1
+WAYS = 4
+HOST, DISK, LOADING = 1, 2, 4
+_HEADER = struct.Struct("<8sIIQB")
+_DISK_OK_AT = 8 + 4 + 4 + 8
+_BEAT_AT = 32
+BEAT_S = 0.02          # the daemon's heartbeat period
+FRESH_S = 0.1          # a table whose heartbeat is older is not trusted
+_ZERO_TAG = bytes(16)
+
+
+def plan_buckets(capacity_bytes: int, typical_block_bytes: int = 256 << 10) -> int:
+    """Buckets for a store of `capacity_bytes` (all tiers): room for twice the blocks of a
+    typical size, a power of two between 1 Ki and 4 Mi buckets (16 Mi ways, ~270 MiB)."""
+    want = max(1, 2 * capacity_bytes // typical_block_bytes // WAYS)
+    n = 1024
+    while n < want and n < (4 << 20):
+        n *= 2
+    return n
+
+
+def _sizes(num_buckets: int) -> tuple[int, int, int, int]:
+    tags_at = ALIGN
+    states_at = tags_at + num_buckets * WAYS * 16
+    overflow_at = states_at + num_buckets * WAYS
+    total = (overflow_at + num_buckets + ALIGN - 1) // ALIGN * ALIGN
+    return tags_at, states_at, overflow_at, total
+
+
+class SharedIndex:
+    """The table, as the daemon writes it (`create`) or a client reads it (`open`)."""
+
+    def __init__(self, mm: mmap.mmap, num_buckets: int, path: str | None, owner: bool):
+        self._mm = mm
+        self.num_buckets = num_buckets
+        self.path = path
+        self._owner = owner
+        tags_at, states_at, overflow_at, total = _sizes(num_buckets)
+        self.nbytes = total
+        buf = np.frombuffer(mm, dtype=np.uint8)
+        self._hdr = buf[:ALIGN]
+        self.tags = buf[tags_at:states_at].view(np.uint64).reshape(num_buckets, WAYS, 2)
+        self.states = buf[states_at:overflow_at].reshape(num_buckets, WAYS)
+        self.overflow = buf[overflow_at:overflow_at + num_buckets]
+        self._mask = num_buckets - 1
+        self._beat = buf[_BEAT_AT:_BEAT_AT + 8].view(np.uint64)
+        # The writer works on plain memoryviews (a Python int index is ~20x cheaper than numpy's).
+        mv = memoryview(mm)
+        self._tags_mv = mv[tags_at:states_at]
+        self._states_mv = mv[states_at:overflow_at]
+        self._over_mv = mv[overflow_at:overflow_at + num_buckets]
+        self._where: dict[int, int] = {}   # writer only: tag -> way index (bucket * WAYS + way)
+
+    # -- daemon side ----------------------------------------------------------------------------
+    @classmethod
+    def create(cls, path: str, capacity_bytes: int, instance: int, mode: int = 0o660) -> "SharedIndex":
+        num_buckets = plan_buckets(capacity_bytes)
+        total = _sizes(num_buckets)[3]
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, mode)
+            os.ftruncate(fd, total)
+            os.posix_fallocate(fd, 0, total)   # reserved like the arena: no SIGBUS later
+            mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        idx = cls(mm, num_buckets, path, owner=True)
+        idx._hdr[:_HEADER.size] = np.frombuffer(_HEADER.pack(MAGIC, VERSION, num_buckets, instance, 1),
+                                                dtype=np.uint8)
+        return idx
+
+    @staticmethod
+    def tag(ns_id: bytes, key: bytes) -> bytes:
+        return (int.from_bytes(ns_id, "little") ^ int.from_bytes(key, "little")).to_bytes(16, "little")
+
+    def set(self, ns_id: bytes, key: bytes, state: int) -> None:
+        """Publish a block's state (0: gone). Called under the store lock only."""
+        t = int.from_bytes(ns_id, "little") ^ int.from_bytes(key, "little")
+        sm = self._states_mv
+        i = self._where.get(t)
+        if i is not None:
+            if state:
+                sm[i] = state
+                return
+            sm[i] = 0                                         # invisible first ...
+            self._tags_mv[i * 16:i * 16 + 16] = _ZERO_TAG     # ... then freed
+            del self._where[t]
+            return
+        if not state:
+            return
+        b = t & self._mask
+        if t == 0:
+            self._over_mv[b] = 1
+            return
+        base = b * WAYS
+        for i in range(base, base + WAYS):
+            if sm[i] == 0:
+                break
+        else:
+            self._over_mv[b] = 1                              # not in the table: readers ask the daemon
+            return
+        self._tags_mv[i * 16:i * 16 + 16] = t.to_bytes(16, "little")   # the tag first ...
+        sm[i] = state                                                   # ... then visible
+        self._where[t] = i
+
+    def beat(self) -> None:
+        """The daemon's event loop is alive (called every BEAT_S)."""
+        self._beat[0] = time.monotonic_ns()
+
+    def fresh(self) -> bool:
+        """The daemon beat within FRESH_S: its table is current."""
+        return time.monotonic_ns() - int(self._beat[0]) < FRESH_S * 1e9
+
+    def set_disk_ok(self, ok: bool) -> None:
+        self._hdr[_DISK_OK_AT] = 1 if ok else 0
+
+    def close(self) -> None:
+        self.tags = self.states = self.overflow = self._hdr = self._beat = None
+        for v in (self._tags_mv, self._states_mv, self._over_mv):
+            v.release()
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+        if self._owner and self.path:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    # -- client side ----------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str, instance: int) -> "SharedIndex | None":
+        """Map a daemon's table read-only; None if it is not there or not that daemon's."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size < ALIGN:
+                return None
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        magic, version, num_buckets, inst, _ = _HEADER.unpack(mm[:_HEADER.size])
+        if magic != MAGIC or version != VERSION or inst != instance or _sizes(num_buckets)[3] > size:
+            mm.close()
+            return None
+        return cls(mm, num_buckets, path, owner=False)
+
+    def leading(self, ns_id: bytes, keys: list[bytes]) -> tuple[int, int] | None:
+        """(leading keys present in any tier, leading keys in host RAM) — or None when the table
+        cannot tell (a miss in a bucket that overflowed): then ask the daemon."""
+        n = len(keys)
+        if not n:
+            return 0, 0
+        mask = np.frombuffer(ns_id, dtype=np.uint64)
+        tags = np.frombuffer(b"".join(keys), dtype=np.uint64).reshape(n, 2) ^ mask
+        buckets = (tags[:, 0] & np.uint64(self._mask)).astype(np.intp)
+        rows = self.tags[buckets]                          # (n, WAYS, 2)
+        states = self.states[buckets]                      # (n, WAYS)
+        match = (rows[:, :, 0] == tags[:, 0:1]) & (rows[:, :, 1] == tags[:, 1:2])
+        state = np.bitwise_or.reduce(np.where(match, states, 0), axis=1)
+        if not self._hdr[_DISK_OK_AT]:
+            state &= HOST | LOADING
+        present = state != 0
+        n_any = n if present.all() else int(np.argmin(present))
+        if n_any < n and self.overflow[buckets[n_any]]:
+            return None
+        host = (state & HOST) != 0
+        n_host = n_any if host[:n_any].all() else int(np.argmin(host))
+        return n_any, n_host
