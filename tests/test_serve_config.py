@@ -36,6 +36,7 @@ def test_defaults_work_with_no_config(monkeypatch, tmp_path):
     ('[policy]\neviction = "mru"\n', "eviction_policy"),
     ('socket_mode = "rw"\n', "octal mode"),
     ('[limits]\nmax_frame_bytes = 10\n', "max_frame_bytes"),
+    ('[disk]\nstall_s = 0\n', "disk_stall_s"),
     ("not toml [", "invalid TOML"),
 ])
 def test_bad_settings_are_refused_with_the_reason(tmp_path, toml, match):
@@ -65,3 +66,12 @@ def test_world_writable_socket_directory_is_refused(tmp_path):
     d.chmod(0o1777)  # sticky, like /tmp: others cannot replace our socket
     check_socket_dir(str(d / "tierd.sock"))
     assert os.path.isdir(d)
+
+
+def test_the_event_loop_setting_is_checked():
+    import asyncio
+    from tierd.server import _loop_runner
+    assert _loop_runner("asyncio") is asyncio.run
+    assert _loop_runner("auto") is not None
+    with pytest.raises(ConfigError, match="event_loop"):
+        _loop_runner("twisted")

@@ -50,10 +50,11 @@ _ZERO_TAG = bytes(16)
 
 def plan_buckets(capacity_bytes: int, typical_block_bytes: int = 256 << 10) -> int:
     """Buckets for a store of `capacity_bytes` (all tiers): room for twice the blocks of a
-    typical size, a power of two between 1 Ki and 4 Mi buckets (16 Mi ways, ~270 MiB)."""
+    typical size, a power of two between 1 Ki and 1 Mi buckets (4 Mi ways, 68 MiB). Blocks that
+    find no room are not in the table; lookups of them are asked of the daemon."""
     want = max(1, 2 * capacity_bytes // typical_block_bytes // WAYS)
     n = 1024
-    while n < want and n < (4 << 20):
+    while n < want and n < (1 << 20):
         n *= 2
     return n
 
