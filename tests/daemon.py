@@ -23,8 +23,9 @@ file_bytes = "32MiB"
 
 class DaemonProc:
     def __init__(self, tmp_path: Path, *, host_bytes="8MiB", disk_bytes="64MiB", toml: str = SMALL_TOML,
-                 env: dict | None = None, args: tuple = ()):
+                 env: dict | None = None, args: tuple = (), launcher: tuple = ("-m", "tierd")):
         self.dir = tmp_path
+        self.launcher = list(launcher)   # how python runs the CLI: `-m tierd`, or `-c CODE`
         self.socket = str(tmp_path / "run" / "tierd.sock")
         self.disk = str(tmp_path / "disk")
         self.config = tmp_path / "tierd.toml"
@@ -40,7 +41,7 @@ class DaemonProc:
 
     def start(self, timeout_s: float = 30) -> "DaemonProc":
         self._logf = open(self.log, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tierd", "serve", *self.args], cwd=ROOT,
+        self.proc = subprocess.Popen([sys.executable, *self.launcher, "serve", *self.args], cwd=ROOT,
                                      env=self.env, stdout=subprocess.PIPE, stderr=self._logf)
         deadline = time.monotonic() + timeout_s
         line = b""

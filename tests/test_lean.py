@@ -26,27 +26,8 @@ NO_TORCH = (
 )
 
 
-class NoTorchDaemon(DaemonProc):
-    def start(self, timeout_s: float = 30):
-        import re
-        import time
-        self._logf = open(self.log, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-c", NO_TORCH, "serve", *self.args], cwd=ROOT,
-                                     env=self.env, stdout=subprocess.PIPE, stderr=self._logf)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            m = re.search(rb"tierd: serving .* metrics on [\d.]+:(\d+)", line)
-            if m:
-                self.metrics_port = int(m.group(1))
-                return self
-        raise RuntimeError(f"daemon did not start without torch:\n{self.log.read_text()[-3000:]}")
-
-
 def test_the_daemon_and_the_cli_run_without_torch(tmp_path):
-    d = NoTorchDaemon(tmp_path).start()
+    d = DaemonProc(tmp_path, launcher=("-c", NO_TORCH)).start()
     ns = make_ns()
     try:
         with tierd.connect(d.url) as c:
