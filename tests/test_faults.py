@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 
 import tierd
+from tierd.client import Client
 from tierd.errors import DiskDegradedError
 
 from .daemon import SMALL_TOML, DaemonProc
@@ -269,7 +270,8 @@ def test_a_hanging_disk_stalls_no_one_and_recovers_by_itself(tmp_path):
     d = DaemonProc(tmp_path, toml=toml, env={"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "200000"}).start()
     ns = make_ns()
     try:
-        with tierd.connect(d.url) as c, tierd.connect(d.url) as writer:
+        with tierd.connect(d.url) as c, tierd.connect(d.url) as writer, \
+                Client(d.socket, use_index=False) as asked:
             on_disk = put_chains(c, ns, range(4))
             assert c.sync() > 0
             disk_keys = list(on_disk)
@@ -277,9 +279,10 @@ def test_a_hanging_disk_stalls_no_one_and_recovers_by_itself(tmp_path):
                      what="host copies flushed")
             hot = put_chains(c, ns, range(50, 52))          # host-only blocks: the host hits below
             hot_keys = list(hot)
-            lookup = lambda: c.lookup(ns, hot_keys)  # noqa: E731
+            lookup = lambda: c.lookup(ns, hot_keys)  # noqa: E731   (from the shared index)
+            ask = lambda: asked.lookup(ns, hot_keys)  # noqa: E731     (a request to the daemon)
             host_hit = lambda: c.get(ns, hot_keys[:4])  # noqa: E731
-            base_lookup, base_hit = _latencies(lookup, 300), _latencies(host_hit, 300)
+            base_lookup, base_ask, base_hit = (_latencies(f, 300) for f in (lookup, ask, host_hit))
 
             # -- the disk hangs on writes and fdatasyncs; a sync is stuck in it ---------------------
             faults.write_text("write=hang:60 flush=hang:60")
@@ -289,13 +292,15 @@ def test_a_hanging_disk_stalls_no_one_and_recovers_by_itself(tmp_path):
             t.start()
             t0 = time.monotonic()
             wait_for(lambda: "stalled" in disk_stats(c)["degraded"], what="stall noticed")
-            lk, hh = _latencies(lookup, 500), _latencies(host_hit, 500)
+            lk, ak, hh = _latencies(lookup, 500), _latencies(ask, 500), _latencies(host_hit, 500)
             assert _p99(lk) < 1e-3, f"lookup p99 {_p99(lk) * 1e6:.0f} us while the disk hangs " \
                                     f"(before: {_p99(base_lookup) * 1e6:.0f} us)"
+            assert _p99(ak) < 1e-3, f"asked lookup p99 {_p99(ak) * 1e6:.0f} us while the disk hangs " \
+                                    f"(before: {_p99(base_ask) * 1e6:.0f} us)"
             assert _p99(hh) < 1e-3, f"host-hit p99 {_p99(hh) * 1e6:.0f} us while the disk hangs " \
                                     f"(before: {_p99(base_hit) * 1e6:.0f} us)"
             # blocks only a hung disk holds are not promised: lookups count host RAM alone
-            assert c.lookup(ns, disk_keys) == 0
+            assert c.lookup(ns, disk_keys) == 0 and asked.lookup(ns, disk_keys) == 0
             t_stats = time.monotonic()
             out = cli("stats", "--socket", d.socket)
             assert out.returncode == 0 and "DISK TIER DEGRADED" in out.stdout
@@ -319,8 +324,9 @@ def test_a_hanging_disk_stalls_no_one_and_recovers_by_itself(tmp_path):
             r = _try(lambda: writer.get(ns, disk_keys[:4]))
             assert isinstance(r, Exception) and "took longer" in str(r)   # request_timeout_s
             wait_for(lambda: "stalled" in disk_stats(c)["degraded"], what="read stall noticed")
-            lk = _latencies(lookup, 300)
+            lk, ak = _latencies(lookup, 300), _latencies(ask, 300)
             assert _p99(lk) < 1e-3, f"lookup p99 {_p99(lk) * 1e6:.0f} us while reads hang"
+            assert _p99(ak) < 1e-3, f"asked lookup p99 {_p99(ak) * 1e6:.0f} us while reads hang"
             with c.acquire(ns, disk_keys[:4]) as lease:
                 assert len(lease) == 0                       # a stalled disk is a miss, not a wait
             faults.write_text("")

@@ -350,6 +350,7 @@ class Daemon:
         if self.index is not None:
             def beat():
                 self.index.beat()
+                self.store.refresh_health()   # the store lock only: never held over I/O
                 self._beat_handle = loop.call_later(BEAT_S, beat)
             beat()
         wd = watchdog_interval_s()

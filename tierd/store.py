@@ -511,6 +511,12 @@ class TieredStore:
                 self._publish(b)
             self._note_stall()
 
+    def refresh_health(self) -> None:
+        """Notice a stalled disk now (the daemon calls this with its heartbeat, so the shared
+        index stops counting a hung disk's blocks even while nobody asks the daemon)."""
+        with self._cond:
+            self._note_stall()
+
     def _publish(self, b: _Block) -> None:
         if self._index is not None:
             self._index.set(b.st.ns_id, b.key, (b.host_state == READY) | ((b.disk is not None) << 1)
