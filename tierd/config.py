@@ -212,6 +212,7 @@ SERVE_KEYS: dict[str, tuple[str, str, Any]] = {
     "allowed_gids": ("serve", "allowed_gids", _ids),
     "sync_on_stop": ("serve", "sync_on_stop", _bool),
     "event_loop": ("serve", "event_loop", str),
+    "events_addr": ("serve", "events_addr", str),
     "host.bytes": ("store", "host_bytes", str),
     "host.slab_bytes": ("store", "host_slab_bytes", str),
     "host.high_watermark": ("store", "host_high_watermark", float),
@@ -258,6 +259,7 @@ class ServeConfig:
     allowed_gids: list[int] = field(default_factory=list)
     sync_on_stop: bool = True
     event_loop: str = "auto"           # auto: uvloop where installed, else asyncio; or either by name
+    events_addr: str = ""              # ZeroMQ PUB address of KV events (tierd.events); "" off
     max_frame_bytes: int = 1 << 20
     max_keys_per_request: int = 4096
     idle_timeout_s: float = 0.0        # 0: an idle connection is kept (engines idle for hours)

@@ -303,6 +303,17 @@ class Daemon:
             self.index = None
         else:
             self.store.attach_index(self.index)
+        self.events = None
+        if cfg.events_addr:
+            from .events import EventPublisher
+            try:
+                self.events = EventPublisher(cfg.events_addr)
+            except BaseException:
+                self.store.close()
+                if self.index is not None:
+                    self.index.close()
+                raise
+            self.store.attach_events(self.events)
         self.gpu_descriptor = None
         if self.store.gpu is not None:
             try:
@@ -325,6 +336,7 @@ class Daemon:
         st = self.store.stats()
         st["daemon"] = {"version": __version__, "pid": os.getpid(), "uptime_s": time.time() - self.started,
                         "socket": self.cfg.socket, "clients": len(self.conns), **self.counters,
+                        **(self.events.counters if self.events is not None else {}),
                         "settings": {k: setting_value(self.cfg, k) for k in sorted(RELOADABLE)},
                         "client_list": [{"id": c.id, "pid": c.pid, "uid": c.uid, "name": c.name, "ops": c.ops}
                                         for c in self.conns.values()]}
@@ -355,7 +367,8 @@ class Daemon:
             beat()
         wd = watchdog_interval_s()
         wd_task = asyncio.create_task(self._watchdog(wd)) if wd else None
-        status = f"serving {path}" + (f", metrics on {metrics_at[0]}:{metrics_at[1]}" if metrics_at else "")
+        status = f"serving {path}" + (f", metrics on {metrics_at[0]}:{metrics_at[1]}" if metrics_at else "") \
+            + (f", events on {self.events.addr}" if self.events is not None else "")
         log.info("tierd %s %s (pid %d)", __version__, status, os.getpid())
         print(f"tierd: {status}", flush=True)
         notify(f"READY=1\nSTATUS={status}\nMAINPID={os.getpid()}")
@@ -378,6 +391,8 @@ class Daemon:
         await loop.run_in_executor(self.executor, self.store.close)
         if self.index is not None:
             self.index.close()
+        if self.events is not None:
+            self.events.close()
         self.executor.shutdown(wait=False)
         self.metrics.close()
         try:

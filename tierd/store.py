@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import events
 from .arena import slot_bytes_for
 from .config import StoreConfig
 from .errors import (ConfigError, DiskDegradedError, LeaseError, StoreClosedError, TierdError,
@@ -250,6 +251,7 @@ class TieredStore:
         self._pad_bytes = 0  # slot padding of host blocks (slot size - block size), for waste
         self._admission = AdmissionFilter(cfg.disk_admit_min_hits)
         self._index = None   # the daemon's shared lookup index (tierd.index), if attached
+        self._events = None  # the daemon's KV-event publisher (tierd.events), if attached
         self._disk_fault: str | None = None   # why the disk tier is degraded; None: healthy
         self._disk_fault_since = 0.0
         self._disk_retry_at = 0.0
@@ -511,6 +513,40 @@ class TieredStore:
                 self._publish(b)
             self._note_stall()
 
+    def attach_events(self, publisher) -> None:
+        """Record KV events (tierd.events) from now on, starting with a snapshot."""
+        publisher.snapshot = self.snapshot_events
+        with self._cond:
+            self._events = publisher
+        self.snapshot_events()
+
+    def snapshot_events(self) -> None:
+        """Record a clean slate per namespace, then what every tier holds, in order with the
+        live events (under the store lock: memory only)."""
+        with self._cond:
+            publisher = self._events
+            if publisher is None:
+                return
+            for st in self._namespaces.values():
+                publisher.record(st.name, events.all_cleared())
+            for b in self._blocks.values():
+                if b.host_state == READY:
+                    self._event(b, "host", True)
+                if b.disk is not None:
+                    self._event(b, "disk", True)
+                if b.gpu_slot >= 0 and not b.gpu_filling:
+                    self._event(b, "gpu", True)
+
+    def _event(self, b: _Block, tier: str, stored: bool) -> None:
+        st = b.st
+        if stored:
+            ev = events.block_stored([b.key], b.parent[16:] if b.parent else None,
+                                     st.ns.block_tokens if st.ns is not None else st.desc.get("block_tokens", 0),
+                                     tier)
+        else:
+            ev = events.block_removed([b.key], tier)
+        self._events.record(st.name, ev)
+
     def refresh_health(self) -> None:
         """Notice a stalled disk now (the daemon calls this with its heartbeat, so the shared
         index stops counting a hung disk's blocks even while nobody asks the daemon)."""
@@ -524,6 +560,8 @@ class TieredStore:
 
     def _enter(self, b: _Block, tier: str) -> None:
         self._publish(b)
+        if self._events is not None:
+            self._event(b, tier, True)
         p = self._blocks.get(b.parent) if b.parent else None
         if tier == "host":
             b.st.counters["host_blocks"] += 1
@@ -538,6 +576,8 @@ class TieredStore:
     def _leave(self, b: _Block, tier: str) -> None:
         # Counts may under-estimate after a parent is re-created, never over-estimate: a
         # wrong count can reorder eviction but never pin a block forever.
+        if self._events is not None:
+            self._event(b, tier, False)
         p = self._blocks.get(b.parent) if b.parent else None
         if tier == "host":
             b.st.counters["host_blocks"] -= 1
@@ -677,6 +717,8 @@ class TieredStore:
 
     # -- HBM (an inclusive cache of host blocks) ------------------------------------------------------
     def _drop_gpu(self, b: _Block, *, evicted: bool) -> None:
+        if self._events is not None:
+            self._event(b, "gpu", False)
         self._rg.policy.remove(b.ikey, evicted=evicted)
         self._free(self._rg, b.gpu_slot, evicted=evicted)
         b.gpu_slot = -1
@@ -1108,6 +1150,8 @@ class TieredStore:
                 b.gpu_filling = False
                 if good:
                     self._rg.policy.insert(b.ikey)
+                    if self._events is not None:
+                        self._event(b, "gpu", True)
                     c["promotions"] += 1
                     c["bytes_in"] += b.st.block_bytes
                 else:

@@ -1,0 +1,133 @@
+"""KV events: a real daemon publishes what each tier holds in vLLM's KV-events wire format; a
+subscriber decodes the stream with vLLM's own event classes (in the vLLM environment) and sees
+put, demotion, flushes and a restart as they happened."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+
+import msgpack
+import pytest
+
+import tierd
+
+from .daemon import SMALL_TOML, DaemonProc
+from .helpers import block_for, chain, make_ns
+from .test_vllm_connector import VLLM_ENVS, vllm_python
+
+zmq = pytest.importorskip("zmq")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Subscriber:
+    def __init__(self, addr: str):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(addr)
+        self.frames: list[list[bytes]] = []
+
+    def drain(self, settle_s: float = 0.3) -> list[list[bytes]]:
+        """Every message until none came for `settle_s`."""
+        got = []
+        while self.sock.poll(int(settle_s * 1000)):
+            got.append(self.sock.recv_multipart())
+        self.frames += got
+        return got
+
+    def close(self):
+        self.sock.close()
+        self.ctx.term()
+
+
+def events_of(frames) -> list[tuple[str, str, tuple]]:
+    """(topic, type, (medium, keys)) per event, decoded with msgpack (tierd's own view)."""
+    out = []
+    for topic, seq, payload in frames:
+        ts, events = msgpack.unpackb(payload, raw=False)[:2]
+        for e in events:
+            out.append((topic.decode(), e["type"], (e.get("medium"), tuple(e.get("block_hashes", ())))))
+    return out
+
+
+def test_events_follow_put_demotion_flush_and_restart(tmp_path):
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    toml_extra = f'events_addr = "{addr}"\n'
+    d = DaemonProc(tmp_path, toml=toml_extra + SMALL_TOML).start()
+    sub = Subscriber(addr)
+    ns = make_ns()
+    keys = chain(ns, 1, 4)
+    try:
+        time.sleep(0.5)                                     # the subscription reaches the daemon
+        with tierd.connect(d.url) as c:
+            c.put(ns, keys, [block_for(ns, k) for k in keys])
+            got = events_of(sub.drain())
+            assert [(t, m) for _, t, (m, _) in got] == [("BlockStored", "CPU")] * 4
+            assert {k for _, _, (_, ks) in got for k in ks} == set(keys)
+            assert all(topic == ns.name for topic, _, _ in got)
+            c.sync()
+            got = events_of(sub.drain())
+            assert sorted(k for _, t, (m, ks) in got if t == "BlockStored" and m == "DISK" for k in ks) == sorted(keys)
+            c.flush("host")
+            got = events_of(sub.drain())
+            assert sorted(k for _, t, (m, ks) in got if t == "BlockRemoved" and m == "CPU" for k in ks) == sorted(keys)
+            c.flush("disk", namespace=ns)
+            got = events_of(sub.drain())
+            assert sorted(k for _, t, (m, ks) in got if t == "BlockRemoved" and m == "DISK" for k in ks) == sorted(keys)
+            c.put(ns, keys[:2], [block_for(ns, k) for k in keys[:2]])
+            c.sync()
+            sub.drain()
+        assert d.stop() == 0
+        d.start()                                           # a restart: a clean slate, then what disk holds
+        time.sleep(0.5)
+        with tierd.connect(d.url) as c:
+            c.register(ns)
+            c.ping()
+        frames = sub.drain(1.0)
+        got = events_of(frames)
+        types = [(t, m) for _, t, (m, _) in got]
+        assert types[0] == ("AllBlocksCleared", None), types
+        assert sorted(k for _, t, (m, ks) in got if t == "BlockStored" and m == "DISK" for k in ks) == sorted(keys[:2])
+        seqs = [int.from_bytes(f[1], "big") for f in frames]
+        assert seqs == sorted(seqs)                          # in order within one daemon's life
+    finally:
+        sub.close()
+        if d.alive():
+            d.stop()
+
+    # the same stream, decoded by vLLM's own classes
+    py = vllm_python("cpu-build")
+    if py is None:
+        if os.environ.get("TEST_REQUIRE_VLLM"):
+            pytest.fail(f"the vLLM environment {VLLM_ENVS['cpu-build']} is part of this suite here, and it is missing")
+        pytest.skip("no .venv-vllm: the vLLM decoding half is skipped")
+    dump = tmp_path / "frames.msgpack"
+    dump.write_bytes(msgpack.packb([f[2] for f in sub.frames], use_bin_type=True))
+    code = (
+        "import json, sys, msgpack, msgspec\n"
+        "from vllm.distributed.kv_events import KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared\n"
+        "dec = msgspec.msgpack.Decoder(type=KVEventBatch)\n"
+        "out = []\n"
+        "for p in msgpack.unpackb(open(sys.argv[1], 'rb').read()):\n"
+        "    b = dec.decode(p)\n"
+        "    for e in b.events:\n"
+        "        out.append([type(e).__name__, getattr(e, 'medium', None),\n"
+        "                    [h.hex() for h in getattr(e, 'block_hashes', [])],\n"
+        "                    getattr(e, 'block_size', None)])\n"
+        "print(json.dumps(out))\n")
+    r = subprocess.run([py, "-c", code, str(dump)], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, VLLM_LOGGING_LEVEL="WARNING"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    decoded = json.loads(r.stdout.strip().splitlines()[-1])
+    mine = [[t, m, [k.hex() for k in ks]] for _, t, (m, ks) in events_of(sub.frames)]
+    assert [x[:3] for x in decoded] == mine
+    assert {x[3] for x in decoded if x[0] == "BlockStored"} == {ns.block_tokens}
