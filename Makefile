@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench venv vllm-env vllm-latest-env clean
+.PHONY: run test bench venv vllm-env vllm-latest-env redis clean
 
 venv: $(STAMP)
 
@@ -56,6 +56,12 @@ $(VLLM_LATEST_VENV)/.installed: pyproject.toml
 
 run: $(STAMP)
 	$(PY) -m tierd.demo
+
+# The remote tier's tests run real Redis servers: Debian's redis-server (and redis-cli, for the
+# Cluster test), installed when absent. Without them those tests skip (CI requires them).
+redis:
+	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -23,7 +23,7 @@ _URL_PARAMS = {
     "disk": "disk_path", "disk_path": "disk_path", "disk_bytes": "disk_bytes",
     "disk_slab": "disk_slab_bytes", "disk_file": "disk_file_bytes", "codec": "disk_codec",
     "policy": "eviction_policy", "admit_min_hits": "disk_admit_min_hits",
-    "direct_io": "disk_direct_io",
+    "direct_io": "disk_direct_io", "remote": "remote_url",
 }
 
 

@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output (docs/operations.md)")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS")
     p = client_cmd("flush", "drop blocks", cmd_flush)
-    p.add_argument("--tier", default="all", choices=["gpu", "host", "disk", "all"])
+    p.add_argument("--tier", default="all", choices=["gpu", "host", "disk", "remote", "all"],
+                   help="all: this node's tiers; remote (shared with other nodes) only by name")
     p.add_argument("--namespace", help="only this namespace (name from `tierd stats`)")
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     client_cmd("sync", "write host blocks to disk so a restart keeps them", cmd_sync)

@@ -101,6 +101,12 @@ class StoreConfig:
     gpu_slab_bytes: int | str = "64MiB"
     gpu_device: str = "cuda"             # torch device of the HBM tier ("cpu" only for tests)
     gpu_admit_hits: int = 1              # copy a block to the HBM tier when served after N earlier serves
+    remote_url: str = ""                 # shared remote tier: redis://, rediss://, redis+cluster:// ("": none)
+    remote_timeout_s: float = 0.5        # longest one remote call may take (then: degraded)
+    remote_queue_blocks: int = 256       # write-behind queue: blocks waiting to be written (pinned)
+    remote_codec: str = "none"           # "none" or "zstd", as on disk
+    remote_known_s: float = 30.0         # how long a key the server had counts as there
+    remote_absent_s: float = 1.0         # how long a key the server lacked counts as missing
     eviction_policy: str = "lru"         # "lru" or "s3fifo"
     demotion_interval_s: float = 0.5     # background pass period (also woken on high watermark)
     host_shm_path: str | None = None     # None: an anonymous memfd; else a file other processes map
@@ -151,6 +157,10 @@ class StoreConfig:
             raise ConfigError("disk_io_threads must be >= 1")
         if not c.disk_stall_s > 0:
             raise ConfigError("disk_stall_s must be > 0")
+        if c.remote_codec not in ("none", "zstd"):
+            raise ConfigError(f"remote_codec: {c.remote_codec!r} is not one of 'none', 'zstd'")
+        if not c.remote_timeout_s > 0 or c.remote_queue_blocks < 1:
+            raise ConfigError("remote_timeout_s must be > 0 and remote_queue_blocks >= 1")
         return c
 
 
@@ -230,6 +240,10 @@ SERVE_KEYS: dict[str, tuple[str, str, Any]] = {
     "disk.io_threads": ("store", "disk_io_threads", int),
     "disk.fault_file": ("store", "disk_fault_file", str),
     "disk.stall_s": ("store", "disk_stall_s", float),
+    "remote.url": ("store", "remote_url", str),
+    "remote.timeout_s": ("store", "remote_timeout_s", float),
+    "remote.queue_blocks": ("store", "remote_queue_blocks", int),
+    "remote.codec": ("store", "remote_codec", str),
     "gpu.bytes": ("store", "gpu_bytes", str),
     "gpu.slab_bytes": ("store", "gpu_slab_bytes", str),
     "gpu.device": ("store", "gpu_device", str),

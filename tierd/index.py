@@ -10,7 +10,8 @@ table cannot answer.
 Layout (one file beside the host arena, mode 0660, all little-endian):
 
   header (4096 bytes): magic "TIERDIDX", version u32, num_buckets u32, daemon instance u64,
-                       disk_ok u8 (0 while the disk tier is stalled: disk-only blocks do not count);
+                       disk_ok u8 (0 while the disk tier is stalled: disk-only blocks do not count),
+                       misses_final u8 (0 with a remote tier: a miss here is asked of the daemon);
                        at byte 32, heartbeat u64: CLOCK_MONOTONIC ns, written by the daemon's event
                        loop every BEAT_S (a stopped or stuck daemon's table is not used: a lookup
                        then goes to the daemon, and meets the caller's deadline there)
@@ -42,6 +43,7 @@ WAYS = 4
 HOST, DISK, LOADING = 1, 2, 4
 _HEADER = struct.Struct("<8sIIQB")
 _DISK_OK_AT = 8 + 4 + 4 + 8
+_MISSES_FINAL_AT = _DISK_OK_AT + 1   # 0: a miss here may be a hit elsewhere (a remote tier): ask
 _BEAT_AT = 32
 BEAT_S = 0.02          # the daemon's heartbeat period
 FRESH_S = 0.1          # a table whose heartbeat is older is not trusted
@@ -110,6 +112,7 @@ class SharedIndex:
         idx = cls(mm, num_buckets, path, owner=True)
         idx._hdr[:_HEADER.size] = np.frombuffer(_HEADER.pack(MAGIC, VERSION, num_buckets, instance, 1),
                                                 dtype=np.uint8)
+        idx.set_misses_final(True)
         return idx
 
     @staticmethod
@@ -153,6 +156,9 @@ class SharedIndex:
     def fresh(self) -> bool:
         """The daemon beat within FRESH_S: its table is current."""
         return time.monotonic_ns() - int(self._beat[0]) < FRESH_S * 1e9
+
+    def set_misses_final(self, final: bool) -> None:
+        self._hdr[_MISSES_FINAL_AT] = 1 if final else 0
 
     def set_disk_ok(self, ok: bool) -> None:
         self._hdr[_DISK_OK_AT] = 1 if ok else 0
@@ -209,7 +215,7 @@ class SharedIndex:
             state &= HOST | LOADING
         present = state != 0
         n_any = n if present.all() else int(np.argmin(present))
-        if n_any < n and self.overflow[buckets[n_any]]:
+        if n_any < n and (self.overflow[buckets[n_any]] or not self._hdr[_MISSES_FINAL_AT]):
             return None
         host = (state & HOST) != 0
         n_host = n_any if host[:n_any].all() else int(np.argmin(host))

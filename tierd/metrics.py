@@ -19,13 +19,40 @@ LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5
                    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+def gauge_family(name, doc, labels, rows):
+    g = GaugeMetricFamily(name, doc, labels=labels)
+    for lv, v in rows:
+        g.add_metric(lv, v)
+    return g
+
+
+def counter_family(name, doc, labels, rows):
+    c = CounterMetricFamily(name, doc, labels=labels)
+    for lv, v in rows:
+        c.add_metric(lv, v)
+    return c
+
+
 class _StoreCollector:
     def __init__(self, stats: Callable[[], dict]):
         self._stats = stats
 
     def collect(self):
         st = self._stats()
-        tiers = st["tiers"]
+        tiers = {k: v for k, v in st["tiers"].items() if k != "remote"}   # the slot tiers
+        remote = st["tiers"].get("remote")
+        if remote:
+            yield gauge_family("tierd_remote_degraded", "1 while the remote tier is failing.", [],
+                               [([], 1 if remote["degraded"] else 0)])
+            for name, doc in (("hits", "Blocks loaded from the remote tier."),
+                              ("misses", "Blocks the remote tier no longer had."),
+                              ("writes", "Blocks written to the remote tier."),
+                              ("write_dropped", "Blocks not written to the remote tier (queue full, degraded)."),
+                              ("errors", "Failed remote calls."),
+                              ("corrupt_dropped", "Remote values that failed verification.")):
+                yield counter_family(f"tierd_remote_{name}", doc, [], [([], remote[name])])
+            yield gauge_family("tierd_remote_latency_seconds", "Moving average of one remote call.", [],
+                               [([], remote["latency_ms"] / 1e3)])
 
         def gauge(name, doc, labels, rows):
             g = GaugeMetricFamily(name, doc, labels=labels)

@@ -18,6 +18,8 @@ def format_stats(stats: dict) -> str:
     tiers = stats["tiers"]
     rows = []
     for name, t in tiers.items():
+        if name == "remote":   # no slots: its own lines below
+            continue
         rows.append([name, format_size(t["capacity_bytes"]), format_size(t["used_bytes"]),
                      f"{100 * t['used_bytes'] / max(1, t['capacity_bytes']):.1f}%", str(t["blocks"]),
                      str(t["evictions"]), str(t["demotions"]), str(t["promotions"]),
@@ -35,6 +37,7 @@ def format_stats(stats: dict) -> str:
     if ns_rows:
         out.append(table(ns_rows, ["namespace", "layout", "block", "host", "disk", "hits", "misses",
                                    "hit rate", "puts", "dropped"]))
+    remote = tiers.get("remote")
     disk = tiers.get("disk")
     extra = [f"policy {stats['policy']}", f"leases {stats['leases']}",
              f"reservations {stats['reservations']}"]
@@ -45,5 +48,15 @@ def format_stats(stats: dict) -> str:
         if disk.get("degraded"):
             extra.append(f"DISK TIER DEGRADED for {disk['degraded_seconds']:.0f}s: {disk['degraded']} "
                          "(serving from host RAM only)")
+    if remote:
+        extra += [f"remote {remote['url']}{' (cluster)' if remote['cluster'] else ''}: "
+                  f"{format_size(remote['used_bytes'])} used of {format_size(remote['capacity_bytes'])}, "
+                  f"hits {remote['hits']}, misses {remote['misses']}, writes {remote['writes']} "
+                  f"(dropped {remote['write_dropped']}, queued {remote['queue']}), "
+                  f"corrupt {remote['corrupt_dropped']}, errors {remote['errors']}, "
+                  f"{remote['latency_ms']:.2f} ms per call"]
+        if remote.get("degraded"):
+            extra.append(f"REMOTE TIER DEGRADED for {remote['degraded_seconds']:.0f}s: {remote['degraded']} "
+                         "(serving from this node's tiers)")
     out.append("  ".join(extra[:3]) + ("\n" + "\n".join(extra[3:]) if extra[3:] else ""))
     return "\n\n".join(out)

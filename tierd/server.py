@@ -41,6 +41,8 @@ MAX_NAMESPACES = 4096  # layouts one daemon will track: a bound on what clients 
 # thread, saving a thread hop; the others (acquire may read disk, reserve may wait for room,
 # flush and sync write) run on the worker pool.
 _INLINE_OPS = {"hello", "register", "lookup", "lookup_all", "where", "commit", "abort", "release", "stats", "ping"}
+# ... but with a remote tier a lookup may ask the server: then it runs on the worker pool
+_REMOTE_OPS = {"lookup", "lookup_all"}
 
 
 class _Conn(asyncio.Protocol):
@@ -303,6 +305,8 @@ class Daemon:
             self.index = None
         else:
             self.store.attach_index(self.index)
+            # with a remote tier, a miss in this node's table is not the answer: clients ask
+            self.index.set_misses_final(self.store.remote is None)
         self.events = None
         if cfg.events_addr:
             from .events import EventPublisher
@@ -469,7 +473,8 @@ class Daemon:
         conn.ops += 1
         self.counters["requests"] += 1
         handler = getattr(self, f"_op_{op}")
-        if op in _INLINE_OPS or (op in ("acquire", "reserve") and self._quick(op, msg)):
+        if (op in _INLINE_OPS and not (op in _REMOTE_OPS and self.store.remote is not None)) \
+                or (op in ("acquire", "reserve") and self._quick(op, msg)):
             t0 = time.perf_counter()
             try:
                 return self._reply(req_id, op, handler, conn, msg)

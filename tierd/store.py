@@ -36,6 +36,7 @@ Invariants (the tests and the crash harness hold the store to them):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -64,6 +65,7 @@ log = logging.getLogger("tierd.store")
 
 # host_state of a block
 ABSENT, RESERVED, LOADING, READY = 0, 1, 2, 3
+REMOTE = "remote"   # in an acquire's plan: a block fetched from the remote tier
 
 
 @dataclass(slots=True)
@@ -257,6 +259,22 @@ class TieredStore:
         self._disk_retry_at = 0.0
         self._disk_checked_at = 0.0
         self._disk_fault_count = 0
+        # The remote tier (tiers/remote.py): no slots here, the server owns capacity and eviction.
+        # What the store keeps: a short memory of which keys the server had or lacked, the
+        # write-behind queue (blocks pinned in host RAM until written), health and counters.
+        self.remote = None
+        self._remote_q: collections.deque = collections.deque()
+        self._remote_wake = threading.Event()
+        self._remote_known: dict[bytes, float] = {}    # ikey -> until when it counts as there
+        self._remote_absent: dict[bytes, float] = {}   # ikey -> until when it counts as missing
+        self._remote_fault: str | None = None
+        self._remote_fault_since = 0.0
+        self._remote_retry_at = 0.0
+        self._remote_fault_count = 0
+        self._remote_delete: list[bytes] = []         # corrupt values to delete (outside the lock)
+        self._rr = dict.fromkeys(("hits", "misses", "bytes_in", "bytes_out", "writes", "write_dropped",
+                                  "errors", "corrupt_dropped", "lookups"), 0)
+        self._rr["latency_ms"] = 0.0
         try:
             if cfg.gpu_bytes:
                 from .tiers.gpu import GpuTier   # imports torch: only when an HBM tier is wanted
@@ -265,9 +283,18 @@ class TieredStore:
                 self.disk = self._open_disk()
                 self._rd.counters["corrupt_dropped"] = self.disk.corrupt_at_open
                 self._adopt_recovered()
+            if cfg.remote_url:
+                from .tiers.remote import RemoteTier   # imports redis-py: only when a remote tier is wanted
+                self.remote = RemoteTier(cfg.remote_url, timeout_s=cfg.remote_timeout_s,
+                                         codec=cfg.remote_codec, zstd_level=cfg.disk_zstd_level)
         except BaseException:
             self.host.close()
+            if self.disk is not None:
+                self.disk.close(None)
             raise
+        if self.remote is not None:
+            self._remote_thread = threading.Thread(target=self._remote_writer, name="tierd-remote", daemon=True)
+            self._remote_thread.start()
         self._maintainer = threading.Thread(target=self._maintain, name="tierd-demoter", daemon=True)
         self._maintainer.start()
 
@@ -408,6 +435,246 @@ class TieredStore:
         self._rd.owner.clear()
         self._rd.policy = make_policy(self.config.eviction_policy)
         self.disk.mark_closed()   # no new I/O goes to it
+
+    # -- the remote tier --------------------------------------------------------------------------
+    REMOTE_RETRY_S = 1.0     # while degraded, one call per interval probes the server
+    REMOTE_BATCH = 32        # blocks per write-behind round trip
+
+    def _remote_error(self, what: str, e: BaseException) -> None:
+        """(Lock held.) A remote failure: the first of an episode degrades the tier (logged once);
+        lookups, loads and writes skip it until a probe succeeds."""
+        self._rr["errors"] += 1
+        now = time.monotonic()
+        if self._remote_fault is None:
+            self._remote_fault = f"{what}: {e}"
+            self._remote_fault_since = now
+            self._remote_fault_count += 1
+            log.error("remote tier degraded (%s); serving from this node's tiers, retrying every %.0fs",
+                      self._remote_fault, self.REMOTE_RETRY_S)
+        self._remote_retry_at = now + self.REMOTE_RETRY_S
+
+    def _remote_healthy(self) -> None:
+        if self._remote_fault is not None:
+            log.warning("remote tier recovered after %.1fs (was: %s)",
+                        time.monotonic() - self._remote_fault_since, self._remote_fault)
+            self._remote_fault = None
+
+    def _remote_ok(self) -> bool:
+        """(Lock held.) The remote tier is there and not degraded."""
+        return self.remote is not None and self._remote_fault is None
+
+    def _remote_timed(self, seconds: float) -> None:
+        r = self._rr
+        r["latency_ms"] = seconds * 1e3 if not r["latency_ms"] else 0.9 * r["latency_ms"] + 0.1 * seconds * 1e3
+
+    def _remote_enqueue(self, b: _Block) -> None:
+        """(Lock held.) Write `b` (READY in host RAM) to the remote tier behind the caller's back:
+        its host slot stays pinned until written; a full queue or a degraded tier drops it."""
+        if not self._remote_ok() or self._remote_known.get(b.ikey, 0.0) > time.monotonic():
+            return
+        if len(self._remote_q) >= self.config.remote_queue_blocks:
+            self._rr["write_dropped"] += 1
+            return
+        b.host_pins += 1
+        self._remote_q.append(b)
+        self._remote_wake.set()
+
+    def _remote_writer(self) -> None:
+        """The write-behind thread: batches of pinned host blocks to the server, one round trip
+        each; probes a degraded server; refreshes the server's memory figures."""
+        remote = self.remote
+        usage_at = 0.0
+        while True:
+            self._remote_wake.wait(0.25)
+            self._remote_wake.clear()
+            now = time.monotonic()
+            with self._cond:
+                closing = self._closed
+                probe = self._remote_fault is not None and now >= self._remote_retry_at
+                if self._remote_fault is not None and self._remote_q:
+                    for b in self._remote_q:          # degraded: nothing waits for the server
+                        b.host_pins -= 1
+                    self._rr["write_dropped"] += len(self._remote_q)
+                    self._remote_q.clear()
+                    self._cond.notify_all()
+                batch = [self._remote_q.popleft() for _ in range(min(self.REMOTE_BATCH, len(self._remote_q)))]
+                items = [(b, BlockMeta(b.st.ns_id, b.key, b.parent[16:] if b.parent else None,
+                                       b.st.block_bytes, b.st.dtype_bytes),
+                          self.host.view(b.host_slot, b.st.block_bytes)) for b in batch]
+                deletes, self._remote_delete = self._remote_delete, []
+            if probe or now >= usage_at:
+                try:
+                    remote.refresh_usage()
+                    usage_at = now + 5.0
+                    if probe:
+                        with self._cond:
+                            self._remote_healthy()
+                except Exception as e:  # noqa: BLE001 -- any client or server failure
+                    with self._cond:
+                        self._remote_error("probe", e)
+                    usage_at = now + 5.0
+            if deletes:
+                try:
+                    remote.delete_many(deletes)
+                except Exception:  # noqa: BLE001 -- a damaged value left behind fails verification again
+                    pass
+            if items:
+                err = None
+                t0 = time.perf_counter()
+                try:
+                    remote.set_many([(remote.rkey(m.ns_id, m.key), remote.encode(v, m)) for _, m, v in items])
+                except Exception as e:  # noqa: BLE001 -- the blocks stay on this node
+                    err = e
+                with self._cond:
+                    until = time.monotonic() + self.config.remote_known_s
+                    for b, _, _ in items:
+                        b.host_pins -= 1
+                    if err is None:
+                        self._remote_timed(time.perf_counter() - t0)
+                        for b, _, _ in items:
+                            self._remote_known[b.ikey] = until
+                            self._remote_absent.pop(b.ikey, None)
+                            if self._events is not None:
+                                self._event(b, "remote", True)
+                        self._rr["writes"] += len(items)
+                        self._rr["bytes_in"] += sum(m.block_bytes for _, m, _ in items)
+                    else:
+                        self._rr["write_dropped"] += len(items)
+                        self._remote_error("write", err)
+                    self._cond.notify_all()
+                if self._remote_q:
+                    self._remote_wake.set()
+            if closing and not self._remote_q:
+                return
+
+    def _remote_leading(self, st: _NsState, keys: Sequence[bytes]) -> int:
+        """Leading `keys` the remote tier holds: from the store's memory of the server where it
+        has one, else asked in one round trip (no lock held). 0 when the tier is degraded."""
+        now = time.monotonic()
+        with self._cond:
+            if not self._remote_ok():
+                return 0
+            n = 0
+            for k in keys:
+                ikey = st.ns_id + k
+                if self._remote_known.get(ikey, 0.0) > now:
+                    n += 1
+                    continue
+                if self._remote_absent.get(ikey, 0.0) > now:
+                    return n
+                break
+            if n == len(keys):
+                return n
+            self._rr["lookups"] += 1
+        ask = list(keys[n:])
+        t0 = time.perf_counter()
+        try:
+            found = self.remote.exists_many(st.ns_id, ask)
+        except Exception as e:  # noqa: BLE001 -- a remote failure is a miss
+            with self._cond:
+                self._remote_error("lookup", e)
+            return n
+        with self._cond:
+            self._remote_timed(time.perf_counter() - t0)
+            self._remote_healthy()
+            t = time.monotonic()
+            for k, there in zip(ask, found):
+                if there:
+                    self._remote_known[st.ns_id + k] = t + self.config.remote_known_s
+                else:
+                    self._remote_absent[st.ns_id + k] = t + self.config.remote_absent_s
+            self._trim_remote_memory()
+        for there in found:
+            if not there:
+                break
+            n += 1
+        return n
+
+    def _trim_remote_memory(self) -> None:
+        """(Lock held.) Forget expired entries once the memory of the server grows large."""
+        for d in (self._remote_known, self._remote_absent):
+            if len(d) > 200_000:
+                now = time.monotonic()
+                for k in [k for k, until in d.items() if until <= now]:
+                    del d[k]
+
+    def _plan_remote(self, st: _NsState, keys: Sequence[bytes], plan: list) -> None:
+        """(Lock held; may release it to make room.) Continue an acquire's plan with keys this
+        node does not have: host slots (LOADING) for the remote tier to fill."""
+        now = time.monotonic()
+        prev = st.ns_id + keys[len(plan) - 1] if plan else None
+        for k in keys[len(plan):]:
+            ikey = st.ns_id + k
+            if self._remote_absent.get(ikey, 0.0) > now or self._blocks.get(ikey) is not None:
+                return   # known missing, or this node has it in some state: stop here
+            slot = self._host_alloc(st)
+            if slot is None:
+                return
+            if self._blocks.get(ikey) is not None or not self._remote_ok():
+                self.host.free_slot(slot)
+                return
+            b = self._blocks[ikey] = _Block(ikey, st, k)
+            self._link(b, prev)
+            b.host_slot, b.host_state = slot, LOADING
+            self._rh.owner[slot] = b
+            self._publish(b)
+            b.host_pins += 1
+            plan.append((b, REMOTE))
+            prev = ikey
+
+    def _settle_remote(self, b: _Block, err) -> bool:
+        """(Lock held.) A remote fetch into `b`'s host slot is over: READY on success (True),
+        else the slot goes back and the key is remembered as missing."""
+        now = time.monotonic()
+        if err is None:
+            b.host_state = READY
+            self._rh.policy.insert(b.ikey)
+            self._enter(b, "host")
+            self._remote_known[b.ikey] = now + self.config.remote_known_s
+            self._rr["hits"] += 1
+            self._rr["bytes_out"] += b.st.block_bytes
+            self._remote_healthy()
+            return True
+        b.host_pins -= 1
+        self._drop_host(b, evicted=False)
+        self._remote_known.pop(b.ikey, None)
+        if isinstance(err, KeyError):
+            self._rr["misses"] += 1
+            self._remote_absent[b.ikey] = now + self.config.remote_absent_s
+        elif isinstance(err, CorruptBlockError):
+            log.warning("remote tier: dropped a damaged value of %s (%s)", b.st.name, err)
+            self._rr["corrupt_dropped"] += 1
+            self._remote_delete.append(self.remote.rkey(b.st.ns_id, b.key))
+            self._remote_absent[b.ikey] = now + self.config.remote_absent_s
+        else:
+            self._remote_error("read", err)
+        return False
+
+    def _load_from_remote(self, blocks: list[_Block]) -> dict[int, Exception | None]:
+        """Fetch remote blocks into their LOADING host slots, one round trip, verified (no lock).
+        Returns per block id: None (loaded), KeyError (gone), CorruptBlockError or the failure."""
+        out: dict[int, Exception | None] = {}
+        if not blocks:
+            return out
+        st = blocks[0].st
+        t0 = time.perf_counter()
+        try:
+            values = self.remote.get_many(st.ns_id, [b.key for b in blocks])
+        except Exception as e:  # noqa: BLE001 -- every block of the call is a miss
+            return {id(b): e for b in blocks}
+        elapsed = time.perf_counter() - t0
+        for b, v in zip(blocks, values):
+            if v is None:
+                out[id(b)] = KeyError("gone from the server")
+                continue
+            try:
+                self.remote.decode(v, st.ns_id, b.key, self.host.view(b.host_slot, st.block_bytes))
+                out[id(b)] = None
+            except CorruptBlockError as e:
+                out[id(b)] = e
+        with self._cond:
+            self._remote_timed(elapsed)
+        return out
 
     # -- namespaces -------------------------------------------------------------------------
     def register(self, ns: Namespace) -> None:
@@ -923,6 +1190,10 @@ class TieredStore:
                 self._rh.counters["bytes_in"] += b.st.block_bytes
                 n += 1
             self._relink(pid, res.keys, res._parent)
+            if self.remote is not None:   # write-behind, in chain order
+                for b in res._blocks:
+                    if b is not None and b.host_state == READY and b.owner_res == 0:
+                        self._remote_enqueue(b)
             self._wake_demoter()
             self._cond.notify_all()
             return n
@@ -988,7 +1259,10 @@ class TieredStore:
                 if n_host == n and b.host_state == READY:
                     n_host += 1
                 n += 1
-            return n, n_host
+            rest = self.remote is not None and n < len(keys)
+        if rest:   # the remote tier may continue the prefix (asked outside the lock)
+            n += self._remote_leading(st, keys[n:])
+        return n, n_host
 
     def where(self, ns: Namespace, keys: Sequence[bytes]) -> list[str]:
         """Per key: "host", "disk", "host+disk" or "" (absent)."""
@@ -1018,9 +1292,9 @@ class TieredStore:
             for k in keys:
                 b = self._blocks.get(st.ns_id + k)
                 if b is None:
-                    return True
+                    return self.remote is None   # the remote tier may have it: not quick
                 if b.host_state != READY:
-                    return b.disk is None  # a disk-only block would be promoted: not quick
+                    return b.disk is None and self.remote is None  # a promotion: not quick
             return True
 
     def acquire(self, ns: Namespace, keys: Sequence[bytes], *, owner=None) -> Lease:
@@ -1067,13 +1341,21 @@ class TieredStore:
                 b.host_pins += 1
                 b.disk_pins += 1
                 plan.append((b, b.disk))
-        errors = self._load_from_disk([(b, e) for b, e in plan if e is not None])
+            if self.remote is not None and len(plan) < len(keys) and self._remote_ok():
+                self._plan_remote(st, keys, plan)
+        errors = self._load_from_disk([(b, e) for b, e in plan if e is not None and e is not REMOTE])
+        errors.update(self._load_from_remote([b for b, e in plan if e is REMOTE]))
         discard: list[int] = []
         with self._cond:
             disk = self.disk
             cut = len(plan)
             for i, (b, e) in enumerate(plan):
                 if e is None:
+                    continue
+                if e is REMOTE:
+                    if self._settle_remote(b, errors.get(id(b))):
+                        continue
+                    cut = min(cut, i)
                     continue
                 b.disk_pins -= 1
                 err = errors.get(id(b))
@@ -1107,7 +1389,7 @@ class TieredStore:
             st.counters["misses"] += len(keys) - len(leased)
             self._rh.counters["bytes_out"] += len(leased) * st.block_bytes
             lid = next(self._ids) if leased else 0   # nothing leased: nothing to release
-            tiers = ["disk" if e is not None else "host" for _, e in plan[:cut]]
+            tiers = ["host" if e is None else "remote" if e is REMOTE else "disk" for _, e in plan[:cut]]
             lease = Lease(lid, st.ns, keys[:cut], leased, tiers, owner, self,
                           [self.host.offset(b.host_slot) for b in leased])
             fills = []
@@ -1280,8 +1562,10 @@ class TieredStore:
     def flush(self, tier: str = "all", namespace=None) -> int:
         """Drop blocks from `tier` ("gpu", "host", "disk" or "all"), of one namespace or all.
         Leased or in-flight blocks are skipped. Returns the number of blocks dropped."""
-        if tier not in ("host", "disk", "all", "gpu"):
-            raise TierdError(f"flush: unknown tier {tier!r}; use gpu, host, disk or all")
+        if tier not in ("host", "disk", "all", "gpu", "remote"):
+            raise TierdError(f"flush: unknown tier {tier!r}; use gpu, host, disk, remote or all")
+        if tier == "remote":
+            return self._flush_remote(namespace)
         with self._cond:
             self._check_open()
             ns_id = None if namespace is None else self._ns_for_flush(namespace)
@@ -1307,6 +1591,24 @@ class TieredStore:
             raise DiskDegradedError(f"flush: {len(erase)} blocks were dropped but could not be erased on "
                                     f"disk ({err}); they may come back after a restart")
         return dropped
+
+    def _flush_remote(self, namespace) -> int:
+        """Delete a namespace's values (or all of tierd's) from the remote tier, which other
+        nodes share (never part of "all"). SCAN by prefix and DEL in batches, no lock held."""
+        if self.remote is None:
+            return 0
+        with self._cond:
+            self._check_open()
+            ns_id = None if namespace is None else self._ns_for_flush(namespace)
+            for d in (self._remote_known, self._remote_absent):
+                for k in [k for k in d if ns_id is None or k[:16] == ns_id]:
+                    del d[k]
+        try:
+            return self.remote.flush_namespace(ns_id)
+        except Exception as e:  # noqa: BLE001 -- report it as a tier error
+            with self._cond:
+                self._remote_error("flush", e)
+            raise TierdError(f"flush: remote tier failed ({e})") from None
 
     def _ns_for_flush(self, namespace) -> bytes:
         if isinstance(namespace, Namespace):
@@ -1468,6 +1770,12 @@ class TieredStore:
                                               if self._disk_fault else 0.0),
                             degraded_episodes=self._disk_fault_count)
                 tiers["disk"] = disk
+            if self.remote is not None:
+                tiers["remote"] = {**self.remote.usage(), **self._rr, "queue": len(self._remote_q),
+                                   "degraded": self._remote_fault or "",
+                                   "degraded_seconds": (time.monotonic() - self._remote_fault_since
+                                                        if self._remote_fault else 0.0),
+                                   "degraded_episodes": self._remote_fault_count}
             namespaces = {}
             for st in self._namespaces.values():
                 c = dict(st.counters)
@@ -1495,6 +1803,10 @@ class TieredStore:
             self._closed = True
             self._cond.notify_all()
         self._maintainer.join()
+        if self.remote is not None:
+            self._remote_wake.set()
+            self._remote_thread.join(10 + 2 * self.config.remote_timeout_s)
+            self.remote.close()
         with self._cond:
             while self._writes_in_flight:
                 self._cond.wait()

@@ -1,0 +1,174 @@
+"""The remote tier on real Redis servers: two nodes (two daemons, or two stores) share one
+standalone server or a 3-master Cluster; what one node stored is served byte-exact on the
+other after the first is gone; a foreign, truncated or corrupt value is never served; a server
+killed, paused or restarted degrades the tier and never a local hit, and it recovers by itself."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+import tierd
+from tierd import TieredStore
+from tierd.tiers.remote import RemoteTier
+
+from .daemon import SMALL_TOML, DaemonProc
+from .helpers import block_for, chain, make_ns
+from .redis_servers import RedisCluster, RedisServer
+
+redis = pytest.importorskip("redis")
+
+
+def wait_for(pred, timeout_s: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def remote_stats(s) -> dict:
+    return s.stats()["tiers"]["remote"]
+
+
+def node(url: str, **kw) -> TieredStore:
+    return TieredStore(host_bytes=8 << 20, host_slab_bytes=1 << 20, remote_url=url, remote_timeout_s=0.3, **kw)
+
+
+def put(s, ns, keys):
+    s.put(ns, keys, [block_for(ns, k) for k in keys])
+
+
+def served_exact(s, ns, keys) -> int:
+    got = s.get(ns, keys)
+    for g, k in zip(got, keys):
+        assert g.tobytes() == block_for(ns, k).tobytes(), "a remote block came back wrong"
+    return len(got)
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = RedisServer(tmp_path)
+    yield srv
+    srv.stop()
+
+
+def test_two_daemons_share_a_prefix_through_the_remote_tier(tmp_path, server):
+    """Node A prefills; A's daemon goes away; node B serves the prefix byte-exact from Redis."""
+    ns = make_ns()
+    keys = chain(ns, 1, 8)
+    toml = f'[remote]\nurl = "{server.url}"\n' + SMALL_TOML
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = DaemonProc(tmp_path / "a", toml=toml).start()
+    try:
+        with tierd.connect(a.url) as c:
+            put(c, ns, keys)
+            wait_for(lambda: remote_stats(c)["writes"] == 8 and remote_stats(c)["queue"] == 0, what="write-behind")
+    finally:
+        assert a.stop() == 0
+    b = DaemonProc(tmp_path / "b", toml=toml).start()
+    try:
+        with tierd.connect(b.url) as c:
+            assert c.lookup(ns, keys) == 8                       # asked: the index cannot know
+            assert c.lookup_all([(ns, keys)], host=True) == [(8, 0)]
+            assert served_exact(c, ns, keys) == 8
+            st = remote_stats(c)
+            assert st["hits"] == 8 and st["corrupt_dropped"] == 0
+            assert c.where(ns, keys) == ["host"] * 8             # promoted to B's host RAM
+            out = __import__("subprocess").run(
+                [__import__("sys").executable, "-m", "tierd", "stats", "--socket", b.socket],
+                capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0 and "remote redis://127.0.0.1" in out.stdout
+            assert c.flush("remote", namespace=ns) == 8
+        assert redis.Redis.from_url(server.url).dbsize() == 0
+    finally:
+        assert b.stop() == 0
+
+
+def test_foreign_truncated_and_corrupt_values_are_never_served(server):
+    ns = make_ns()
+    keys = chain(ns, 2, 6)
+    r = redis.Redis.from_url(server.url)
+    with node(server.url) as a:
+        put(a, ns, keys)
+        wait_for(lambda: remote_stats(a)["writes"] == 6)
+    rk = [RemoteTier.rkey(ns.id, k) for k in keys]
+    good = r.get(rk[1])
+    r.set(rk[1], good[:-100])                                  # truncated
+    r.set(rk[3], good)                                         # another block's value
+    bad = bytearray(r.get(rk[4]))
+    bad[-1] ^= 0xFF
+    r.set(rk[4], bytes(bad))                                   # one payload bit flipped
+    with node(server.url) as b:
+        assert served_exact(b, ns, keys[:1]) == 1
+        assert served_exact(b, ns, keys[1:3]) == 0             # the truncated one stops the prefix
+        assert served_exact(b, ns, keys[2:3]) == 1
+        assert served_exact(b, ns, keys[3:4]) == 0
+        assert served_exact(b, ns, keys[4:5]) == 0
+        assert served_exact(b, ns, keys[5:6]) == 1
+        st = remote_stats(b)
+        assert st["corrupt_dropped"] == 3
+        wait_for(lambda: not r.exists(rk[1]) and not r.exists(rk[3]) and not r.exists(rk[4]),
+                 what="damaged values deleted")
+
+
+def test_a_paused_killed_or_restarted_server_degrades_the_tier_and_never_a_local_hit(server):
+    ns = make_ns()
+    local, remote_only = chain(ns, 3, 4), chain(ns, 4, 4)
+    with node(server.url) as a:
+        put(a, ns, remote_only)
+        wait_for(lambda: remote_stats(a)["writes"] == 4)
+    with node(server.url) as b:
+        put(b, ns, local)
+        server.signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert b.lookup(ns, remote_only) == 0              # a timeout is a miss ...
+            assert time.monotonic() - t0 < 2.0                 # ... bounded by the remote timeout
+            t0 = time.monotonic()
+            for _ in range(50):
+                assert served_exact(b, ns, local) == 4          # local hits do not wait for the server
+            assert time.monotonic() - t0 < 2.0
+            assert remote_stats(b)["degraded"]
+            put(b, ns, chain(ns, 5, 2))                          # puts go on; their write-behind is dropped
+        finally:
+            server.signal(signal.SIGCONT)
+        wait_for(lambda: remote_stats(b)["degraded"] == "", what="recovery after the pause", timeout_s=15)
+        assert b.lookup(ns, remote_only) == 4
+        server.kill()
+        assert served_exact(b, ns, local) == 4
+        wait_for(lambda: b.lookup(ns, chain(ns, 6, 2)) == 0 and remote_stats(b)["degraded"], what="degraded")
+        server.start()                                          # an empty server: the values are gone
+        wait_for(lambda: remote_stats(b)["degraded"] == "", what="recovery after the restart", timeout_s=15)
+        put(b, ns, chain(ns, 7, 2))
+        wait_for(lambda: redis.Redis.from_url(server.url).dbsize() >= 2, what="writes resume")
+        st = remote_stats(b)
+        assert st["degraded_episodes"] >= 2 and st["errors"] >= 2
+
+
+@pytest.mark.slow
+def test_a_cluster_spreads_blocks_over_its_masters_and_serves_them(tmp_path):
+    cluster = RedisCluster(tmp_path)
+    try:
+        ns = make_ns()
+        keys = [k for s in range(6) for k in chain(ns, 100 + s, 8)]
+        with node(cluster.url) as a:
+            put(a, ns, keys)
+            wait_for(lambda: remote_stats(a)["writes"] == len(keys), what="write-behind to the cluster")
+            assert remote_stats(a)["cluster"]
+        sizes = [redis.Redis(port=n.port).dbsize() for n in cluster.nodes]
+        assert sum(sizes) == len(keys) and all(sizes), sizes      # every master holds some
+        with node(cluster.url) as b:
+            for s in range(6):
+                chunk = keys[8 * s:8 * s + 8]
+                assert b.lookup(ns, chunk) == 8
+                assert served_exact(b, ns, chunk) == 8
+            assert b.flush("remote", namespace=ns) == len(keys)
+        assert sum(redis.Redis(port=n.port).dbsize() for n in cluster.nodes) == 0
+    finally:
+        cluster.stop()
