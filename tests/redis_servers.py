@@ -13,10 +13,23 @@ import time
 import pytest
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(cluster: bool = False) -> int:
+    """A free loopback port; for a Cluster node also its bus port (port + 10000) must be."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not cluster:
+            return port
+        if port + 10000 > 65535:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 def redis_binary() -> str:
@@ -30,7 +43,7 @@ def redis_binary() -> str:
 
 class RedisServer:
     def __init__(self, workdir, *, cluster: bool = False, maxmemory: str = "256mb"):
-        self.port = free_port()
+        self.port = free_port(cluster)
         self.dir = workdir / f"redis-{self.port}"
         self.dir.mkdir(parents=True)
         self.args = [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",

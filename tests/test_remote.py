@@ -98,23 +98,24 @@ def test_foreign_truncated_and_corrupt_values_are_never_served(server):
         put(a, ns, keys)
         wait_for(lambda: remote_stats(a)["writes"] == 6)
     rk = [RemoteTier.rkey(ns.id, k) for k in keys]
-    good = r.get(rk[1])
-    r.set(rk[1], good[:-100])                                  # truncated
-    r.set(rk[3], good)                                         # another block's value
-    bad = bytearray(r.get(rk[4]))
+    good = r.hgetall(rk[1])
+    r.hset(rk[1], b"p", good[b"p"][:-100])                     # truncated
+    r.hset(rk[3], mapping=good)                                # another block's value
+    bad = bytearray(r.hget(rk[4], b"p"))
     bad[-1] ^= 0xFF
-    r.set(rk[4], bytes(bad))                                   # one payload bit flipped
+    r.hset(rk[4], b"p", bytes(bad))                            # one payload bit flipped
+    r.delete(rk[5])
+    r.set(rk[5], b"not a tierd value")                         # a foreign value of another type
     with node(server.url) as b:
         assert served_exact(b, ns, keys[:1]) == 1
         assert served_exact(b, ns, keys[1:3]) == 0             # the truncated one stops the prefix
         assert served_exact(b, ns, keys[2:3]) == 1
         assert served_exact(b, ns, keys[3:4]) == 0
         assert served_exact(b, ns, keys[4:5]) == 0
-        assert served_exact(b, ns, keys[5:6]) == 1
+        assert served_exact(b, ns, keys[5:6]) == 0
         st = remote_stats(b)
-        assert st["corrupt_dropped"] == 3
-        wait_for(lambda: not r.exists(rk[1]) and not r.exists(rk[3]) and not r.exists(rk[4]),
-                 what="damaged values deleted")
+        assert st["corrupt_dropped"] == 4 and st["hits"] == 2
+        wait_for(lambda: not any(r.exists(rk[i]) for i in (1, 3, 4, 5)), what="damaged values deleted")
 
 
 def test_a_paused_killed_or_restarted_server_degrades_the_tier_and_never_a_local_hit(server):

@@ -664,7 +664,7 @@ class TieredStore:
             return {id(b): e for b in blocks}
         elapsed = time.perf_counter() - t0
         for b, v in zip(blocks, values):
-            if v is None:
+            if isinstance(v, list) and v == [None, None]:
                 out[id(b)] = KeyError("gone from the server")
                 continue
             try:

@@ -7,10 +7,11 @@ which keys the server had (see TieredStore). This module is the data plane: batc
 exists / get / set / delete — one round trip per call whatever the number of blocks (a Cluster
 client splits a pipeline per node) — and the value format.
 
-A value is the disk slot's self-describing header (magic, format version, codec, namespace id,
-key, parent, payload length and checksum, header checksum) followed by the payload: a value
-that is foreign, truncated, overwritten or corrupt fails verification and is never served
-(`CorruptBlockError`: the store counts it, deletes it and treats it as a miss).
+A value is a hash of two fields, written by one HSET (atomic): `h`, the disk slot's
+self-describing header (magic, format version, codec, namespace id, key, parent, payload length
+and checksum, header checksum), and `p`, the payload — sent straight from the host slot, with no
+copy. A value that is foreign, truncated, overwritten or corrupt fails verification and is never
+served (`CorruptBlockError`: the store counts it, deletes it and treats it as a miss).
 
 URLs: `redis://[user:password@]host:port[/db]`, `rediss://...` (TLS; `ssl_*` settings as query
 parameters, passed to the client), `unix:///path/redis.sock`, and `redis+cluster://host:port`
@@ -30,7 +31,7 @@ from .base import BlockMeta, Tier
 from .disk import PAGE, CorruptBlockError, _csum, pack_slot_header, unpack_slot_header
 
 KEY_PREFIX = b"tierd:"
-HEADER_BYTES = 128          # the slot header packs into fewer; values keep a fixed offset
+_FIELDS = (b"h", b"p")      # a value is a hash: h = the slot header, p = the payload
 
 
 def redact(url: str) -> str:
@@ -77,24 +78,30 @@ class RemoteTier(Tier):
     def rkey(ns_id: bytes, key: bytes) -> bytes:
         return KEY_PREFIX + ns_id.hex().encode() + b":" + key.hex().encode()
 
-    def encode(self, src: np.ndarray, meta: BlockMeta) -> bytes:
+    def encode(self, src: np.ndarray, meta: BlockMeta) -> tuple[bytes, memoryview | bytes]:
+        """A block's value: (header, payload). The payload is `src` itself (a view: redis-py sends
+        it without a copy) unless a codec made it smaller."""
         raw = src[:meta.block_bytes]
         codec = _codec.choose_codec(self.codec_name, meta.dtype_bytes, meta.block_bytes)
         payload = _codec.encode(codec, raw, self.zstd_level) if codec else raw
         if codec and len(payload) >= meta.block_bytes:
             codec, payload = _codec.CODEC_NONE, raw
-        payload = bytes(payload) if not isinstance(payload, bytes) else payload
+        payload = memoryview(payload).cast("B")
         header = pack_slot_header(codec, meta.dtype_bytes, meta.ns_id, meta.key, meta.parent or b"",
                                   len(payload), meta.block_bytes, 0, 0, _csum(payload))
-        return header.ljust(HEADER_BYTES, b"\0") + payload
+        return header, payload
 
     @staticmethod
-    def decode(value: bytes, ns_id: bytes, key: bytes, dst: np.ndarray) -> bytes | None:
-        """Verify `value` as block `key` of namespace `ns_id` and copy it into `dst` (raw_len,);
-        returns the block's parent key (or None). Raises CorruptBlockError."""
-        if len(value) < HEADER_BYTES:
-            raise CorruptBlockError("value shorter than its header")
-        h = unpack_slot_header(memoryview(value)[:PAGE])
+    def decode(value, ns_id: bytes, key: bytes, dst: np.ndarray) -> bytes | None:
+        """Verify `value` ((header, payload), as `get_many` returns it) as block `key` of
+        namespace `ns_id` and copy it into `dst` (raw_len,); returns the block's parent key (or
+        None). Raises CorruptBlockError."""
+        if isinstance(value, Exception) or not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise CorruptBlockError(f"value is not a block ({type(value).__name__})")
+        header, payload = value
+        if header is None or payload is None:
+            raise CorruptBlockError("value lacks its header or payload")
+        h = unpack_slot_header(memoryview(header)[:PAGE])
         if h is None:
             raise CorruptBlockError("value has no header")
         _, _, codec, _, _, h_ns, h_key, parent, payload_len, raw_len, _, _, pcsum = h
@@ -102,7 +109,6 @@ class RemoteTier(Tier):
             raise CorruptBlockError("value belongs to another block")
         if raw_len != dst.nbytes:
             raise CorruptBlockError(f"value holds {raw_len} bytes, the block has {dst.nbytes}")
-        payload = memoryview(value)[HEADER_BYTES:]
         if len(payload) != payload_len:
             raise CorruptBlockError("value truncated")
         if _csum(payload) != pcsum:
@@ -120,17 +126,19 @@ class RemoteTier(Tier):
             pipe.exists(self.rkey(ns_id, k))
         return [bool(x) for x in pipe.execute()]
 
-    def get_many(self, ns_id: bytes, keys: list[bytes]) -> list[bytes | None]:
+    def get_many(self, ns_id: bytes, keys: list[bytes]) -> list:
+        """Per key: [header, payload] ([None, None] when absent), or the server's error for a
+        value that is not one of ours (e.g. another type)."""
         pipe = self.client.pipeline(transaction=False)
         for k in keys:
-            pipe.get(self.rkey(ns_id, k))
-        return pipe.execute()
+            pipe.hmget(self.rkey(ns_id, k), _FIELDS)
+        return pipe.execute(raise_on_error=False)
 
-    def set_many(self, items: list[tuple[bytes, bytes]]) -> None:
-        """[(redis key, value)], one round trip."""
+    def set_many(self, items: list[tuple[bytes, tuple]]) -> None:
+        """[(redis key, (header, payload))], one round trip; each value one HSET (atomic)."""
         pipe = self.client.pipeline(transaction=False)
-        for k, v in items:
-            pipe.set(k, v)
+        for k, (header, payload) in items:
+            pipe.hset(k, mapping={b"h": header, b"p": payload})
         pipe.execute()
 
     def delete_many(self, rkeys: list[bytes]) -> None:
@@ -147,7 +155,7 @@ class RemoteTier(Tier):
     def read(self, where: tuple[bytes, bytes], dst: np.ndarray) -> None:
         ns_id, key = where
         (value,) = self.get_many(ns_id, [key])
-        if value is None:
+        if isinstance(value, list) and value == [None, None]:
             raise CorruptBlockError("value is gone")
         self.decode(value, ns_id, key, dst)
 
