@@ -111,6 +111,12 @@ def test_size_plans_kv_memory_without_a_daemon(tmp_path):
     assert "GQA" in r.stdout
     assert "2.5GiB" in r.stdout          # one 8K request
     assert "80GiB" in r.stdout           # a batch of 32
+    r = tierd_cmd("size", "--model", str(tmp_path), "--remote-bytes", "512GiB")
+    assert r.returncode == 0, r.stderr
+    remote = [ln for ln in r.stdout.splitlines() if ln.startswith("remote (shared)")]
+    assert remote and "512GiB" in remote[0]
+    blocks = int(remote[0].split()[3])   # 256-token blocks of 80 MiB, each with its header and overhead
+    assert blocks == 512 * 2 ** 30 // (256 * per_token + 112 + 256)
     r = tierd_cmd("size", "--model", str(tmp_path / "missing"))
     assert r.returncode == 1 and "not found" in r.stderr
 

@@ -142,8 +142,18 @@ def cmd_size(args) -> int:
         blocks = n_slabs * (usable // slot) if slot <= usable else 0
         tokens = blocks * ns.block_tokens
         tiers.append([name, format_size(total), str(blocks), f"{tokens:,}", f"{tokens / max_len:,.1f}"])
+    if args.remote_bytes:
+        # a value is a hash of the slot header and the payload; Redis adds its own per-key overhead
+        total = parse_size(args.remote_bytes, what="remote bytes")
+        per_value = ns.block_bytes + 112 + REDIS_VALUE_OVERHEAD
+        blocks = total // per_value
+        tokens = blocks * ns.block_tokens
+        tiers.append(["remote (shared)", format_size(total), str(blocks), f"{tokens:,}", f"{tokens / max_len:,.1f}"])
     print(table(tiers, ["tier", "capacity", "blocks", "tokens", "full requests"]))
     return 0
+
+
+REDIS_VALUE_OVERHEAD = 256   # bytes per value besides header and payload: key, hash, allocator (estimate)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (per-rank figures)")
     p.add_argument("--host-bytes", default="10%", help="host tier size (default 10%% of RAM)")
     p.add_argument("--disk-bytes", default="4GiB", help="disk tier size (default 4GiB)")
+    p.add_argument("--remote-bytes", default="", help="the shared remote tier's maxmemory (e.g. 512GiB)")
     p.set_defaults(fn=cmd_size)
     return ap
 
