@@ -154,7 +154,7 @@ class SaveSpec:
     keys: list[list[bytes]]
     parents: list[bytes | None]
     block_ids: list[int]
-
+    token_ids: list[int] | None = None   # the blocks' tokens, for tierd's KV events
 
 @dataclass
 class TierdConnectorMetadata(KVConnectorMetadata):
@@ -517,7 +517,8 @@ class TierdConnector(KVConnectorBase_V1):
         j0 = st.saved
         meta.saves.append(SaveSpec(st.salt, [k[j0:full] for k in st.keys],
                                    [k[j0 - 1] if j0 else None for k in st.keys],
-                                   st.block_ids[j0 * self.ratio:full * self.ratio]))
+                                   st.block_ids[j0 * self.ratio:full * self.ratio],
+                                   list(st.request.all_token_ids[j0 * bt:full * bt])))
         st.saved = full
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -799,7 +800,8 @@ class TierdConnector(KVConnectorBase_V1):
             self.stats["stores_dropped"] += n
         else:
             try:
-                res = store.reserve(p.ns, p.spec.keys[self._rank], parent=p.spec.parents[self._rank])
+                res = store.reserve(p.ns, p.spec.keys[self._rank], parent=p.spec.parents[self._rank],
+                                    token_ids=p.spec.token_ids)
                 self.save_link.ok()
             except STORE_ERRORS as e:
                 self.stats["store_failures"] += n

@@ -86,6 +86,22 @@ def test_events_follow_put_demotion_flush_and_restart(tmp_path):
             c.put(ns, keys[:2], [block_for(ns, k) for k in keys[:2]])
             c.sync()
             sub.drain()
+            # token ids a connector supplies travel with the event (an indexer's own keys)
+            import numpy as np
+            toks = np.random.default_rng(5).integers(0, 32000, 3 * ns.block_tokens).tolist()
+            tkeys = ns.block_keys(np.asarray(toks))
+            assert c.events
+            c.put(ns, tkeys, [block_for(ns, k) for k in tkeys], token_ids=toks)
+            stored = [e for f in sub.drain() for e in msgpack.unpackb(f[2], raw=False)[1]
+                      if e["type"] == "BlockStored" and e["medium"] == "CPU"]
+            assert [e["block_hashes"] for e in stored] == [[k] for k in tkeys]
+            assert [e["token_ids"] for e in stored] == [toks[i * ns.block_tokens:(i + 1) * ns.block_tokens]
+                                                         for i in range(3)]
+            assert stored[1]["parent_block_hash"] == tkeys[0]
+            c.flush("all")
+            c.put(ns, keys[:2], [block_for(ns, k) for k in keys[:2]])
+            c.sync()
+            sub.drain()
         assert d.stop() == 0
         d.start()                                           # a restart: a clean slate, then what disk holds
         time.sleep(0.5)

@@ -138,6 +138,7 @@ class Client:
         reply = self._roundtrip({"op": "hello", "version": P.PROTOCOL_VERSION, "client": self.name,
                                  "namespaces": [ns.to_dict() for ns in self._namespaces.values()]})
         self.server_version = reply.get("server")
+        self.events = bool(reply.get("events"))   # the daemon publishes KV events: send token ids
         self.limits = reply.get("limits", {})
         self._map_arena(reply["arenas"][0])
         self._map_index(reply.get("index"))
@@ -422,12 +423,17 @@ class Client:
     def where(self, ns, keys: Sequence[bytes]) -> list[str]:
         return self._call("where", ns=self._ns_name(ns), keys=check_keys(keys))["tiers"]
 
-    def reserve(self, ns, keys: Sequence[bytes], *, parent: bytes | None = None) -> ClientReservation:
+    def reserve(self, ns, keys: Sequence[bytes], *, parent: bytes | None = None,
+                token_ids: Sequence[int] | None = None) -> ClientReservation:
+        """Slots to write `keys` into. `token_ids` (optional, `block_tokens` per key) go to the
+        daemon only where it publishes KV events, for indexers that compute their own keys."""
         nsobj = self._namespace(ns)
         keys = check_keys(keys)
         fields = {"ns": nsobj.name, "keys": keys}
         if parent is not None:
             fields["parent"] = check_keys([parent])[0]
+        if token_ids is not None and self.events:
+            fields["tokens"] = [int(t) for t in token_ids]
         with self._lock:
             r = self._call("reserve", **fields)
             gen = self._generation
@@ -451,7 +457,8 @@ class Client:
             if res._generation == self._generation and self._sock is not None:
                 self._call("abort", res=res.id)
 
-    def put(self, ns, keys: Sequence[bytes], blocks: Sequence, *, parent: bytes | None = None) -> int:
+    def put(self, ns, keys: Sequence[bytes], blocks: Sequence, *, parent: bytes | None = None,
+            token_ids: Sequence[int] | None = None) -> int:
         """Store blocks (reserve, copy into the arena, commit); returns how many were newly
         reserved and committed."""
         nsobj = self._namespace(ns)
@@ -459,7 +466,7 @@ class Client:
         if len(blocks) != len(keys):
             raise E.TierdError(f"put: {len(keys)} keys but {len(blocks)} blocks")
         views = [as_u8(b, nsobj.block_bytes, nsobj.kv_dtype) for b in blocks]
-        res = self.reserve(nsobj, keys, parent=parent)
+        res = self.reserve(nsobj, keys, parent=parent, token_ids=token_ids)
         fill_reservation(self, res, views)
         with self._lock:
             if res._generation != self._generation:

@@ -13,6 +13,8 @@ router) read tierd's with the same decoder:
              {"type": "BlockRemoved", "block_hashes": [key], "medium": tier}
              {"type": "AllBlocksCleared"}
 
+`token_ids` are the block's tokens where the client sent them (the vLLM connector does, so
+an indexer can compute its own keys); empty otherwise (and for blocks moving between tiers).
 `medium` names the tier: "GPU" (HBM), "CPU" (host RAM), "DISK", "REMOTE". Block hashes are
 tierd's 16-byte keys. A namespace is one topic: subscribe to a namespace's name for one model
 layout, or to "" for all.

@@ -565,6 +565,7 @@ class Daemon:
                 "namespaces": names,
                 "arenas": arenas,
                 "index": index,
+                "events": self.events is not None,
                 "limits": {"max_frame_bytes": self.cfg.max_frame_bytes,
                            "max_keys_per_request": self.cfg.max_keys_per_request}}
 
@@ -600,7 +601,11 @@ class Daemon:
         parent = P.field(msg, "parent", bytes, default=None)
         if parent is not None and len(parent) != 16:
             raise P.ProtocolError("parent must be a 16-byte key")
-        res = self.store.reserve(ns, keys, parent=parent, owner=conn.id)
+        tokens = P.field(msg, "tokens", list, default=None)
+        if tokens is not None and (len(tokens) != len(keys) * ns.block_tokens
+                                   or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
+            raise P.ProtocolError(f"tokens must be {ns.block_tokens} integers per key")
+        res = self.store.reserve(ns, keys, parent=parent, owner=conn.id, token_ids=tokens)
         slots = [[P.SLOT_STATUS[s], off] for s, off in zip(res.status, res.offsets)]
         return {"res": res.id, "slots": slots, "_obj": res}
 

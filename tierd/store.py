@@ -130,6 +130,7 @@ class Reservation:
         self.owner = owner
         self._host = host
         self._buffers = None
+        self._tokens = None   # token ids of the keys, for KV events (when the store publishes them)
 
     @property
     def buffers(self) -> list[np.ndarray | None]:
@@ -804,12 +805,12 @@ class TieredStore:
                 if b.gpu_slot >= 0 and not b.gpu_filling:
                     self._event(b, "gpu", True)
 
-    def _event(self, b: _Block, tier: str, stored: bool) -> None:
+    def _event(self, b: _Block, tier: str, stored: bool, token_ids=None) -> None:
         st = b.st
         if stored:
             ev = events.block_stored([b.key], b.parent[16:] if b.parent else None,
                                      st.ns.block_tokens if st.ns is not None else st.desc.get("block_tokens", 0),
-                                     tier)
+                                     tier, token_ids)
         else:
             ev = events.block_removed([b.key], tier)
         self._events.record(st.name, ev)
@@ -825,9 +826,9 @@ class TieredStore:
             self._index.set(b.st.ns_id, b.key, (b.host_state == READY) | ((b.disk is not None) << 1)
                             | ((b.host_state == LOADING) << 2))
 
-    def _enter(self, b: _Block, tier: str) -> None:
+    def _enter(self, b: _Block, tier: str, event: bool = True) -> None:
         self._publish(b)
-        if self._events is not None:
+        if self._events is not None and event:
             self._event(b, tier, True)
         p = self._blocks.get(b.parent) if b.parent else None
         if tier == "host":
@@ -1118,12 +1119,17 @@ class TieredStore:
 
     # -- Store interface: writes -------------------------------------------------------------
     def reserve(self, ns: Namespace, keys: Sequence[bytes], *, parent: bytes | None = None,
-                owner=None) -> Reservation:
-        """Host slots to write `keys` into (zero-copy put). Commit or abort the result."""
+                owner=None, token_ids: Sequence[int] | None = None) -> Reservation:
+        """Host slots to write `keys` into (zero-copy put). Commit or abort the result.
+        `token_ids` (optional, `block_tokens` per key): the blocks' tokens, for KV events only
+        (an indexer computes its own keys from them); never stored."""
         keys = check_keys(keys)
         with self._cond:
             self._check_open()
             st = self._ns(ns)
+            if token_ids is not None and len(token_ids) != len(keys) * st.ns.block_tokens:
+                raise TierdError(f"reserve: {len(token_ids)} token ids for {len(keys)} blocks of "
+                                 f"{st.ns.block_tokens} tokens")
             pid = st.ns_id
             status, blocks = [], []
             rid = next(self._ids)
@@ -1160,6 +1166,7 @@ class TieredStore:
                 return res
             res = Reservation(rid, st.ns, keys, status, blocks, owner, offsets, self.host)
             res._parent = parent
+            res._tokens = list(token_ids) if token_ids is not None and self._events is not None else None
             self._reservations[rid] = res
             return res
 
@@ -1184,12 +1191,17 @@ class TieredStore:
                     continue
                 b.host_state, b.owner_res = READY, 0
                 self._rh.policy.insert(b.ikey)
-                self._enter(b, "host")
+                self._enter(b, "host", event=False)   # events below, in chain order
                 b.st.counters["puts"] += 1
                 b.st.counters["put_bytes"] += b.st.block_bytes
                 self._rh.counters["bytes_in"] += b.st.block_bytes
                 n += 1
             self._relink(pid, res.keys, res._parent)
+            if self._events is not None:
+                bt = len(res._tokens) // len(res.keys) if res._tokens else 0
+                for i, b in enumerate(res._blocks):
+                    if b is not None and b.host_state == READY and b.owner_res == 0:
+                        self._event(b, "host", True, res._tokens[i * bt:(i + 1) * bt] if bt else None)
             if self.remote is not None:   # write-behind, in chain order
                 for b in res._blocks:
                     if b is not None and b.host_state == READY and b.owner_res == 0:
@@ -1214,7 +1226,7 @@ class TieredStore:
         self._cond.notify_all()
 
     def put(self, ns: Namespace, keys: Sequence[bytes], blocks: Sequence, *,
-            parent: bytes | None = None) -> int:
+            parent: bytes | None = None, token_ids: Sequence[int] | None = None) -> int:
         """Store `blocks[i]` under `keys[i]` (a prefix chain in order; `parent` is the key
         before `keys[0]`). Already-present keys are skipped; under pressure blocks may be
         dropped. Returns how many blocks were newly stored."""
@@ -1225,7 +1237,7 @@ class TieredStore:
             self._check_open()
             st = self._ns(ns)
         views = [as_u8(blk, st.block_bytes, st.desc.get("kv_dtype", "")) for blk in blocks]
-        res = self.reserve(ns, keys, parent=parent)
+        res = self.reserve(ns, keys, parent=parent, token_ids=token_ids)
         fill_reservation(self, res, views)
         return self.commit(res)
 
