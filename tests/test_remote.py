@@ -94,6 +94,10 @@ def test_two_daemons_share_a_prefix_through_the_remote_tier(tmp_path, backend):
             assert served_exact(c, ns, keys) == 8
             st = remote_stats(c)
             assert st["hits"] == 8 and st["corrupt_dropped"] == 0
+            import json
+            import jsonschema
+            from .daemon import ROOT
+            jsonschema.validate(c.stats(), json.loads((ROOT / "docs" / "stats.schema.json").read_text()))
             assert c.where(ns, keys) == ["host"] * 8             # promoted to B's host RAM
             out = __import__("subprocess").run(
                 [__import__("sys").executable, "-m", "tierd", "stats", "--socket", b.socket],
