@@ -91,31 +91,47 @@ class RedisServer:
 
 
 class RedisCluster:
-    """Three masters, no replicas, all 16384 slots assigned."""
+    """Three masters (with `replicas` replicas each), all 16384 slots assigned."""
 
-    def __init__(self, workdir):
-        self.nodes = [RedisServer(workdir, cluster=True) for _ in range(3)]
+    def __init__(self, workdir, replicas: int = 0):
+        self.nodes = [RedisServer(workdir, cluster=True) for _ in range(3 * (1 + replicas))]
         cli = shutil.which("redis-cli")
         if cli is None:
             pytest.skip("no redis-cli (Debian's redis-tools) to create the cluster")
         r = subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
-                            "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True,
+                            "--cluster-replicas", str(replicas), "--cluster-yes"], capture_output=True, text=True,
                            timeout=60)
         if r.returncode != 0:
             self.stop()
             raise RuntimeError(f"redis-cli --cluster create failed: {r.stdout[-2000:]}{r.stderr[-2000:]}")
-        deadline = time.monotonic() + 20
+        self.cli = cli
+        if not self.wait_ok(self.nodes[0]):
+            raise RuntimeError("the cluster did not become ready")
+
+    def wait_ok(self, node, timeout_s: float = 30.0) -> bool:
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            info = subprocess.run([cli, "-p", str(self.nodes[0].port), "cluster", "info"], capture_output=True,
+            info = subprocess.run([self.cli, "-p", str(node.port), "cluster", "info"], capture_output=True,
                                   text=True).stdout
             if "cluster_state:ok" in info:
-                return
+                return True
             time.sleep(0.1)
-        raise RuntimeError("the cluster did not become ready")
+        return False
+
+    def masters(self) -> list:
+        """The nodes that are masters now."""
+        out = []
+        for n in self.nodes:
+            if n.proc.poll() is not None:
+                continue
+            role = subprocess.run([self.cli, "-p", str(n.port), "role"], capture_output=True, text=True).stdout
+            if role.startswith("master"):
+                out.append(n)
+        return out
 
     @property
     def url(self) -> str:
-        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
     def stop(self) -> None:
         for n in self.nodes:

@@ -485,6 +485,11 @@ class TieredStore:
         each; probes a degraded server; refreshes the server's memory figures."""
         remote = self.remote
         usage_at = 0.0
+        try:
+            remote.probe()                 # is the server there at all? (else: degraded now)
+        except Exception as e:  # noqa: BLE001 -- any client or server failure
+            with self._cond:
+                self._remote_error("connect", e)
         while True:
             self._remote_wake.wait(0.25)
             self._remote_wake.clear()
@@ -503,17 +508,21 @@ class TieredStore:
                                        b.st.block_bytes, b.st.dtype_bytes),
                           self.host.view(b.host_slot, b.st.block_bytes)) for b in batch]
                 deletes, self._remote_delete = self._remote_delete, []
-            if probe or now >= usage_at:
+            if probe:
                 try:
-                    remote.refresh_usage()
-                    usage_at = now + 5.0
-                    if probe:
-                        with self._cond:
-                            self._remote_healthy()
+                    remote.probe()
                 except Exception as e:  # noqa: BLE001 -- any client or server failure
                     with self._cond:
                         self._remote_error("probe", e)
-                    usage_at = now + 5.0
+                else:
+                    with self._cond:
+                        self._remote_healthy()
+            if now >= usage_at:
+                usage_at = now + 5.0
+                try:
+                    remote.refresh_usage()
+                except Exception:  # noqa: BLE001 -- figures for stats only; probes judge health
+                    pass
             if deletes:
                 try:
                     remote.delete_many(deletes)

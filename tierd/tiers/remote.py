@@ -14,8 +14,9 @@ copy. A value that is foreign, truncated, overwritten or corrupt fails verificat
 served (`CorruptBlockError`: the store counts it, deletes it and treats it as a miss).
 
 URLs: `redis://[user:password@]host:port[/db]`, `rediss://...` (TLS; `ssl_*` settings as query
-parameters, passed to the client), `unix:///path/redis.sock`, and `redis+cluster://host:port`
-(or `rediss+cluster://`) for a Redis Cluster, discovered from that seed node.
+parameters, passed to the client), `unix:///path/redis.sock`, and
+`redis+cluster://host:port[,host:port...]` (or `rediss+cluster://`) for a Redis Cluster,
+discovered from whichever seed node answers.
 """
 
 from __future__ import annotations
@@ -50,28 +51,49 @@ class RemoteTier(Tier):
     def __init__(self, url: str, *, timeout_s: float = 0.5, codec: str = "none", zstd_level: int = 1):
         try:
             import redis
-            from redis.cluster import RedisCluster
         except ImportError:
             raise ConfigError("the remote tier needs redis-py (pip install 'tierd[remote]')") from None
         self.url = url
         self.codec_name = codec
         self.zstd_level = zstd_level
         self.cluster = False
-        scheme = urlsplit(url).scheme
-        kw = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        try:
-            if scheme in ("redis+cluster", "rediss+cluster"):
-                self.cluster = True
-                self.client = RedisCluster.from_url(url.replace("+cluster", "", 1), **kw)
-            elif scheme in ("redis", "rediss", "unix"):
-                self.client = redis.Redis.from_url(url, **kw)
-            else:
-                raise ConfigError(f"remote tier: {redact(url)}: use redis://, rediss://, unix:// or "
-                                  "redis+cluster://")
-        except (redis.RedisError, ValueError) as e:
-            raise ConfigError(f"remote tier: cannot use {redact(url)}: {e}") from None
+        self._client = None
+        parts = urlsplit(url)
+        self._kw = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        if parts.scheme in ("redis+cluster", "rediss+cluster"):
+            self.cluster = True
+            hosts = parts.netloc.rsplit("@", 1)[-1]
+            seeds = []
+            for hp in hosts.split(","):
+                host, _, port = hp.rpartition(":")
+                try:
+                    seeds.append((host.strip("[]") or "127.0.0.1", int(port or 6379)))
+                except ValueError:
+                    raise ConfigError(f"remote tier: {redact(url)}: bad host:port {hp!r}") from None
+            self._seeds = seeds
+            self._auth = dict(username=parts.username, password=parts.password,
+                              ssl=parts.scheme.startswith("rediss"))
+        elif parts.scheme in ("redis", "rediss", "unix"):
+            try:
+                self._client = redis.Redis.from_url(url, **self._kw)   # connects lazily
+            except (redis.RedisError, ValueError) as e:
+                raise ConfigError(f"remote tier: cannot use {redact(url)}: {e}") from None
+        else:
+            raise ConfigError(f"remote tier: {redact(url)}: use redis://, rediss://, unix:// or "
+                              "redis+cluster://host:port[,host:port...]")
         self.capacity_bytes = 0
         self.used_bytes = 0
+
+    @property
+    def client(self):
+        """The redis-py client. A Cluster client is made on first use (it must reach one of the
+        seed nodes to learn the slot map): a cluster that is down when tierd starts degrades
+        the tier instead of stopping the daemon."""
+        if self._client is None:
+            from redis.cluster import ClusterNode, RedisCluster
+            self._client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self._seeds],
+                                        **self._auth, **self._kw)
+        return self._client
 
     # -- keys and values -----------------------------------------------------------------------
     @staticmethod
@@ -189,13 +211,25 @@ class RemoteTier(Tier):
                 "free_bytes": max(0, self.capacity_bytes - self.used_bytes) if self.capacity_bytes else 0,
                 "url": redact(self.url), "cluster": self.cluster, "codec": self.codec_name}
 
-    def ping(self) -> float:
+    def probe(self) -> float:
+        """One small write and read back (a Cluster: on the node that owns the probe key, so a
+        failed-over master is seen once its replica has taken over). Returns the seconds taken."""
         t0 = time.perf_counter()
-        self.client.ping()
+        if self.cluster:
+            # a failover moves slots: re-read the slot map, then every master must answer
+            self.client.nodes_manager.initialize()
+            self.client.ping(target_nodes=self.client.PRIMARIES)
+        k = KEY_PREFIX + b"probe"
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(k, b"1", ex=60)
+        pipe.get(k)
+        if pipe.execute()[1] != b"1":
+            raise ConnectionError("the probe key did not read back")
         return time.perf_counter() - t0
 
     def close(self) -> None:
         try:
-            self.client.close()
+            if self._client is not None:
+                self._client.close()
         except Exception:  # noqa: BLE001 -- closing a dead connection
             pass
