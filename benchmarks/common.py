@@ -114,3 +114,28 @@ class DaemonUnderTest:
         import signal
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(60)
+
+
+def start_redis(workdir: str, maxmemory: str = "2gb"):
+    """A `redis-server` on a free loopback port in `workdir`: (process, redis:// URL), or
+    (None, None) where it is not installed (`make redis` installs Debian's package)."""
+    import shutil
+    import socket
+    import subprocess
+    exe = shutil.which("redis-server")
+    if exe is None:
+        return None, None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                          "--dir", workdir, "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return p, f"redis://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.05)
+    p.kill()
+    raise RuntimeError("redis-server did not start")

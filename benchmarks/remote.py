@@ -14,9 +14,6 @@ the two sides, best of each.
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
 import tempfile
 import time
 
@@ -27,27 +24,8 @@ from tierd.client import Client
 from tierd.config import MiB, format_size
 from tierd.tiers.remote import RemoteTier
 
-from .common import DaemonUnderTest, Result, parse_args, report
+from .common import DaemonUnderTest, Result, parse_args, report, start_redis
 from .tiers import kv_like, namespace_for
-
-
-def start_redis(workdir: str) -> tuple[subprocess.Popen, int]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("redis-server is not installed (make redis)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    p = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                          "--dir", workdir, "--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return p, port
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("redis-server did not start")
 
 
 def bench(url: str, block_bytes: int, n_blocks: int, repeats: int) -> list[Result]:
@@ -121,9 +99,10 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="tierd-bench-remote-") as tmp:
-        proc, port = start_redis(tmp)
+        proc, url = start_redis(tmp)
+        if proc is None:
+            raise SystemExit("redis-server is not installed (make redis)")
         try:
-            url = f"redis://127.0.0.1:{port}"
             total = (64 if args.quick else 256) * MiB
             for bb in ((256 << 10, 1 * MiB) if not args.quick else (1 * MiB,)):
                 results += bench(url, bb, total // bb, 2 if args.quick else 3)

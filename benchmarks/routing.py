@@ -20,8 +20,6 @@ rate with precise prefix-cache routing on its benchmark (a different trace).
 from __future__ import annotations
 
 import random
-import shutil
-import subprocess
 import tempfile
 import threading
 
@@ -31,7 +29,7 @@ from tierd import Namespace, TieredStore
 from tierd.events import encode_batch
 from tierd.routing import PrefixIndex, Router
 
-from .common import Result, parse_args, report
+from .common import Result, parse_args, report, start_redis
 
 PREFILL_MS = 1.6
 LOAD_MS = {"gpu": 0.02, "host": 0.1, "disk": 0.4, "remote": 1.0}
@@ -139,28 +137,6 @@ def simulate(policy: str, trace: list[list[int]], n_nodes: int, remote_url: str 
             s.close()
     return {"hit_rate": hit / asked, "ttft_mean_ms": float(np.mean(ttft)), "ttft_p90_ms": float(np.percentile(ttft, 90)),
             "events": index.events}
-
-
-def start_redis(workdir: str):
-    exe = shutil.which("redis-server")
-    if exe is None:
-        return None, None
-    import socket
-    import time
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    p = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                          "--dir", workdir, "--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return p, f"redis://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.05)
-    p.kill()
-    return None, None
 
 
 def main() -> None:

@@ -33,3 +33,15 @@ def small_config(tmp_path=None, **kw) -> StoreConfig:
         base["disk_path"] = str(tmp_path / "disk")
     base.update(kw)
     return StoreConfig(**base)
+
+
+def wait_for(pred, timeout_s: float = 10.0, what: str = "condition"):
+    """Poll `pred` until it returns something true (returned), or fail after `timeout_s`."""
+    import time
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -17,7 +17,7 @@ from tierd.client import Client
 from tierd.errors import DiskDegradedError
 
 from .daemon import SMALL_TOML, DaemonProc
-from .helpers import block_for, chain, make_ns
+from .helpers import block_for, chain, make_ns, wait_for
 
 
 def fault_daemon(tmp_path, **kw) -> tuple[DaemonProc, object]:
@@ -25,16 +25,6 @@ def fault_daemon(tmp_path, **kw) -> tuple[DaemonProc, object]:
     faults.write_text("")
     toml = SMALL_TOML.replace("[disk]\n", f'[disk]\nfault_file = "{faults}"\n')
     return DaemonProc(tmp_path, toml=toml, **kw).start(), faults
-
-
-def wait_for(pred, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def disk_stats(c) -> dict:

@@ -15,20 +15,10 @@ from tierd import TieredStore
 from tierd.tiers.remote import RemoteTier
 
 from .daemon import SMALL_TOML, DaemonProc
-from .helpers import block_for, chain, make_ns
+from .helpers import block_for, chain, make_ns, wait_for
 from .redis_servers import RedisCluster, RedisServer
 
 redis = pytest.importorskip("redis")
-
-
-def wait_for(pred, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def remote_stats(s) -> dict:

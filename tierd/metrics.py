@@ -54,17 +54,7 @@ class _StoreCollector:
             yield gauge_family("tierd_remote_latency_seconds", "Moving average of one remote call.", [],
                                [([], remote["latency_ms"] / 1e3)])
 
-        def gauge(name, doc, labels, rows):
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            for lv, v in rows:
-                g.add_metric(lv, v)
-            return g
-
-        def counter(name, doc, labels, rows):
-            c = CounterMetricFamily(name, doc, labels=labels)
-            for lv, v in rows:
-                c.add_metric(lv, v)
-            return c
+        gauge, counter = gauge_family, counter_family
 
         yield gauge("tierd_tier_capacity_bytes", "Capacity of each tier.", ["tier"],
                     [([t], v["capacity_bytes"]) for t, v in tiers.items()])

@@ -197,6 +197,35 @@ COUNTERS = ("evictions", "demotions", "promotions", "bytes_in", "bytes_out", "co
             "admission_rejected", "io_errors")
 
 
+class _Health:
+    """A tier's fault episodes: the first error degrades it (logged once), every error pushes the
+    next probe back by `retry_s`, a success ends the episode (logged once)."""
+
+    __slots__ = ("tier", "retry_s", "serving", "fault", "since", "retry_at", "count")
+
+    def __init__(self, tier: str, retry_s: float, serving: str):
+        self.tier, self.retry_s, self.serving = tier, retry_s, serving
+        self.fault: str | None = None      # why the tier is degraded; None: healthy
+        self.since = self.retry_at = 0.0
+        self.count = 0                     # episodes so far
+
+    def error(self, what: str, e: BaseException) -> None:
+        now = time.monotonic()
+        if self.fault is None:
+            self.fault = f"{what}: {e}"
+            self.since = now
+            self.count += 1
+            log.error("%s tier degraded (%s); %s, retrying every %.0fs", self.tier, self.fault, self.serving,
+                      self.retry_s)
+        self.retry_at = now + self.retry_s
+
+    def healthy(self) -> None:
+        if self.fault is not None:
+            log.warning("%s tier recovered after %.1fs (was: %s)", self.tier, time.monotonic() - self.since,
+                        self.fault)
+            self.fault = None
+
+
 class _Resident:
     """The store's record of one tier: which block owns each of its slots, the tier's eviction
     order, its counters, and how a block's slot, resident children and evictability are read
@@ -255,11 +284,8 @@ class TieredStore:
         self._admission = AdmissionFilter(cfg.disk_admit_min_hits)
         self._index = None   # the daemon's shared lookup index (tierd.index), if attached
         self._events = None  # the daemon's KV-event publisher (tierd.events), if attached
-        self._disk_fault: str | None = None   # why the disk tier is degraded; None: healthy
-        self._disk_fault_since = 0.0
-        self._disk_retry_at = 0.0
+        self._disk_health = _Health("disk", self.DISK_RETRY_S, "serving from host RAM only")
         self._disk_checked_at = 0.0
-        self._disk_fault_count = 0
         # The remote tier (tiers/remote.py): no slots here, the server owns capacity and eviction.
         # What the store keeps: a short memory of which keys the server had or lacked, the
         # write-behind queue (blocks pinned in host RAM until written), health and counters.
@@ -268,10 +294,7 @@ class TieredStore:
         self._remote_wake = threading.Event()
         self._remote_known: dict[bytes, float] = {}    # ikey -> until when it counts as there
         self._remote_absent: dict[bytes, float] = {}   # ikey -> until when it counts as missing
-        self._remote_fault: str | None = None
-        self._remote_fault_since = 0.0
-        self._remote_retry_at = 0.0
-        self._remote_fault_count = 0
+        self._remote_health = _Health("remote", self.REMOTE_RETRY_S, "serving from this node's tiers")
         self._remote_delete: list[bytes] = []         # corrupt values to delete (outside the lock)
         self._rr = dict.fromkeys(("hits", "misses", "bytes_in", "bytes_out", "writes", "write_dropped",
                                   "errors", "corrupt_dropped", "lookups"), 0)
@@ -336,27 +359,17 @@ class TieredStore:
 
     def _disk_error(self, what: str, e: BaseException) -> None:
         """A disk fault (lock held): count it; the first one of an episode degrades the disk
-        tier (logged once) until a later write succeeds."""
+        tier (logged once) until a later write or probe succeeds."""
         self._rd.counters["io_errors"] += 1
-        now = time.monotonic()
-        if self._disk_fault is None:
-            self._disk_fault = f"{what}: {e}"
-            self._disk_fault_since = now
-            self._disk_fault_count += 1
-            log.error("disk tier degraded (%s); serving from host RAM only, retrying every %.0fs",
-                      self._disk_fault, self.DISK_RETRY_S)
-        self._disk_retry_at = now + self.DISK_RETRY_S
+        self._disk_health.error(what, e)
 
     def _disk_healthy(self) -> None:
-        if self._disk_fault is not None:
-            log.warning("disk tier recovered after %.1fs (was: %s)", time.monotonic() - self._disk_fault_since,
-                        self._disk_fault)
-            self._disk_fault = None
+        self._disk_health.healthy()
 
     def _disk_waiting(self) -> bool:
         """Degraded and not yet time for the next probe: leave the disk alone."""
         self._note_stall()
-        return self._disk_fault is not None and time.monotonic() < self._disk_retry_at
+        return self._disk_health.fault is not None and time.monotonic() < self._disk_health.retry_at
 
     def _note_stall(self) -> bool:
         """(Lock held.) True while a disk call has been running longer than `disk_stall_s`: the
@@ -371,9 +384,9 @@ class TieredStore:
         if self._index is not None:
             self._index.set_disk_ok(False)
         op, age = io
-        if self._disk_fault is None:
+        if self._disk_health.fault is None:
             self._disk_error(f"{op} stalled", TimeoutError(f"a disk {op} has not returned for {age:.1f}s"))
-        self._disk_retry_at = max(self._disk_retry_at, time.monotonic() + self.DISK_RETRY_S)
+        self._disk_health.retry_at = max(self._disk_health.retry_at, time.monotonic() + self.DISK_RETRY_S)
         return True
 
     def _check_disk(self) -> None:
@@ -387,8 +400,8 @@ class TieredStore:
                 return
             self._disk_checked_at = now
             stalled = self._note_stall()
-            probe = self._disk_fault is not None and now >= self._disk_retry_at and not stalled
-            reopen = disk.closed and now >= self._disk_retry_at
+            probe = self._disk_health.fault is not None and now >= self._disk_health.retry_at and not stalled
+            reopen = disk.closed and now >= self._disk_health.retry_at
         if not disk.closed:
             try:
                 disk.check_present()
@@ -445,24 +458,14 @@ class TieredStore:
         """(Lock held.) A remote failure: the first of an episode degrades the tier (logged once);
         lookups, loads and writes skip it until a probe succeeds."""
         self._rr["errors"] += 1
-        now = time.monotonic()
-        if self._remote_fault is None:
-            self._remote_fault = f"{what}: {e}"
-            self._remote_fault_since = now
-            self._remote_fault_count += 1
-            log.error("remote tier degraded (%s); serving from this node's tiers, retrying every %.0fs",
-                      self._remote_fault, self.REMOTE_RETRY_S)
-        self._remote_retry_at = now + self.REMOTE_RETRY_S
+        self._remote_health.error(what, e)
 
     def _remote_healthy(self) -> None:
-        if self._remote_fault is not None:
-            log.warning("remote tier recovered after %.1fs (was: %s)",
-                        time.monotonic() - self._remote_fault_since, self._remote_fault)
-            self._remote_fault = None
+        self._remote_health.healthy()
 
     def _remote_ok(self) -> bool:
         """(Lock held.) The remote tier is there and not degraded."""
-        return self.remote is not None and self._remote_fault is None
+        return self.remote is not None and self._remote_health.fault is None
 
     def _remote_timed(self, seconds: float) -> None:
         r = self._rr
@@ -496,8 +499,8 @@ class TieredStore:
             now = time.monotonic()
             with self._cond:
                 closing = self._closed
-                probe = self._remote_fault is not None and now >= self._remote_retry_at
-                if self._remote_fault is not None and self._remote_q:
+                probe = self._remote_health.fault is not None and now >= self._remote_health.retry_at
+                if self._remote_health.fault is not None and self._remote_q:
                     for b in self._remote_q:          # degraded: nothing waits for the server
                         b.host_pins -= 1
                     self._rr["write_dropped"] += len(self._remote_q)
@@ -1655,19 +1658,19 @@ class TieredStore:
         written = 0
         with self._cond:
             self._check_open()
-            if self._disk_fault is not None:
-                self._disk_retry_at = 0.0       # an explicit sync probes the disk at once
+            if self._disk_health.fault is not None:
+                self._disk_health.retry_at = 0.0       # an explicit sync probes the disk at once
             todo = [b for b in self._blocks.values()
                     if b.host_state == READY and b.disk is None and not b.disk_writing]
             todo = todo[:max_blocks] if max_blocks is not None else todo
             # insertion order: a chain's ancestors come before its descendants
             for i in range(0, len(todo), self.WRITE_BATCH):
                 written += self._write_down_batch(todo[i:i + self.WRITE_BATCH])
-                if self._disk_fault is not None:
+                if self._disk_health.fault is not None:
                     break
             while self._writes_in_flight and not self._note_stall():
                 self._cond.wait(0.05)
-            fault, disk = self._disk_fault, self.disk
+            fault, disk = self._disk_health.fault, self.disk
         if fault is not None:
             raise DiskDegradedError(f"sync: disk tier degraded ({fault}); "
                                     f"{len(todo) - written} blocks are in host RAM only")
@@ -1786,17 +1789,17 @@ class TieredStore:
                           for st in self._namespaces.values())
                 disk = self._rd.stats(extra_waste=pad)
                 disk.pop("files", None)
-                disk.update(degraded=self._disk_fault or "",
-                            degraded_seconds=(time.monotonic() - self._disk_fault_since
-                                              if self._disk_fault else 0.0),
-                            degraded_episodes=self._disk_fault_count)
+                disk.update(degraded=self._disk_health.fault or "",
+                            degraded_seconds=(time.monotonic() - self._disk_health.since
+                                              if self._disk_health.fault else 0.0),
+                            degraded_episodes=self._disk_health.count)
                 tiers["disk"] = disk
             if self.remote is not None:
                 tiers["remote"] = {**self.remote.usage(), **self._rr, "queue": len(self._remote_q),
-                                   "degraded": self._remote_fault or "",
-                                   "degraded_seconds": (time.monotonic() - self._remote_fault_since
-                                                        if self._remote_fault else 0.0),
-                                   "degraded_episodes": self._remote_fault_count}
+                                   "degraded": self._remote_health.fault or "",
+                                   "degraded_seconds": (time.monotonic() - self._remote_health.since
+                                                        if self._remote_health.fault else 0.0),
+                                   "degraded_episodes": self._remote_health.count}
             namespaces = {}
             for st in self._namespaces.values():
                 c = dict(st.counters)
