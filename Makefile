@@ -66,10 +66,12 @@ redis:
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-bench: $(STAMP) vllm-env
+bench: $(STAMP) vllm-env redis
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(PY) -m benchmarks.tiers --quick
 	$(PY) -m benchmarks.daemon --quick
+	$(PY) -m benchmarks.remote --quick
+	$(PY) -m benchmarks.routing --quick
 	$(PY) -m benchmarks.kv_waste --quick
 	$(PY) -m benchmarks.engine_throughput --quick
 	$(PY) -m benchmarks.ttft --quick
