@@ -55,9 +55,9 @@ class StoreLink:
 
     def __init__(self, store, *, max_pending_blocks: int = 64, retry_after_s: float = 1.0,
                  max_batch: int = 16, name: str = "tierd-kv-store", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 background_connect: bool = False, retries: int | None = None):
+                 background_connect: bool = False, retries: int | None = None, use_index: bool = False):
         if isinstance(store, str) and store.startswith("unix:"):
-            params = []
+            params = [] if use_index or "index=" in store else ["index=0"]
             if "timeout_s=" not in store:
                 # a stalled daemon may cost a request at most this much before it recomputes
                 params.append(f"timeout_s={timeout_s:g}")
@@ -67,6 +67,9 @@ class StoreLink:
                 params.append(f"retries={retries}")
             if params:
                 store += ("&" if "?" in store else "?") + "&".join(params)
+        # Connectors ask the daemon for lookups (use_index=False): a lookup to a stalled daemon
+        # then ends at the request timeout as a miss, where an answer from the daemon's shared
+        # index could promise blocks for up to 100 ms after the stall, and the load would wait.
         # With background_connect, get() never connects (or reconnects) in the caller's thread:
         # it starts a connection attempt in the background and answers None until it is up, so
         # a caller with a deadline never waits on connect + hello to a stalled daemon.

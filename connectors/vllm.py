@@ -20,6 +20,7 @@ Load with::
 - ``lookup_deadline_ms``: the scheduler's lookup waits at most this long (50 by default); a
   lookup that does not answer in time counts as a miss and starts a back-off, during which
   requests do not ask at all.
+- ``lookup_index``: answer lookups from the daemon's shared index (off: see docs/vllm.md).
 - ``load_async``: ``"auto"`` (default): a load that needs a promotion from disk or is larger
   than ``async_min_bytes`` (64 MiB) goes through vLLM's asynchronous path (the request waits for
   its blocks outside the batch, so one request's disk hit never stalls the others); a small load
@@ -252,8 +253,13 @@ class TierdConnector(KVConnectorBase_V1):
         store = _open(url)
         if role == KVConnectorRole.SCHEDULER:
             # lookups only: a short deadline, no retry, connections made off the scheduler's thread
+            # Lookups are asked of the daemon (its shared index is opt-in, `lookup_index`): an
+            # asked lookup to a stalled daemon ends at the deadline, a miss; an index answer stays
+            # valid for up to 100 ms after a stall, and a load it promised would then wait for the
+            # load timeout.
             self.link = StoreLink(store, timeout_s=self.deadline_s, retries=0, background_connect=True,
-                                  name="tierd-vllm-lookup")
+                                  name="tierd-vllm-lookup",
+                                  use_index=bool(_extra(ktc, "lookup_index", False)))
             self.save_link = self.link
             if not self.disabled:
                 self.link.get()       # start connecting now, so the first request can already hit

@@ -105,7 +105,7 @@ class RedisCluster:
             self.stop()
             raise RuntimeError(f"redis-cli --cluster create failed: {r.stdout[-2000:]}{r.stderr[-2000:]}")
         self.cli = cli
-        if not self.wait_ok(self.nodes[0]):
+        if not all(self.wait_ok(n) for n in self.nodes):     # every node agrees it is up
             raise RuntimeError("the cluster did not become ready")
 
     def wait_ok(self, node, timeout_s: float = 30.0) -> bool:

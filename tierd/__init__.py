@@ -35,7 +35,8 @@ def connect(url: str = "embedded://"):
     daemon (`tierd.client.Client`; `timeout_s` bounds each request, 60 s by default;
     `connect_timeout_s` the connection, 5 s; `retries` how often a read-only request is retried
     on a new connection, 1; `spin_us` how long a request busy-polls for its reply before
-    sleeping, 100 µs, 0 never). Both have the same interface.
+    sleeping, 100 µs, 0 never; `index=0` asks the daemon for every lookup instead of answering
+    from its shared lookup index). Both have the same interface.
     """
     parts = urlsplit(url)
     if parts.scheme == "embedded":
@@ -56,7 +57,7 @@ def connect(url: str = "embedded://"):
         if not path:
             raise ConfigError(f"{url}: no socket path; use unix:///run/tierd/tierd.sock")
         kw: dict = {}
-        known = {"timeout_s": float, "connect_timeout_s": float, "retries": int, "spin_us": float}
+        known = {"timeout_s": float, "connect_timeout_s": float, "retries": int, "spin_us": float, "index": int}
         for k, v in parse_qsl(parts.query, keep_blank_values=True):
             if k not in known:
                 raise ConfigError(f"{url}: unknown parameter {k!r}; known: {', '.join(known)}")
@@ -64,7 +65,9 @@ def connect(url: str = "embedded://"):
                 kw[k] = known[k](v)
             except ValueError:
                 raise ConfigError(f"{url}: {k} must be a number") from None
-            if kw[k] < 0 or (k not in ("retries", "spin_us") and not kw[k] > 0):
+            if kw[k] < 0 or (k not in ("retries", "spin_us", "index") and not kw[k] > 0):
                 raise ConfigError(f"{url}: {k} must be positive")
+        if "index" in kw:
+            kw["use_index"] = bool(kw.pop("index"))
         return Client(path, **kw)
     raise ConfigError(f"{url}: unknown scheme {parts.scheme!r}; use embedded:// or unix://")
