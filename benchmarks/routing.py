@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import random
 import tempfile
-import threading
 
 import numpy as np
 
 from tierd import Namespace, TieredStore
-from tierd.events import encode_batch
+from tierd.events import EventRecorder, encode_batch
 from tierd.routing import PrefixIndex, Router
 
 from .common import Result, parse_args, report, start_redis
@@ -36,25 +35,17 @@ LOAD_MS = {"gpu": 0.02, "host": 0.1, "disk": 0.4, "remote": 1.0}
 BLOCK_TOKENS = 16
 
 
-class IndexFeed:
+class IndexFeed(EventRecorder):
     """Stands in for a node's ZeroMQ socket: the store records events, `flush` hands the
     encoded batches to the router's index, as a subscriber would receive them."""
 
     def __init__(self, node: str, index: PrefixIndex):
+        super().__init__()
         self.node, self.index = node, index
-        self.snapshot = None
-        self._lock = threading.Lock()
-        self._pending: dict[str, list] = {}
         self._seq = 0
 
-    def record(self, topic: str, event: dict) -> None:
-        with self._lock:
-            self._pending.setdefault(topic, []).append(event)
-
     def flush(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, {}
-        for topic, events in pending.items():
+        for topic, events in self.take().items():
             self.index.apply_frames(self.node, [topic.encode(), self._seq.to_bytes(8, "big"),
                                                 encode_batch(0.0, events)])
             self._seq += 1

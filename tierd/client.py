@@ -187,17 +187,20 @@ class Client:
             return False   # the daemon is stopped, stuck or gone: ask it (deadline, reconnect)
         if self._deferred_commits:
             try:
-                deadline = time.monotonic() + self.timeout_s
-                while self._deferred:
-                    sent = self._deferred.pop(0)
-                    r = self._read_reply(deadline)
-                    if "error" in r:
-                        log.warning("deferred %s failed: %s", sent["op"], r["error"].get("message"))
+                self._drain_deferred(time.monotonic() + self.timeout_s)
             except (OSError, EOFError):
                 self._disconnect()
                 return False
-            self._deferred_commits = 0
         return True
+
+    def _drain_deferred(self, deadline: float) -> None:
+        """Read the replies of the requests sent deferred (they come first, in order)."""
+        while self._deferred:
+            sent = self._deferred.pop(0)
+            r = self._read_reply(deadline)
+            if "error" in r:
+                log.warning("deferred %s failed: %s", sent["op"], r["error"].get("message"))
+        self._deferred_commits = 0
 
     def _disconnect(self) -> None:
         self._deferred = []
@@ -328,12 +331,7 @@ class Client:
         deadline = time.monotonic() + self.timeout_s
         try:
             self._send(P.encode(msg), deadline)
-            while self._deferred:  # replies to deferred requests come first, in order
-                sent = self._deferred.pop(0)
-                r = self._read_reply(deadline)
-                if "error" in r:
-                    log.warning("deferred %s failed: %s", sent["op"], r["error"].get("message"))
-            self._deferred_commits = 0
+            self._drain_deferred(deadline)
             reply = self._read_reply(deadline)
         except (OSError, EOFError) as e:
             self._disconnect()

@@ -64,10 +64,32 @@ def encode_batch(ts: float, events: list[dict]) -> bytes:
     return msgpack.packb([ts, events], use_bin_type=True)
 
 
-class EventPublisher:
+class EventRecorder:
+    """Events recorded per topic (namespace) in order, taken out as batches. `record` is what
+    the store calls, under its lock: memory only. `snapshot`, when set, records the whole state
+    (the store sets it to its `snapshot_events`)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pending: dict[str, list[dict]] = {}
+        self.snapshot = None
+
+    def record(self, topic: str, event: dict) -> None:
+        with self._lock:
+            self._pending.setdefault(topic, []).append(event)
+
+    def take(self) -> dict[str, list[dict]]:
+        """Everything recorded since the last call, per topic."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        return pending
+
+
+class EventPublisher(EventRecorder):
     """Batches events per namespace and publishes them from its own thread."""
 
     def __init__(self, addr: str, *, snapshot=None, max_batches: int = 10_000, interval_s: float = 0.02):
+        super().__init__()
         import zmq   # only where events are wanted
         self._zmq = zmq
         self._ctx = zmq.Context()
@@ -84,11 +106,9 @@ class EventPublisher:
             from .errors import ConfigError
             raise ConfigError(f"events_addr {addr!r}: cannot bind ({e})") from None
         self.addr = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._pending: dict[str, list[dict]] = {}     # topic -> events not yet batched
         self._queue: collections.deque = collections.deque()
         self._max = max_batches
         self._interval = interval_s
-        self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
         self._seq = 0
@@ -97,15 +117,10 @@ class EventPublisher:
         self._thread = threading.Thread(target=self._run, name="tierd-events", daemon=True)
         self._thread.start()
 
-    def record(self, topic: str, event: dict) -> None:
-        """Add one event (called under the store lock: memory only)."""
-        with self._lock:
-            self._pending.setdefault(topic, []).append(event)
-
     def _cut(self) -> None:
         """Turn pending events into one batch per topic (in the order they were recorded)."""
+        pending = self.take()
         with self._lock:
-            pending, self._pending = self._pending, {}
             ts = time.time()
             for topic, events in pending.items():
                 self._queue.append((topic, ts, events))

@@ -115,10 +115,14 @@ def extend_keys(keys: list[bytes], root: bytes, token_ids: Sequence[int], block_
 _BYTES, _KEY_LEN = {bytes}, {KEY_BYTES}
 
 
+def well_formed(keys: Sequence) -> bool:
+    """Every key is a 16-byte `bytes` (C loops only: the hot path of every request)."""
+    return not keys or (set(map(type, keys)) == _BYTES and set(map(len, keys)) == _KEY_LEN)
+
+
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:
     """Validate a list of keys (16 bytes each) and return them as `bytes`."""
-    # Fast path (C loops only): a sequence of 16-byte `bytes`, as every caller of ours passes.
-    if keys and set(map(type, keys)) == _BYTES and set(map(len, keys)) == _KEY_LEN:
+    if well_formed(keys):   # the common case, checked in C loops
         return list(keys)
     out = []
     for k in keys:

@@ -15,6 +15,7 @@ from typing import Any
 import msgpack
 
 from .errors import TierdError
+from .keys import well_formed
 
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct(">I")
@@ -93,9 +94,6 @@ def keys_field(msg: dict, max_keys: int, name: str = "keys") -> list[bytes]:
     keys = field(msg, name, list, what="a list of 16-byte keys")
     if len(keys) > max_keys:
         raise ProtocolError(f"{len(keys)} keys in one request; the limit is {max_keys}")
-    if keys and (set(map(type, keys)) != _BYTES or set(map(len, keys)) != _KEY_LEN):
+    if not well_formed(keys):
         raise ProtocolError("every key must be 16 bytes (msgpack bin)")
     return keys
-
-
-_BYTES, _KEY_LEN = {bytes}, {16}

@@ -87,7 +87,7 @@ class _Conn(asyncio.Protocol):
         if not allowed or len(d.conns) >= d.cfg.max_clients:
             d.counters["refused_peers"] += not allowed
             log.warning("refused connection from pid %d uid %d gid %d (%s)", self.pid, self.uid, self.gid,
-                        "not allowed" if allowed is False else "too many clients")
+                        "not allowed" if not allowed else "too many clients")
             self._write(P.error_reply(None, "forbidden" if not allowed else "busy",
                                       "peer not allowed by allowed_uids/allowed_gids"
                                       if not allowed else "too many clients"))

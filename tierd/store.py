@@ -1788,7 +1788,6 @@ class TieredStore:
                 pad = sum(st.counters["disk_blocks"] * (st.disk_slot_bytes - st.block_bytes)
                           for st in self._namespaces.values())
                 disk = self._rd.stats(extra_waste=pad)
-                disk.pop("files", None)
                 disk.update(degraded=self._disk_health.fault or "",
                             degraded_seconds=(time.monotonic() - self._disk_health.since
                                               if self._disk_health.fault else 0.0),

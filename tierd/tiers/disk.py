@@ -814,4 +814,4 @@ class DiskTier(Tier):
 
     def usage(self) -> dict:
         return {**super().usage(), "path": str(self.path), "direct_io": self.direct_io,
-                "codec": self.codec_name, "recovered_from": self.recovered_from, "files": self.num_files}
+                "codec": self.codec_name, "recovered_from": self.recovered_from}
