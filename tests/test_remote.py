@@ -12,6 +12,7 @@ import pytest
 
 import tierd
 from tierd import TieredStore
+from tierd.tiers.disk import CorruptBlockError
 from tierd.tiers.remote import RemoteTier
 
 from .daemon import SMALL_TOML, DaemonProc
@@ -105,6 +106,36 @@ def test_two_daemons_share_a_prefix_through_the_remote_tier(tmp_path, backend):
         assert b.stop() == 0
 
 
+def test_sync_remote_hands_a_nodes_cache_to_the_fleet(tmp_path, server):
+    """With write-behind off nothing reaches the server until `tierd sync --remote`, which sends
+    every host block the server lacks and returns once they are there; another node then serves
+    them byte-exact. A second push sends nothing; a plain sync waits for queued write-behind."""
+    import subprocess
+    import sys
+    ns = make_ns()
+    keys = chain(ns, 3, 12)
+    (tmp_path / "a").mkdir()
+    a = DaemonProc(tmp_path / "a", toml=f'[remote]\nurl = "{server.url}"\nwrite_behind = false\n' + SMALL_TOML).start()
+    try:
+        with tierd.connect(a.url) as c:
+            put(c, ns, keys)
+            assert ns_keys(server.port, ns) == 0 and remote_stats(c)["writes"] == 0
+            out = subprocess.run([sys.executable, "-m", "tierd", "sync", "--remote", "--socket", a.socket],
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            assert "remote: 12 blocks sent" in out.stdout
+            assert ns_keys(server.port, ns) == 12                 # there when the command returned
+            assert c.push_remote() == (0, 0)                      # nothing left to send
+    finally:
+        assert a.stop() == 0
+    with node(server.url) as b:
+        assert served_exact(b, ns, keys) == 12
+        more = chain(ns, 4, 40)
+        put(b, ns, more)                                          # write-behind on (the default)
+        b.sync()                                                  # waits for the queue
+        assert b.remote_pending() == 0 and ns_keys(server.port, ns) == 52
+
+
 def test_foreign_truncated_and_corrupt_values_are_never_served(server):
     ns = make_ns()
     keys = chain(ns, 2, 6)
@@ -131,6 +162,53 @@ def test_foreign_truncated_and_corrupt_values_are_never_served(server):
         st = remote_stats(b)
         assert st["corrupt_dropped"] == 4 and st["hits"] == 2
         wait_for(lambda: not any(r.exists(rk[i]) for i in (1, 3, 4, 5)), what="damaged values deleted")
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-reads", "redis-py-reads"])
+def test_one_batch_of_every_kind_of_value_reads_right_and_leaves_the_connection_in_step(server, direct):
+    """fetch_many's replies, read straight into host RAM (or through redis-py), in one pipeline:
+    raw and zstd values land byte-exact; absent keys are misses; damaged values are errors whose
+    bytes never count as loaded; and the same connection serves the next batch correctly."""
+    import numpy as np
+
+    from tierd.tiers.base import BlockMeta
+    ns_id, n = b"N" * 16, 64 << 10
+    rng = np.random.default_rng(7)
+    blocks = [rng.integers(0, 256, n, dtype=np.uint8) for _ in range(4)]
+    blocks.append(np.repeat(np.arange(n // 64, dtype=np.uint16), 32).view(np.uint8))  # compressible
+    keys = [bytes([i]) * 16 for i in range(12)]
+    raw_t = RemoteTier(server.url)
+    zstd_t = RemoteTier(server.url, codec="zstd")
+    for i, b in enumerate(blocks):
+        (zstd_t if i == 4 else raw_t).write(None, b, BlockMeta(ns_id, keys[i], None, n, 2))
+    r = redis.Redis.from_url(server.url)
+    rk = [RemoteTier.rkey(ns_id, k) for k in keys]
+    assert len(r.hget(rk[4], b"p")) < n // 4                    # stored compressed
+    good = r.hgetall(rk[0])
+    r.hset(rk[5], mapping={b"h": good[b"h"], b"p": good[b"p"][:-1]})        # truncated
+    r.hset(rk[6], mapping=good)                                             # another block's value
+    flipped = bytearray(good[b"p"])
+    flipped[n // 2] ^= 1
+    hdr = r.hget(rk[1], b"h")
+    r.hset(rk[7], mapping={b"h": raw_t.encode(blocks[1], BlockMeta(ns_id, keys[7], None, n, 2))[0],
+                           b"p": bytes(flipped)})                           # payload bit flipped
+    r.set(rk[8], b"not a tierd value")                                      # another type
+    r.hset(rk[9], b"h", hdr)                                                # header only
+    r.hset(rk[10], b"h", b"\xff" * 40)                                      # header garbage
+    # keys[11]: absent
+    t = RemoteTier(server.url)
+    t.direct_reads = direct
+    if direct:                             # nothing may fall back to redis-py's reads
+        t.get_many = lambda *a: pytest.fail("the direct path fell back to redis-py")
+    for _ in range(2):                     # the second round reuses the pooled connection
+        dsts = [np.zeros(n, np.uint8) for _ in keys]
+        out = t.fetch_many(ns_id, keys, dsts)
+        for i in range(5):
+            assert out[i] is None and np.array_equal(dsts[i], blocks[i]), i
+        for i in range(5, 11):
+            assert isinstance(out[i], CorruptBlockError), (i, out[i])
+        assert isinstance(out[11], KeyError)
+    assert t.fetch_many(ns_id, [], []) == []
 
 
 def test_a_paused_killed_or_restarted_server_degrades_the_tier_and_never_a_local_hit(server):

@@ -102,6 +102,10 @@ def cmd_sync(args) -> int:
                     break
             print()
     print(f"synced: {total_written} blocks written to disk durably")
+    if args.remote:
+        with _client(args) as c:
+            pushed, pending = c.push_remote()
+        print(f"remote: {pushed} blocks sent to the shared tier" + (f", {pending} still queued" if pending else ""))
     return 0
 
 
@@ -185,7 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="all: this node's tiers; remote (shared with other nodes) only by name")
     p.add_argument("--namespace", help="only this namespace (name from `tierd stats`)")
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-    client_cmd("sync", "write host blocks to disk so a restart keeps them", cmd_sync)
+    p = client_cmd("sync", "write host blocks to disk so a restart keeps them", cmd_sync)
+    p.add_argument("--remote", action="store_true",
+                   help="also send the remote tier every host block it lacks (before draining a node)")
     client_cmd("ping", "check that the daemon answers", cmd_ping)
 
     p = sub.add_parser("size", help="KV memory planning for a model (no daemon needed)")

@@ -542,6 +542,12 @@ class Client:
         r = self._call("sync", max_blocks=max_blocks)
         return r["written"], r["remaining"]
 
+    def push_remote(self) -> tuple[int, int]:
+        """Send the remote tier every host block it lacks and wait for the write-behind queue:
+        (blocks sent, blocks still queued). Also syncs the disk tier, as `sync` does."""
+        r = self._call("sync", remote=True)
+        return r["remote_written"], r["remote_pending"]
+
     def stats(self) -> dict:
         return self._call("stats")["stats"]
 

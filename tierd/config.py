@@ -105,6 +105,7 @@ class StoreConfig:
     remote_timeout_s: float = 0.5        # longest one remote call may take (then: degraded)
     remote_queue_blocks: int = 256       # write-behind queue: blocks waiting to be written (pinned)
     remote_codec: str = "none"           # "none" or "zstd", as on disk
+    remote_write_behind: bool = True     # send every committed block to the server (else only on sync --remote)
     remote_known_s: float = 30.0         # how long a key the server had counts as there
     remote_absent_s: float = 1.0         # how long a key the server lacked counts as missing
     eviction_policy: str = "lru"         # "lru" or "s3fifo"
@@ -244,6 +245,7 @@ SERVE_KEYS: dict[str, tuple[str, str, Any]] = {
     "remote.timeout_s": ("store", "remote_timeout_s", float),
     "remote.queue_blocks": ("store", "remote_queue_blocks", int),
     "remote.codec": ("store", "remote_codec", str),
+    "remote.write_behind": ("store", "remote_write_behind", bool),
     "gpu.bytes": ("store", "gpu_bytes", str),
     "gpu.slab_bytes": ("store", "gpu_slab_bytes", str),
     "gpu.device": ("store", "gpu_device", str),

@@ -645,8 +645,11 @@ class Daemon:
         limit = P.field(msg, "max_blocks", int, default=None)
         if limit is not None and limit < 1:
             raise P.ProtocolError("max_blocks must be >= 1")
+        remote = P.field(msg, "remote", bool, default=False)
         written = self.store.sync(limit)
-        return {"written": written, "remaining": self.store.unsynced_blocks()}
+        pushed = self.store.push_remote(limit) if remote else 0
+        return {"written": written, "remaining": self.store.unsynced_blocks(),
+                "remote_written": pushed, "remote_pending": self.store.remote_pending()}
 
     def _op_stats(self, conn: _Conn, msg: dict) -> dict:
         return {"stats": self.stats()}

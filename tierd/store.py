@@ -291,6 +291,7 @@ class TieredStore:
         # write-behind queue (blocks pinned in host RAM until written), health and counters.
         self.remote = None
         self._remote_q: collections.deque = collections.deque()
+        self._remote_inflight = 0    # blocks of the write-behind batch on its way to the server
         self._remote_wake = threading.Event()
         self._remote_known: dict[bytes, float] = {}    # ikey -> until when it counts as there
         self._remote_absent: dict[bytes, float] = {}   # ikey -> until when it counts as missing
@@ -317,8 +318,11 @@ class TieredStore:
                 self.disk.close(None)
             raise
         if self.remote is not None:
-            self._remote_thread = threading.Thread(target=self._remote_writer, name="tierd-remote", daemon=True)
-            self._remote_thread.start()
+            self._remote_threads = [threading.Thread(target=self._remote_writer, args=(i == 0,),
+                                                     name=f"tierd-remote-{i}", daemon=True)
+                                    for i in range(self.REMOTE_WRITERS)]
+            for t in self._remote_threads:
+                t.start()
         self._maintainer = threading.Thread(target=self._maintain, name="tierd-demoter", daemon=True)
         self._maintainer.start()
 
@@ -452,7 +456,9 @@ class TieredStore:
 
     # -- the remote tier --------------------------------------------------------------------------
     REMOTE_RETRY_S = 1.0     # while degraded, one call per interval probes the server
-    REMOTE_BATCH = 32        # blocks per write-behind round trip
+    REMOTE_BATCH = 32        # blocks per write-behind round trip, at most
+    REMOTE_BATCH_BYTES = 8 << 20   # and about this many bytes
+    REMOTE_WRITERS = 2       # write-behind threads: one batch is encoded while another is sent
 
     def _remote_error(self, what: str, e: BaseException) -> None:
         """(Lock held.) A remote failure: the first of an episode degrades the tier (logged once);
@@ -483,34 +489,43 @@ class TieredStore:
         self._remote_q.append(b)
         self._remote_wake.set()
 
-    def _remote_writer(self) -> None:
-        """The write-behind thread: batches of pinned host blocks to the server, one round trip
-        each; probes a degraded server; refreshes the server's memory figures."""
+    def _remote_writer(self, lead: bool) -> None:
+        """A write-behind thread: batches of pinned host blocks to the server, one round trip
+        each (on its own connection: while one thread waits for the server, the other encodes
+        and sends). The lead thread also probes a degraded server, deletes damaged values and
+        refreshes the server's memory figures."""
         remote = self.remote
         usage_at = 0.0
-        try:
-            remote.probe()                 # is the server there at all? (else: degraded now)
-        except Exception as e:  # noqa: BLE001 -- any client or server failure
-            with self._cond:
-                self._remote_error("connect", e)
+        if lead:
+            try:
+                remote.probe()                 # is the server there at all? (else: degraded now)
+            except Exception as e:  # noqa: BLE001 -- any client or server failure
+                with self._cond:
+                    self._remote_error("connect", e)
         while True:
             self._remote_wake.wait(0.25)
             self._remote_wake.clear()
             now = time.monotonic()
             with self._cond:
                 closing = self._closed
-                probe = self._remote_health.fault is not None and now >= self._remote_health.retry_at
+                probe = lead and self._remote_health.fault is not None and now >= self._remote_health.retry_at
                 if self._remote_health.fault is not None and self._remote_q:
                     for b in self._remote_q:          # degraded: nothing waits for the server
                         b.host_pins -= 1
                     self._rr["write_dropped"] += len(self._remote_q)
                     self._remote_q.clear()
                     self._cond.notify_all()
-                batch = [self._remote_q.popleft() for _ in range(min(self.REMOTE_BATCH, len(self._remote_q)))]
+                n = min(self.REMOTE_BATCH, len(self._remote_q))
+                if n:   # a few MiB a round trip: the other writer's batch fills the wait
+                    n = min(n, max(1, self.REMOTE_BATCH_BYTES // self._remote_q[0].st.block_bytes))
+                batch = [self._remote_q.popleft() for _ in range(n)]
+                self._remote_inflight += len(batch)
                 items = [(b, BlockMeta(b.st.ns_id, b.key, b.parent[16:] if b.parent else None,
                                        b.st.block_bytes, b.st.dtype_bytes),
                           self.host.view(b.host_slot, b.st.block_bytes)) for b in batch]
-                deletes, self._remote_delete = self._remote_delete, []
+                deletes: list[bytes] = []
+                if lead:
+                    deletes, self._remote_delete = self._remote_delete, []
             if probe:
                 try:
                     remote.probe()
@@ -520,7 +535,7 @@ class TieredStore:
                 else:
                     with self._cond:
                         self._remote_healthy()
-            if now >= usage_at:
+            if lead and now >= usage_at:
                 usage_at = now + 5.0
                 try:
                     remote.refresh_usage()
@@ -540,6 +555,7 @@ class TieredStore:
                     err = e
                 with self._cond:
                     until = time.monotonic() + self.config.remote_known_s
+                    self._remote_inflight -= len(items)
                     for b, _, _ in items:
                         b.host_pins -= 1
                     if err is None:
@@ -559,6 +575,23 @@ class TieredStore:
                     self._remote_wake.set()
             if closing and not self._remote_q:
                 return
+
+    def remote_pending(self) -> int:
+        """Blocks waiting for (or on their way to) the remote tier."""
+        with self._cond:
+            return len(self._remote_q) + self._remote_inflight
+
+    def _drain_remote(self, timeout_s: float) -> int:
+        """(Lock held.) Wait until the write-behind queue is empty (written, or dropped by a
+        degraded tier), at most `timeout_s`. Returns the blocks still pending."""
+        deadline = time.monotonic() + timeout_s
+        while self._remote_q or self._remote_inflight:
+            left = deadline - time.monotonic()
+            if left <= 0 or self._closed:
+                break
+            self._remote_wake.set()
+            self._cond.wait(min(left, 0.1))
+        return len(self._remote_q) + self._remote_inflight
 
     def _remote_leading(self, st: _NsState, keys: Sequence[bytes]) -> int:
         """Leading `keys` the remote tier holds: from the store's memory of the server where it
@@ -672,19 +705,12 @@ class TieredStore:
         st = blocks[0].st
         t0 = time.perf_counter()
         try:
-            values = self.remote.get_many(st.ns_id, [b.key for b in blocks])
+            errs = self.remote.fetch_many(st.ns_id, [b.key for b in blocks],
+                                          [self.host.view(b.host_slot, st.block_bytes) for b in blocks])
         except Exception as e:  # noqa: BLE001 -- every block of the call is a miss
             return {id(b): e for b in blocks}
         elapsed = time.perf_counter() - t0
-        for b, v in zip(blocks, values):
-            if isinstance(v, list) and v == [None, None]:
-                out[id(b)] = KeyError("gone from the server")
-                continue
-            try:
-                self.remote.decode(v, st.ns_id, b.key, self.host.view(b.host_slot, st.block_bytes))
-                out[id(b)] = None
-            except CorruptBlockError as e:
-                out[id(b)] = e
+        out = {id(b): e for b, e in zip(blocks, errs)}
         with self._cond:
             self._remote_timed(elapsed)
         return out
@@ -1214,7 +1240,7 @@ class TieredStore:
                 for i, b in enumerate(res._blocks):
                     if b is not None and b.host_state == READY and b.owner_res == 0:
                         self._event(b, "host", True, res._tokens[i * bt:(i + 1) * bt] if bt else None)
-            if self.remote is not None:   # write-behind, in chain order
+            if self.remote is not None and self.config.remote_write_behind:   # in chain order
                 for b in res._blocks:
                     if b is not None and b.host_state == READY and b.owner_res == 0:
                         self._remote_enqueue(b)
@@ -1648,11 +1674,63 @@ class TieredStore:
             return sum(1 for b in self._blocks.values()
                        if b.host_state == READY and b.disk is None and not b.disk_writing)
 
+    REMOTE_DRAIN_S = 10.0    # how long a sync waits for the remote write-behind queue
+
     def sync(self, max_blocks: int | None = None) -> int:
         """Write every host-only block (at most `max_blocks`) to disk and make all disk
-        writes durable; a reopen then serves them. Returns the number of blocks written.
+        writes durable; a reopen then serves them. With a remote tier, also wait (up to
+        REMOTE_DRAIN_S) until its write-behind queue has gone to the server (`remote_pending`
+        says what is left). Returns the number of blocks written to disk.
         Raises DiskDegradedError when the disk tier cannot take them (nothing is acknowledged
         durable that is not)."""
+        written = self._sync_disk(max_blocks)
+        if self.remote is not None:
+            with self._cond:
+                self._drain_remote(self.REMOTE_DRAIN_S)
+        return written
+
+    def push_remote(self, max_blocks: int | None = None) -> int:
+        """Send the remote tier every block this node holds in host RAM that the server lacks
+        (at most `max_blocks`), in chain order, and wait until they are written: a node about to
+        be drained hands its cache to the fleet; with `remote.write_behind` off this is the only
+        way blocks reach the server. Returns how many were written; 0 when there is no remote
+        tier or it is degraded."""
+        if self.remote is None:
+            return 0
+        written = 0
+        with self._cond:
+            self._check_open()
+            todo = [b for b in self._blocks.values()
+                    if b.host_state == READY and b.owner_res == 0 and b.host_slot is not None]
+        todo = todo[:max_blocks] if max_blocks is not None else todo
+        step = self.config.remote_queue_blocks
+        for i in range(0, len(todo), step):
+            chunk = todo[i:i + step]
+            by_ns: dict[bytes, list[_Block]] = {}
+            for b in chunk:
+                by_ns.setdefault(b.st.ns_id, []).append(b)
+            try:   # skip what the server has (one round trip per namespace)
+                lacking = [b for ns_id, bs in by_ns.items()
+                           for b, there in zip(bs, self.remote.exists_many(ns_id, [b.key for b in bs]))
+                           if not there]
+            except Exception as e:  # noqa: BLE001 -- a remote failure: nothing more to push
+                with self._cond:
+                    self._remote_error("lookup", e)
+                break
+            with self._cond:
+                if not self._remote_ok():
+                    break
+                self._drain_remote(self.REMOTE_DRAIN_S)   # room in the queue for the whole chunk
+                before = self._rr["writes"]
+                for b in lacking:
+                    if b.host_state == READY and self._blocks.get(b.ikey) is b:
+                        self._remote_known.pop(b.ikey, None)
+                        self._remote_enqueue(b)
+                self._drain_remote(self.REMOTE_DRAIN_S)
+                written += self._rr["writes"] - before
+        return written
+
+    def _sync_disk(self, max_blocks: int | None) -> int:
         if self.disk is None:
             return 0
         written = 0
@@ -1828,7 +1906,8 @@ class TieredStore:
         self._maintainer.join()
         if self.remote is not None:
             self._remote_wake.set()
-            self._remote_thread.join(10 + 2 * self.config.remote_timeout_s)
+            for t in self._remote_threads:
+                t.join(10 + 2 * self.config.remote_timeout_s)
             self.remote.close()
         with self._cond:
             while self._writes_in_flight:

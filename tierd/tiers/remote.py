@@ -35,6 +35,45 @@ KEY_PREFIX = b"tierd:"
 _FIELDS = (b"h", b"p")      # a value is a hash: h = the slot header, p = the payload
 
 
+def _encode_arg(value):
+    """A command argument as redis-py would send it (bytes and memoryviews as they are)."""
+    if isinstance(value, (bytes, memoryview)):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    return repr(value).encode() if isinstance(value, float) else str(value).encode()
+
+
+def _packer():
+    """redis-py's Python command serializer, which sends a large value as its own buffer. With
+    hiredis installed redis-py would pack every command through hiredis, which copies each value
+    into one string first: half the write rate for block-sized values. Replies still go through
+    hiredis's parser (twice redis-py's own rate for block-sized values)."""
+    try:
+        from redis.connection import PythonRespSerializer
+    except ImportError:          # an older redis-py: its default packer
+        return None
+    return PythonRespSerializer(6000, _encode_arg)
+
+
+def connection_options(cluster: bool = False) -> dict:
+    """Keyword arguments for a redis-py client that moves blocks well (also used by the
+    benchmark's raw reference, so that both sides send and parse the same way). A TLS Cluster
+    client picks its own connection class, so it keeps redis-py's default packer."""
+    packer = _packer()
+    if packer is None:
+        return {}
+    if not cluster:
+        return {"command_packer": packer}
+    import redis
+
+    class _Connection(redis.Connection):
+        def __init__(self, **kw):
+            kw.setdefault("command_packer", packer)
+            super().__init__(**kw)
+    return {"connection_class": _Connection}
+
+
 def redact(url: str) -> str:
     """`url` without its password (for stats and logs)."""
     p = urlsplit(url)
@@ -71,11 +110,12 @@ class RemoteTier(Tier):
                 except ValueError:
                     raise ConfigError(f"remote tier: {redact(url)}: bad host:port {hp!r}") from None
             self._seeds = seeds
+            tls = parts.scheme.startswith("rediss")
             self._auth = dict(username=parts.username, password=parts.password,
-                              ssl=parts.scheme.startswith("rediss"))
+                              **({"ssl": True} if tls else connection_options(cluster=True)))
         elif parts.scheme in ("redis", "rediss", "unix"):
             try:
-                self._client = redis.Redis.from_url(url, **self._kw)   # connects lazily
+                self._client = redis.Redis.from_url(url, **self._kw, **connection_options())  # lazily
             except (redis.RedisError, ValueError) as e:
                 raise ConfigError(f"remote tier: cannot use {redact(url)}: {e}") from None
         else:
@@ -83,6 +123,7 @@ class RemoteTier(Tier):
                               "redis+cluster://host:port[,host:port...]")
         self.capacity_bytes = 0
         self.used_bytes = 0
+        self.direct_reads = True     # fetch_many's fast path (tests turn it off to compare)
 
     @property
     def client(self):
@@ -91,8 +132,15 @@ class RemoteTier(Tier):
         the tier instead of stopping the daemon."""
         if self._client is None:
             from redis.cluster import ClusterNode, RedisCluster
-            self._client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self._seeds],
-                                        **self._auth, **self._kw)
+            nodes = [ClusterNode(h, p) for h, p in self._seeds]
+            extra = {}
+            if "connection_class" in self._auth:
+                # made from a URL, RedisCluster builds its nodes' connection pools from these
+                # options (a node's Redis() would not take a connection class)
+                host = f"[{nodes[0].host}]" if ":" in nodes[0].host else nodes[0].host
+                extra["url"] = f"redis://{host}:{nodes[0].port}"
+                nodes = nodes[1:]
+            self._client = RedisCluster(startup_nodes=nodes, **extra, **self._auth, **self._kw)
         return self._client
 
     # -- keys and values -----------------------------------------------------------------------
@@ -114,7 +162,22 @@ class RemoteTier(Tier):
         return header, payload
 
     @staticmethod
-    def decode(value, ns_id: bytes, key: bytes, dst: np.ndarray) -> bytes | None:
+    def check_header(header, ns_id: bytes, key: bytes, raw_len: int) -> tuple[int, int, int, bytes | None]:
+        """Verify a value's header as block `key` of namespace `ns_id`, `raw_len` bytes long:
+        (codec, payload length, payload checksum, parent key or None). Raises
+        CorruptBlockError."""
+        h = unpack_slot_header(memoryview(header)[:PAGE])
+        if h is None:
+            raise CorruptBlockError("value has no header")
+        _, _, codec, _, _, h_ns, h_key, parent, payload_len, h_raw_len, _, _, pcsum = h
+        if h_ns != ns_id or h_key != key:
+            raise CorruptBlockError("value belongs to another block")
+        if h_raw_len != raw_len:
+            raise CorruptBlockError(f"value holds {h_raw_len} bytes, the block has {raw_len}")
+        return codec, payload_len, pcsum, None if parent == b"\0" * 16 else parent
+
+    @classmethod
+    def decode(cls, value, ns_id: bytes, key: bytes, dst: np.ndarray) -> bytes | None:
         """Verify `value` ((header, payload), as `get_many` returns it) as block `key` of
         namespace `ns_id` and copy it into `dst` (raw_len,); returns the block's parent key (or
         None). Raises CorruptBlockError."""
@@ -123,14 +186,7 @@ class RemoteTier(Tier):
         header, payload = value
         if header is None or payload is None:
             raise CorruptBlockError("value lacks its header or payload")
-        h = unpack_slot_header(memoryview(header)[:PAGE])
-        if h is None:
-            raise CorruptBlockError("value has no header")
-        _, _, codec, _, _, h_ns, h_key, parent, payload_len, raw_len, _, _, pcsum = h
-        if h_ns != ns_id or h_key != key:
-            raise CorruptBlockError("value belongs to another block")
-        if raw_len != dst.nbytes:
-            raise CorruptBlockError(f"value holds {raw_len} bytes, the block has {dst.nbytes}")
+        codec, payload_len, pcsum, parent = cls.check_header(header, ns_id, key, dst.nbytes)
         if len(payload) != payload_len:
             raise CorruptBlockError("value truncated")
         if _csum(payload) != pcsum:
@@ -139,7 +195,7 @@ class RemoteTier(Tier):
             _codec.decode(codec, payload, dst)
         except Exception as ex:  # zstd errors are not one class
             raise CorruptBlockError(f"payload does not decode: {ex}") from None
-        return None if parent == b"\0" * 16 else parent
+        return parent
 
     # -- data calls (no store lock; each one round trip) ----------------------------------------------
     def exists_many(self, ns_id: bytes, keys: list[bytes]) -> list[bool]:
@@ -155,6 +211,54 @@ class RemoteTier(Tier):
         for k in keys:
             pipe.hmget(self.rkey(ns_id, k), _FIELDS)
         return pipe.execute(raise_on_error=False)
+
+    def fetch_many(self, ns_id: bytes, keys: list[bytes], dsts: list[np.ndarray]) -> list:
+        """Load blocks `keys` of namespace `ns_id` into `dsts` (each raw_len bytes), verified:
+        per key None (loaded), KeyError (not on the server) or CorruptBlockError (the value is not
+        this block, intact: `dsts[i]` then holds garbage). One round trip per server. Raises
+        when the server cannot be reached or answers out of protocol.
+
+        Payloads stored raw are received straight into their destination (one copy, by the
+        kernel) and verified there: redis-py would copy each one twice more on the way (into its
+        parser's buffer, then into a bytes object) before tierd copied it into host RAM. Keys
+        the fast path cannot serve (a Cluster redirect, a RESP3 connection) go through redis-py."""
+        out: list = [None] * len(keys)
+        slow = list(range(len(keys)))
+        if self.direct_reads:
+            rkeys = [self.rkey(ns_id, k) for k in keys]
+            slow = []
+            for pool, idx in self._pools_for(rkeys):
+                if pool is None:
+                    slow += idx
+                    continue
+                slow += _fetch_direct(pool, [rkeys[i] for i in idx], ns_id, [keys[i] for i in idx],
+                                      [dsts[i] for i in idx], idx, out, self.check_header)
+        if slow:
+            values = self.get_many(ns_id, [keys[i] for i in slow])
+            for i, v in zip(slow, values):
+                if isinstance(v, list) and v == [None, None]:
+                    out[i] = KeyError("not on the server")
+                    continue
+                try:
+                    self.decode(v, ns_id, keys[i], dsts[i])
+                except CorruptBlockError as e:
+                    out[i] = e
+        return out
+
+    def _pools_for(self, rkeys: list[bytes]) -> list[tuple[object, list[int]]]:
+        """[(connection pool, indices of `rkeys` it serves)]: the one pool of a standalone
+        server; per node for a Cluster (None where the slot's owner is not known)."""
+        if not self.cluster:
+            return [(_direct_pool(self.client.connection_pool), list(range(len(rkeys))))]
+        groups: dict[int, tuple[object, list[int]]] = {}
+        for i, rk in enumerate(rkeys):
+            try:
+                node = self.client.get_node_from_key(rk)
+                pool = _direct_pool(node.redis_connection.connection_pool)
+            except Exception:  # noqa: BLE001 -- no slot map yet, or a node in flux: redis-py's path
+                pool = None
+            groups.setdefault(id(pool), (pool, []))[1].append(i)
+        return list(groups.values())
 
     def set_many(self, items: list[tuple[bytes, tuple]]) -> None:
         """[(redis key, (header, payload))], one round trip; each value one HSET (atomic)."""
@@ -176,10 +280,11 @@ class RemoteTier(Tier):
 
     def read(self, where: tuple[bytes, bytes], dst: np.ndarray) -> None:
         ns_id, key = where
-        (value,) = self.get_many(ns_id, [key])
-        if isinstance(value, list) and value == [None, None]:
+        (err,) = self.fetch_many(ns_id, [key], [dst])
+        if isinstance(err, KeyError):
             raise CorruptBlockError("value is gone")
-        self.decode(value, ns_id, key, dst)
+        if err is not None:
+            raise err
 
     def flush_namespace(self, ns_id: bytes | None, batch: int = 500) -> int:
         """Delete every value of namespace `ns_id` (all of tierd's with None): SCAN by prefix, in
@@ -233,3 +338,142 @@ class RemoteTier(Tier):
                 self._client.close()
         except Exception:  # noqa: BLE001 -- closing a dead connection
             pass
+
+
+# -- the fast read path -------------------------------------------------------------------------
+_CRLF = b"\r\n"
+_REDIRECTS = (b"MOVED", b"ASK", b"TRYAGAIN", b"CLUSTERDOWN")
+
+
+class _ReplyStream:
+    """Replies read off a redis-py connection's socket: lines through a small buffer, large bulk
+    strings straight into where they go."""
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.buf = bytearray()
+        self.pos = 0
+        self.scratch = bytearray(64 << 10)
+
+    def _fill(self) -> None:
+        n = self.sock.recv_into(self.scratch)
+        if n == 0:
+            raise ConnectionError("the server closed the connection")
+        if self.pos:
+            del self.buf[:self.pos]
+            self.pos = 0
+        self.buf += memoryview(self.scratch)[:n]
+
+    def line(self) -> bytes:
+        while True:
+            i = self.buf.find(_CRLF, self.pos)
+            if i >= 0:
+                out = bytes(self.buf[self.pos:i])
+                self.pos = i + 2
+                return out
+            if len(self.buf) - self.pos > 1 << 16:
+                raise ConnectionError("reply line too long")
+            self._fill()
+
+    def into(self, dst: memoryview) -> None:
+        """The next len(dst) bytes of a bulk string, then its CRLF."""
+        n = len(dst)
+        have = min(n, len(self.buf) - self.pos)
+        dst[:have] = self.buf[self.pos:self.pos + have]
+        self.pos += have
+        while have < n:
+            got = self.sock.recv_into(dst[have:])
+            if got == 0:
+                raise ConnectionError("the server closed the connection")
+            have += got
+        while len(self.buf) - self.pos < 2:
+            self._fill()
+        if self.buf[self.pos:self.pos + 2] != _CRLF:
+            raise ConnectionError("bulk string not terminated")
+        self.pos += 2
+
+    def bulk(self) -> bytearray | None:
+        """A bulk string (None for nil)."""
+        n = self._length(self.line(), b"$")
+        if n is None:
+            return None
+        out = bytearray(n)
+        self.into(memoryview(out))
+        return out
+
+    @staticmethod
+    def _length(line: bytes, kind: bytes) -> int | None:
+        if line in (b"$-1", b"*-1", b"_"):
+            return None
+        if line[:1] != kind:
+            raise ConnectionError(f"unexpected reply {line[:40]!r}")
+        return int(line[1:])
+
+
+def _direct_pool(pool):
+    """`pool` where the fast path can read its replies (RESP2, as tierd's clients speak), else
+    None."""
+    return pool if str(pool.connection_kwargs.get("protocol") or 2) == "2" else None
+
+
+def _fetch_direct(pool, rkeys, ns_id, keys, dsts, idx, out, check_header) -> list[int]:
+    """HMGET `rkeys` on one connection of `pool`, one round trip; results into `out` at `idx`.
+    Returns the indices to retry through redis-py (Cluster redirects). A failure mid-stream
+    disconnects the connection (its stream cannot be trusted) and raises."""
+    try:
+        conn = pool.get_connection()
+    except TypeError:     # redis-py before 5.3
+        conn = pool.get_connection("HMGET")
+    ok = False
+    retry: list[int] = []
+    try:
+        conn.send_packed_command(conn.pack_commands([(b"HMGET", rk) + _FIELDS for rk in rkeys]))
+        rs = _ReplyStream(conn._sock)
+        for j, i in enumerate(idx):
+            line = rs.line()
+            if line[:1] == b"-":
+                if line[1:].split(b" ", 1)[0] in _REDIRECTS:
+                    retry.append(i)
+                else:
+                    out[i] = CorruptBlockError(f"value is not a block ({line[1:80].decode(errors='replace')})")
+                continue
+            if rs._length(line, b"*") != 2:
+                raise ConnectionError(f"unexpected reply {line[:40]!r}")
+            header = rs.bulk()
+            n = rs._length(rs.line(), b"$")
+            dst = dsts[j]
+            if header is None and n is None:
+                out[i] = KeyError("not on the server")
+                continue
+            try:
+                if header is None or n is None:
+                    raise CorruptBlockError("value lacks its header or payload")
+                codec, payload_len, pcsum, _ = check_header(header, ns_id, keys[j], dst.nbytes)
+                if n != payload_len:
+                    raise CorruptBlockError("value truncated")
+            except CorruptBlockError as e:
+                if n is not None:
+                    rs.into(memoryview(bytearray(n)))      # read past it
+                out[i] = e
+                continue
+            if codec == _codec.CODEC_NONE and n == dst.nbytes:
+                rs.into(memoryview(dst).cast("B"))
+                payload = dst
+            else:
+                payload = bytearray(n)
+                rs.into(memoryview(payload))
+            if _csum(payload) != pcsum:
+                out[i] = CorruptBlockError("payload checksum mismatch")
+            elif payload is not dst:
+                try:
+                    _codec.decode(codec, payload, dst)
+                except Exception as ex:  # noqa: BLE001 -- zstd errors are not one class
+                    out[i] = CorruptBlockError(f"payload does not decode: {ex}")
+        ok = rs.pos == len(rs.buf)
+        if not ok:
+            raise ConnectionError("the server sent more than was asked for")
+    finally:
+        if not ok:
+            conn.disconnect()
+        pool.release(conn)
+    return retry
