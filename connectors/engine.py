@@ -127,7 +127,9 @@ class EngineConnector:
             for layer in range(len(self._k)):
                 block[layer, 0] = self._k[layer][bids]
                 block[layer, 1] = self._v[layer][bids]
-            self.link.submit(self.ns, keys[i], keys[i - 1] if i else None, block.reshape(-1))
+            bt = self.block_tokens
+            self.link.submit(self.ns, keys[i], keys[i - 1] if i else None, block.reshape(-1),
+                             seq.token_ids[i * bt:(i + 1) * bt])
         seq.tier_saved = full
 
     def flush(self, timeout_s: float = 30.0) -> None:

@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 
 import tierd
 from tierd.errors import LeaseError, TierdError
@@ -155,8 +156,9 @@ class StoreLink:
         self._backoff = self._retry_after_s
 
     # -- background stores -------------------------------------------------------------------
-    def submit(self, ns, key: bytes, parent: bytes | None, block) -> bool:
-        """Queue one block (bytes already copied out of the engine's cache). False if dropped."""
+    def submit(self, ns, key: bytes, parent: bytes | None, block, tokens: Sequence[int] | None = None) -> bool:
+        """Queue one block (bytes already copied out of the engine's cache), with its tokens
+        where known (for the daemon's KV events). False if dropped."""
         if self._worker is None:
             with self._lock:
                 if self._worker is None:
@@ -164,7 +166,7 @@ class StoreLink:
                     self._worker.start()
         with self._lock:
             try:
-                self._queue.put_nowait((ns, key, parent, block))
+                self._queue.put_nowait((ns, key, parent, block, tokens))
             except queue.Full:
                 self.stats["stores_dropped"] += 1
                 return False
@@ -207,8 +209,12 @@ class StoreLink:
                 run = [it]
         runs.append(run)
         for i, run in enumerate(runs):
+            tokens = None
+            if all(it[4] is not None for it in run):
+                tokens = [int(t) for it in run for t in it[4]]
             try:
-                store.put(run[0][0], [k for _, k, _, _ in run], [b for _, _, _, b in run], parent=run[0][2])
+                store.put(run[0][0], [it[1] for it in run], [it[3] for it in run], parent=run[0][2],
+                          token_ids=tokens)
                 self.stats["stored_blocks"] += len(run)
                 self.ok()
             except STORE_ERRORS as e:

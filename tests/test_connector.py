@@ -139,3 +139,25 @@ def test_no_daemon_at_all_means_plain_recompute(model_dir, cold, tmp_path):
     out, st = run(model_dir, f"unix://{tmp_path}/nobody-here.sock")
     assert out.num_cached_tokens == 0 and st["unavailable"] >= 1
     assert_same(out, cold)
+
+
+def test_the_engines_stores_carry_their_tokens_into_the_daemons_kv_events(model_dir, tmp_path):
+    """A router's indexer computes its own keys from token ids: every block the engine stores
+    is published with exactly the prompt tokens it holds, in chain order."""
+    msgpack = pytest.importorskip("msgpack")
+    from .test_events import Subscriber, free_port
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    d = DaemonProc(tmp_path, toml=f'events_addr = "{addr}"\n').start()
+    sub = Subscriber(addr)
+    try:
+        import time
+        time.sleep(0.5)                      # the subscription reaches the daemon
+        out, st = run(model_dir, d.url)
+        assert st["stored_blocks"] == 3
+        stored = [e for f in sub.drain() for e in msgpack.unpackb(f[2], raw=False)[1]
+                  if e["type"] == "BlockStored" and e["medium"] == "CPU"]
+        assert [e["token_ids"] for e in stored] == [PROMPT[i * 64:(i + 1) * 64] for i in range(3)]
+        assert [e["parent_block_hash"] for e in stored[1:]] == [e["block_hashes"][0] for e in stored[:2]]
+    finally:
+        sub.close()
+        assert d.stop() == 0
