@@ -325,6 +325,7 @@ class TierdConnector(KVConnectorBase_V1):
                 raise NamespaceError("kv_connector_extra_config.namespace needs a 'model' revision")
             args["tp_size"] = int(explicit.get("tp_size", 1))
             args["kv_scales"] = str(explicit.get("kv_scales", ""))
+            args["tier_codec"] = str(_extra(ktc, "tier_codec", ""))
             self._explicit_rank = explicit.get("tp_rank")     # tools and tests outside vLLM
             return args
         mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
@@ -350,7 +351,7 @@ class TierdConnector(KVConnectorBase_V1):
             kv_scales = "checkpoint" if _has_checkpoint_kv_scales(str(mc.model)) else ""
         return dict(model=model, num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
                     head_dim=mc.get_head_size(), kv_dtype=kv_dtype, tp_size=pc.tensor_parallel_size,
-                    kv_scales=kv_scales)
+                    kv_scales=kv_scales, tier_codec=str(_extra(ktc, "tier_codec", "")))
 
     def _worker_rank(self) -> int:
         if self.tp_size == 1:

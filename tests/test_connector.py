@@ -161,3 +161,25 @@ def test_the_engines_stores_carry_their_tokens_into_the_daemons_kv_events(model_
     finally:
         sub.close()
         assert d.stop() == 0
+
+
+def test_a_lossy_tier_codec_serves_close_kv_from_disk_and_host_hits_stay_exact(model_dir, cold, tmp_path):
+    """kv_tier_codec="int4": blocks demoted to disk come back quantized (the run stays close to
+    the cold one), blocks still in host RAM come back exact."""
+    store = TieredStore(host_bytes="64MiB", disk_path=str(tmp_path / "d"), disk_bytes="64MiB",
+                        disk_slab_bytes="4MiB")
+    try:
+        first, _ = run(model_dir, store, kv_tier_codec="int4")
+        host, _ = run(model_dir, store, kv_tier_codec="int4")
+        assert host.metrics["tier_sources"] == ["host"]
+        assert_same(host, cold)
+        store.sync()
+        store.flush("host")
+        disk, _ = run(model_dir, store, kv_tier_codec="int4")
+        assert disk.num_cached_tokens == 192 and disk.metrics["tier_sources"] == ["disk"]
+        # the first token rests on the loaded KV alone (later ones follow diverging greedy paths)
+        assert 0 < abs(lps(disk)[0] - lps(cold)[0]) < 0.2
+        exact, _ = run(model_dir, store)            # the exact namespace has none of these blocks
+        assert exact.num_cached_tokens == 0
+    finally:
+        store.close()

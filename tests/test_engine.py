@@ -24,6 +24,9 @@ CONFIGS = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}),
     "mistral-window": dict(architecture="mistral", sliding_window=24),
+    # transformers windows only the layers from max_window_layers on: layer 0 sees everything
+    "qwen2-window-per-layer": dict(architecture="qwen2", use_sliding_window=True, sliding_window=12,
+                                   max_window_layers=1),
 }
 
 
@@ -199,6 +202,41 @@ def test_transformers_4_config_layout(model_dir, tmp_path):
     a = LLM(model_dir, kv_cache_bytes="4MiB").generate(prompt_token_ids=list(range(20)), sampling_params=GREEDY)[0]
     b = LLM(d, kv_cache_bytes="4MiB").generate(prompt_token_ids=list(range(20)), sampling_params=GREEDY)[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_qwen2_windows_only_the_layers_from_max_window_layers_on(tmp_path):
+    """As transformers: with use_sliding_window, layers below max_window_layers attend to the
+    whole context (also in a config without layer_types, as transformers 4 wrote them); a
+    full-attention layer keeps every block, so none is freed; the outputs match transformers."""
+    from tierd.engine.config import ModelConfig
+    d = write_random_model(tmp_path / "q", architecture="qwen2", num_hidden_layers=3, use_sliding_window=True,
+                           sliding_window=16, max_window_layers=2, seed=4)
+    assert ModelConfig.from_dir(d).layer_windows == [None, None, 16]
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.pop("layer_types", None)
+    (d / "config.json").write_text(json.dumps(cfg))
+    mc = ModelConfig.from_dir(d)
+    assert mc.layer_windows == [None, None, 16] and mc.uniform_window is None
+    cfg["use_sliding_window"] = False
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert ModelConfig.from_dir(d).layer_windows == [None, None, None]
+    cfg["use_sliding_window"], cfg["layer_types"] = True, ["full_attention", "sliding_attention"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="layer_types has 2 entries for 3 layers"):
+        ModelConfig.from_dir(d)
+    cfg.pop("layer_types")
+    (d / "config.json").write_text(json.dumps(cfg))
+    prompt = list(range(5, 70))
+    ref_tokens, ref_lps = hf_greedy(d, prompt, 24)
+    llm = LLM(d, kv_cache_bytes="4MiB", block_size=16)
+    llm.add_request(prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_tokens=24, logprobs=0))
+    outs, peak = [], 0
+    while llm.has_unfinished_requests():
+        outs += llm.step()
+        peak = max(peak, llm.kv_cache_stats()["blocks_allocated"])
+    assert outs[0].outputs[0].token_ids == ref_tokens
+    assert max(abs(a - b) for a, b in zip(our_logprobs(outs[0]), ref_lps)) < 1e-3
+    assert peak == 6                      # 89 tokens in blocks of 16: nothing freed
 
 
 def test_kv_cache_stats_report_waste(model_dir):

@@ -211,6 +211,36 @@ def test_one_batch_of_every_kind_of_value_reads_right_and_leaves_the_connection_
     assert t.fetch_many(ns_id, [], []) == []
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-reads", "redis-py-reads"])
+def test_a_lossy_value_never_answers_for_an_exact_namespace(server, direct):
+    """A lossy namespace's blocks go to the server compressed and come back close; a value
+    carrying a lossy codec under an exact namespace's key (a forgery, or a bug) is dropped and
+    never served."""
+    import numpy as np
+
+    from tierd.tiers.base import BlockMeta
+    exact, lossy = make_ns(), make_ns(tier_codec="fp8")
+    rng = np.random.default_rng(11)
+    data = (rng.standard_normal(exact.block_bytes // 2)).astype(np.float16).view(np.uint8)
+    t = RemoteTier(server.url)
+    t.direct_reads = direct
+    k_exact, k_lossy = chain(exact, 1, 1)[0], chain(lossy, 1, 1)[0]
+    t.write(None, data, BlockMeta(lossy.id, k_lossy, None, lossy.block_bytes, 2, "fp8", "float16"))
+    t.write(None, data, BlockMeta(exact.id, k_exact, None, exact.block_bytes, 2, "fp8", "float16"))  # forged
+    assert len(redis.Redis.from_url(server.url).hget(RemoteTier.rkey(lossy.id, k_lossy), b"p")) < 0.6 * len(data)
+    out = np.zeros_like(data)
+    assert t.fetch_many(lossy.id, [k_lossy], [out], lossy_ok=True) == [None]
+    d, o = data.view(np.float16).astype(np.float32), out.view(np.float16).astype(np.float32)
+    assert 0 < np.abs(o - d).max() <= np.abs(d).max() / 16
+    (err,) = t.fetch_many(exact.id, [k_exact], [np.zeros_like(data)])
+    assert isinstance(err, CorruptBlockError) and "lossy" in str(err)
+    with node(server.url) as b:                   # through a store: dropped, counted, a miss
+        assert b.get(exact, [k_exact]) == []
+        assert remote_stats(b)["corrupt_dropped"] == 1
+        got = b.get(lossy, [k_lossy])
+        assert len(got) == 1 and np.array_equal(got[0], out)
+
+
 def test_a_paused_killed_or_restarted_server_degrades_the_tier_and_never_a_local_hit(server):
     ns = make_ns()
     local, remote_only = chain(ns, 3, 4), chain(ns, 4, 4)

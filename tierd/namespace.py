@@ -70,6 +70,7 @@ class Namespace:
     cache_salt: str = ""
     layout: str = ""        # "" = the canonical layout above; else the engine layout the bytes are in
     kv_scales: str = ""     # "" = unit scales (or none: not a quantized dtype); else their digest
+    tier_codec: str = ""    # "" = exact on every tier; "fp8" / "int4[:GROUP]": lossy on disk and remote
     _id: bytes = field(init=False, repr=False, compare=False, default=b"")
 
     def __post_init__(self) -> None:
@@ -82,16 +83,25 @@ class Namespace:
                 raise NamespaceError(f"namespace {name} must be a positive integer, got {v!r}")
         if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
             raise NamespaceError(f"tp_rank {self.tp_rank!r} must lie in [0, tp_size={self.tp_size})")
-        for name in ("cache_salt", "layout", "kv_scales"):
+        for name in ("cache_salt", "layout", "kv_scales", "tier_codec"):
             if not isinstance(getattr(self, name), str):
                 raise NamespaceError(f"namespace {name} must be a string")
+        if self.tier_codec:
+            from .codec import parse_lossy
+            try:
+                parse_lossy(self.tier_codec)
+            except ValueError as e:
+                raise NamespaceError(str(e)) from None
+            if self.kv_dtype not in ("float16", "bfloat16", "float32"):
+                raise NamespaceError(f"tier codec {self.tier_codec!r} needs a float16, bfloat16 or float32 KV "
+                                     f"cache, not {self.kv_dtype}")
         if self.block_bytes > 1 << 40:
             raise NamespaceError(f"namespace block of {self.block_bytes} bytes is absurd; check the shape")
         ident = "\x1f".join(str(x) for x in (
             "tierd-ns-v1", self.model, self.kv_dtype, self.num_layers, self.num_kv_heads,
             self.head_dim, self.block_tokens, self.tp_rank, self.tp_size, self.cache_salt))
         # Fields added later enter the identity only when set, so existing namespaces keep their ids.
-        for name in ("layout", "kv_scales"):
+        for name in ("layout", "kv_scales", "tier_codec"):
             if getattr(self, name):
                 ident += f"\x1f{name}={getattr(self, name)}"
         object.__setattr__(self, "_id", hashlib.blake2b(ident.encode(), digest_size=16).digest())
@@ -136,7 +146,7 @@ class Namespace:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("_id", None)
-        for name in ("layout", "kv_scales"):
+        for name in ("layout", "kv_scales", "tier_codec"):
             if not d[name]:
                 del d[name]
         return d
@@ -144,7 +154,7 @@ class Namespace:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Namespace":
         allowed = {"model", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "block_tokens",
-                   "tp_rank", "tp_size", "cache_salt", "layout", "kv_scales"}
+                   "tp_rank", "tp_size", "cache_salt", "layout", "kv_scales", "tier_codec"}
         unknown = set(d) - allowed
         if unknown:
             raise NamespaceError(f"unknown namespace fields: {', '.join(sorted(unknown))}")
@@ -165,6 +175,7 @@ class Namespace:
         tp_rank: int = 0,
         tp_size: int = 1,
         cache_salt: str = "",
+        tier_codec: str = "",
     ) -> "Namespace":
         """The namespace of a Hugging Face model directory (config.json + weights)."""
         cfg = read_model_config(model_dir)
@@ -180,7 +191,7 @@ class Namespace:
             model=model_fingerprint(model_dir, revision=revision, mode=fingerprint),
             kv_dtype=kv_dtype, num_layers=layers, num_kv_heads=kv_heads_per_rank,
             head_dim=head_dim, block_tokens=block_tokens, tp_rank=tp_rank, tp_size=tp_size,
-            cache_salt=cache_salt)
+            cache_salt=cache_salt, tier_codec=tier_codec)
 
 
 def _cfg_int(cfg: dict, key: str, model_dir) -> int:

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import codec as _codec
 from . import events
 from .arena import slot_bytes_for
 from .config import StoreConfig
@@ -86,6 +87,15 @@ class _NsState:
     @property
     def name(self) -> str:
         return self.ns_id.hex()[:16]
+
+    @property
+    def lossy(self) -> str:
+        """The namespace's lossy tier codec ("" = exact everywhere)."""
+        return self.desc.get("tier_codec", "")
+
+    def meta(self, key: bytes, parent: bytes | None) -> BlockMeta:
+        return BlockMeta(self.ns_id, key, parent, self.block_bytes, self.dtype_bytes,
+                         self.lossy, self.desc.get("kv_dtype", ""))
 
 
 @dataclass(slots=True, eq=False)
@@ -520,8 +530,7 @@ class TieredStore:
                     n = min(n, max(1, self.REMOTE_BATCH_BYTES // self._remote_q[0].st.block_bytes))
                 batch = [self._remote_q.popleft() for _ in range(n)]
                 self._remote_inflight += len(batch)
-                items = [(b, BlockMeta(b.st.ns_id, b.key, b.parent[16:] if b.parent else None,
-                                       b.st.block_bytes, b.st.dtype_bytes),
+                items = [(b, b.st.meta(b.key, b.parent[16:] if b.parent else None),
                           self.host.view(b.host_slot, b.st.block_bytes)) for b in batch]
                 deletes: list[bytes] = []
                 if lead:
@@ -706,7 +715,8 @@ class TieredStore:
         t0 = time.perf_counter()
         try:
             errs = self.remote.fetch_many(st.ns_id, [b.key for b in blocks],
-                                          [self.host.view(b.host_slot, st.block_bytes) for b in blocks])
+                                          [self.host.view(b.host_slot, st.block_bytes) for b in blocks],
+                                          lossy_ok=bool(st.lossy))
         except Exception as e:  # noqa: BLE001 -- every block of the call is a miss
             return {id(b): e for b in blocks}
         elapsed = time.perf_counter() - t0
@@ -1110,8 +1120,7 @@ class TieredStore:
         def write(job):
             b, slot, parent_key, src = job
             try:
-                return disk.write(slot, src, BlockMeta(b.st.ns_id, b.key, parent_key, b.st.block_bytes,
-                                                       b.st.dtype_bytes))
+                return disk.write(slot, src, b.st.meta(b.key, parent_key))
             except Exception as e:  # noqa: BLE001 - any failure must still unpin below
                 return e
 
@@ -1470,7 +1479,7 @@ class TieredStore:
             b = lease._blocks[i]
             try:
                 self.gpu.write(b.gpu_slot, self.host.view(b.host_slot, b.st.block_bytes),
-                               BlockMeta(b.st.ns_id, b.key, None, b.st.block_bytes, b.st.dtype_bytes))
+                               b.st.meta(b.key, None))
                 ok.append(True)
             except Exception as e:  # noqa: BLE001 -- the host copy still serves the block
                 log.warning("HBM tier: copy failed (%s); serving from host RAM", e)
@@ -1504,6 +1513,8 @@ class TieredStore:
         def one(item):
             b, e = item
             try:
+                if e.codec in _codec.LOSSY and not b.st.lossy:
+                    raise CorruptBlockError(f"a {_codec.CODEC_NAMES[e.codec]} (lossy) copy in an exact namespace")
                 self.disk.read(e, self.host.view(b.host_slot, b.st.host_slot_bytes))
             except (CorruptBlockError, OSError) as ex:
                 errors[id(b)] = ex

@@ -35,9 +35,16 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    sliding_window: int | None
+    sliding_window: int | None           # the window of every layer that has one
     torch_dtype: str
     eos_token_ids: list[int] = field(default_factory=list)
+    layer_windows: list[int | None] = field(default_factory=list)   # per layer (None: full attention)
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer has it (then blocks out of it can be freed), else None."""
+        ws = self.layer_windows or [self.sliding_window] * self.num_layers
+        return ws[0] if ws and ws[0] is not None and all(w == ws[0] for w in ws) else None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -70,8 +77,11 @@ class ModelConfig:
                     raise ConfigError(f"{path}: rope scaling {kind!r} is not supported (llama3, linear)")
                 scaling = None if kind == "default" else {**scaling, "rope_type": kind}
             sliding = cfg.get("sliding_window")
+            n_layers = int(cfg["num_hidden_layers"])
             if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
                 sliding = None
+            sliding = int(sliding) if sliding else None
+            windows = layer_windows(cfg, arch, n_layers, sliding, path)
             eos = cfg.get("eos_token_id")
             gen = d / "generation_config.json"
             if gen.exists():
@@ -84,7 +94,7 @@ class ModelConfig:
                 architecture=SUPPORTED_ARCHITECTURES[arch],
                 vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
+                num_layers=n_layers, num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
@@ -94,9 +104,9 @@ class ModelConfig:
                 qkv_bias=bool(cfg.get("attention_bias", False)) or arch == "Qwen2ForCausalLM",
                 o_bias=bool(cfg.get("attention_bias", False)),
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
-                sliding_window=int(sliding) if sliding else None,
+                sliding_window=sliding if any(w is not None for w in windows) else None,
                 torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-                eos_token_ids=eos_ids)
+                eos_token_ids=eos_ids, layer_windows=windows)
         except KeyError as e:
             raise ConfigError(f"{path} lacks {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -104,3 +114,23 @@ class ModelConfig:
         if mc.num_heads % mc.num_kv_heads:
             raise ConfigError(f"{path}: {mc.num_heads} query heads are not a multiple of {mc.num_kv_heads} KV heads")
         return mc
+
+
+def layer_windows(cfg: dict, arch: str, n_layers: int, window: int | None, path) -> list[int | None]:
+    """Which layers attend within the sliding window, as transformers decides: the config's
+    `layer_types` where given ("sliding_attention" / "full_attention"); else for Qwen2 the layers
+    from `max_window_layers` on (the lower ones attend to everything), and every layer otherwise."""
+    if window is None:
+        return [None] * n_layers
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != n_layers:
+            raise ConfigError(f"{path}: layer_types has {len(types)} entries for {n_layers} layers")
+        bad = [t for t in types if t not in ("sliding_attention", "full_attention")]
+        if bad:
+            raise ConfigError(f"{path}: layer type {bad[0]!r} is not supported (sliding_attention, full_attention)")
+        return [window if t == "sliding_attention" else None for t in types]
+    if arch == "Qwen2ForCausalLM":
+        first = int(cfg.get("max_window_layers", n_layers))
+        return [window if i >= first else None for i in range(n_layers)]
+    return [window] * n_layers

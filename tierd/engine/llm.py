@@ -55,7 +55,8 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_bytes: int | str = "256MiB", enable_prefix_caching: bool = True,
                  kv_cache_dtype: str = "auto", kv_store=None, kv_block_tokens: int = 256,
-                 cache_salt: str = "", seed: int = 0, max_model_len: int | None = None):
+                 cache_salt: str = "", seed: int = 0, max_model_len: int | None = None,
+                 kv_tier_codec: str = ""):
         from ..config import parse_size
         self.model_dir = Path(model)
         self.config = cfg = ModelConfig.from_dir(self.model_dir)
@@ -95,7 +96,8 @@ class LLM:
             if kv_block_tokens % block_size:
                 raise ConfigError(f"kv_block_tokens {kv_block_tokens} must be a multiple of block_size {block_size}")
             tier_ns = Namespace.from_model_dir(self.model_dir, block_tokens=kv_block_tokens,
-                                               kv_dtype=kv_dtype_name, cache_salt=cache_salt)
+                                               kv_dtype=kv_dtype_name, cache_salt=cache_salt,
+                                               tier_codec=kv_tier_codec)
             self.connector = EngineConnector(kv_store, tier_ns, self.kv_caches, block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, self.connector)
         self.tokenizer = None
@@ -126,8 +128,8 @@ class LLM:
             raise ConfigError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                               f"model's context of {self.max_model_len} tokens")
         need = self.block_manager.blocks_needed(len(ids) + params.max_tokens)
-        if self.config.sliding_window is not None:  # out-of-window blocks are freed as it goes
-            need = min(need, self.block_manager.blocks_needed(max(len(ids), self.config.sliding_window)) + 1)
+        if self.config.uniform_window is not None:  # out-of-window blocks are freed as it goes
+            need = min(need, self.block_manager.blocks_needed(max(len(ids), self.config.uniform_window)) + 1)
         if need > len(self.block_manager.blocks):
             raise ConfigError(f"the request needs {need} KV blocks; the cache has "
                               f"{len(self.block_manager.blocks)}: raise kv_cache_bytes")
@@ -166,7 +168,7 @@ class LLM:
         logits = self.model.forward(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots),
                                     seqs, self.kv_caches, torch.tensor(logits_rows, dtype=torch.long),
                                     self.kv_scales)
-        window = self.config.sliding_window
+        window = self.config.uniform_window    # a full-attention layer keeps every block
         for seq, n in batch:
             seq.num_computed += n
             self.block_manager.cache_full_blocks(seq)

@@ -98,7 +98,7 @@ class LlamaModel:
             k_cache, v_cache = kv_caches[i]
             reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *kv_scales)
             a = paged_attention(q, k_cache, v_cache, meta, self.scale, *kv_scales,
-                                sliding_window=c.sliding_window)
+                                sliding_window=c.layer_windows[i] if c.layer_windows else c.sliding_window)
             h = h + F.linear(a.reshape(T, c.num_heads * c.head_dim), layer["o"], layer.get("o_b"))
             x = rms_norm(h, layer["post_norm"], c.rms_norm_eps)
             gate, up = F.linear(x, layer["gate_up"], layer.get("gate_up_b")).chunk(2, dim=-1)

@@ -35,6 +35,8 @@ class BlockMeta:
     parent: bytes | None
     block_bytes: int
     dtype_bytes: int
+    lossy: str = ""          # the namespace's lossy codec (disk and remote), "" = exact
+    kv_dtype: str = ""       # the block's element type (lossy codecs need it)
 
 
 class Tier:

@@ -82,6 +82,23 @@ def _csum(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def encode_block(codec_name: str, level: int, raw: np.ndarray, dtype_bytes: int, lossy: str,
+                 kv_dtype: str) -> tuple[int, np.ndarray | bytes]:
+    """(codec, payload) of a block for a tier that describes its contents (disk, remote): the
+    namespace's lossy codec where it asked for one and the block takes it, else the tier's exact
+    codec; stored raw when a codec would not make it smaller."""
+    block_bytes = raw.size
+    codec = _codec.choose_codec(codec_name, dtype_bytes, block_bytes, lossy)
+    try:
+        payload = _codec.encode(codec, raw, level, kv_dtype=kv_dtype, lossy=lossy) if codec else raw
+    except ValueError:                 # NaN / infinity, or no whole groups: store it exactly
+        codec = _codec.choose_codec(codec_name, dtype_bytes, block_bytes)
+        payload = _codec.encode(codec, raw, level) if codec else raw
+    if codec and len(payload) >= block_bytes:  # incompressible: store raw
+        codec, payload = _codec.CODEC_NONE, raw
+    return codec, payload
+
+
 def _aligned(nbytes: int) -> mmap.mmap:
     """Page-aligned anonymous buffer (O_DIRECT needs aligned memory)."""
     return mmap.mmap(-1, max(PAGE, align_up(nbytes)))
@@ -515,15 +532,14 @@ class DiskTier(Tier):
         return s
 
     def write_block(self, slot: int, ns_id: bytes, key: bytes, parent: bytes | None,
-                    src: np.ndarray, block_bytes: int, dtype_bytes: int) -> DiskEntry:
+                    src: np.ndarray, block_bytes: int, dtype_bytes: int, *, lossy: str = "",
+                    kv_dtype: str = "") -> DiskEntry:
         """Write one block from `src` (block_bytes,) uint8 as header page + payload in one
-        aligned write. Not durable until `flush()`."""
-        codec = _codec.choose_codec(self.codec_name, dtype_bytes, block_bytes)
+        aligned write (with the namespace's lossy codec where it has one). Not durable until
+        `flush()`."""
         seq = self.next_seq()
         raw = src[:block_bytes]
-        payload = _codec.encode(codec, raw, self.zstd_level) if codec else raw
-        if codec and len(payload) >= block_bytes:  # incompressible: store raw
-            codec, payload = _codec.CODEC_NONE, raw
+        codec, payload = encode_block(self.codec_name, self.zstd_level, raw, dtype_bytes, lossy, kv_dtype)
         payload_len = block_bytes if codec == _codec.CODEC_NONE else len(payload)
         length = PAGE + align_up(payload_len)
         stg = self._staging(length)
@@ -545,7 +561,7 @@ class DiskTier(Tier):
 
     def write(self, slot: int, src: np.ndarray, meta: BlockMeta) -> DiskEntry:
         return self.write_block(slot, meta.ns_id, meta.key, meta.parent, src, meta.block_bytes,
-                                meta.dtype_bytes)
+                                meta.dtype_bytes, lossy=meta.lossy, kv_dtype=meta.kv_dtype)
 
     def read(self, where: DiskEntry, dst: np.ndarray) -> None:
         self.read_block(where, dst)

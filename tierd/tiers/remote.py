@@ -29,7 +29,7 @@ import numpy as np
 from .. import codec as _codec
 from ..errors import ConfigError
 from .base import BlockMeta, Tier
-from .disk import PAGE, CorruptBlockError, _csum, pack_slot_header, unpack_slot_header
+from .disk import PAGE, CorruptBlockError, _csum, encode_block, pack_slot_header, unpack_slot_header
 
 KEY_PREFIX = b"tierd:"
 _FIELDS = (b"h", b"p")      # a value is a hash: h = the slot header, p = the payload
@@ -151,21 +151,19 @@ class RemoteTier(Tier):
     def encode(self, src: np.ndarray, meta: BlockMeta) -> tuple[bytes, memoryview | bytes]:
         """A block's value: (header, payload). The payload is `src` itself (a view: redis-py sends
         it without a copy) unless a codec made it smaller."""
-        raw = src[:meta.block_bytes]
-        codec = _codec.choose_codec(self.codec_name, meta.dtype_bytes, meta.block_bytes)
-        payload = _codec.encode(codec, raw, self.zstd_level) if codec else raw
-        if codec and len(payload) >= meta.block_bytes:
-            codec, payload = _codec.CODEC_NONE, raw
+        codec, payload = encode_block(self.codec_name, self.zstd_level, src[:meta.block_bytes],
+                                      meta.dtype_bytes, meta.lossy, meta.kv_dtype)
         payload = memoryview(payload).cast("B")
         header = pack_slot_header(codec, meta.dtype_bytes, meta.ns_id, meta.key, meta.parent or b"",
                                   len(payload), meta.block_bytes, 0, 0, _csum(payload))
         return header, payload
 
     @staticmethod
-    def check_header(header, ns_id: bytes, key: bytes, raw_len: int) -> tuple[int, int, int, bytes | None]:
-        """Verify a value's header as block `key` of namespace `ns_id`, `raw_len` bytes long:
-        (codec, payload length, payload checksum, parent key or None). Raises
-        CorruptBlockError."""
+    def check_header(header, ns_id: bytes, key: bytes, raw_len: int,
+                     lossy_ok: bool = False) -> tuple[int, int, int, bytes | None]:
+        """Verify a value's header as block `key` of namespace `ns_id`, `raw_len` bytes long
+        (a lossy codec only where the namespace asked for one): (codec, payload length, payload
+        checksum, parent key or None). Raises CorruptBlockError."""
         h = unpack_slot_header(memoryview(header)[:PAGE])
         if h is None:
             raise CorruptBlockError("value has no header")
@@ -174,10 +172,12 @@ class RemoteTier(Tier):
             raise CorruptBlockError("value belongs to another block")
         if h_raw_len != raw_len:
             raise CorruptBlockError(f"value holds {h_raw_len} bytes, the block has {raw_len}")
+        if codec in _codec.LOSSY and not lossy_ok:
+            raise CorruptBlockError(f"a {_codec.CODEC_NAMES[codec]} (lossy) value in an exact namespace")
         return codec, payload_len, pcsum, None if parent == b"\0" * 16 else parent
 
     @classmethod
-    def decode(cls, value, ns_id: bytes, key: bytes, dst: np.ndarray) -> bytes | None:
+    def decode(cls, value, ns_id: bytes, key: bytes, dst: np.ndarray, lossy_ok: bool = False) -> bytes | None:
         """Verify `value` ((header, payload), as `get_many` returns it) as block `key` of
         namespace `ns_id` and copy it into `dst` (raw_len,); returns the block's parent key (or
         None). Raises CorruptBlockError."""
@@ -186,7 +186,7 @@ class RemoteTier(Tier):
         header, payload = value
         if header is None or payload is None:
             raise CorruptBlockError("value lacks its header or payload")
-        codec, payload_len, pcsum, parent = cls.check_header(header, ns_id, key, dst.nbytes)
+        codec, payload_len, pcsum, parent = cls.check_header(header, ns_id, key, dst.nbytes, lossy_ok)
         if len(payload) != payload_len:
             raise CorruptBlockError("value truncated")
         if _csum(payload) != pcsum:
@@ -212,7 +212,8 @@ class RemoteTier(Tier):
             pipe.hmget(self.rkey(ns_id, k), _FIELDS)
         return pipe.execute(raise_on_error=False)
 
-    def fetch_many(self, ns_id: bytes, keys: list[bytes], dsts: list[np.ndarray]) -> list:
+    def fetch_many(self, ns_id: bytes, keys: list[bytes], dsts: list[np.ndarray], *,
+                   lossy_ok: bool = False) -> list:
         """Load blocks `keys` of namespace `ns_id` into `dsts` (each raw_len bytes), verified:
         per key None (loaded), KeyError (not on the server) or CorruptBlockError (the value is not
         this block, intact: `dsts[i]` then holds garbage). One round trip per server. Raises
@@ -232,7 +233,7 @@ class RemoteTier(Tier):
                     slow += idx
                     continue
                 slow += _fetch_direct(pool, [rkeys[i] for i in idx], ns_id, [keys[i] for i in idx],
-                                      [dsts[i] for i in idx], idx, out, self.check_header)
+                                      [dsts[i] for i in idx], idx, out, lossy_ok)
         if slow:
             values = self.get_many(ns_id, [keys[i] for i in slow])
             for i, v in zip(slow, values):
@@ -240,7 +241,7 @@ class RemoteTier(Tier):
                     out[i] = KeyError("not on the server")
                     continue
                 try:
-                    self.decode(v, ns_id, keys[i], dsts[i])
+                    self.decode(v, ns_id, keys[i], dsts[i], lossy_ok)
                 except CorruptBlockError as e:
                     out[i] = e
         return out
@@ -416,7 +417,7 @@ def _direct_pool(pool):
     return pool if str(pool.connection_kwargs.get("protocol") or 2) == "2" else None
 
 
-def _fetch_direct(pool, rkeys, ns_id, keys, dsts, idx, out, check_header) -> list[int]:
+def _fetch_direct(pool, rkeys, ns_id, keys, dsts, idx, out, lossy_ok) -> list[int]:
     """HMGET `rkeys` on one connection of `pool`, one round trip; results into `out` at `idx`.
     Returns the indices to retry through redis-py (Cluster redirects). A failure mid-stream
     disconnects the connection (its stream cannot be trusted) and raises."""
@@ -448,7 +449,7 @@ def _fetch_direct(pool, rkeys, ns_id, keys, dsts, idx, out, check_header) -> lis
             try:
                 if header is None or n is None:
                     raise CorruptBlockError("value lacks its header or payload")
-                codec, payload_len, pcsum, _ = check_header(header, ns_id, keys[j], dst.nbytes)
+                codec, payload_len, pcsum, _ = RemoteTier.check_header(header, ns_id, keys[j], dst.nbytes, lossy_ok)
                 if n != payload_len:
                     raise CorruptBlockError("value truncated")
             except CorruptBlockError as e:
