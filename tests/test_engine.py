@@ -97,6 +97,92 @@ def test_batched_requests_equal_requests_run_alone_also_under_preemption(model_d
         assert max(abs(x - y) for x, y in zip(our_logprobs(a), our_logprobs(b))) < 1e-4
 
 
+def _edit_weights(d, fn):
+    from safetensors.torch import load_file, save_file
+    for f in d.glob("*.safetensors"):
+        t = load_file(str(f))
+        fn(t)
+        save_file(t, str(f), metadata={"format": "pt"})
+
+
+def _first_logprobs(llm, prompt):
+    """The next-token log-probabilities after `prompt` (the top 20)."""
+    out = llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(temperature=0, max_tokens=1,
+                                                                               logprobs=20))[0]
+    return {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
+
+
+def test_fp8_scales_calibrated_where_unit_scales_would_saturate(tmp_path):
+    """Keys and values far past fp8's +-448 (here: K and V projections scaled up 2000x, Q and O
+    down as much, so the full-precision model is the same): with unit scales they saturate and
+    the next-token distribution moves; calibrated per-layer scales keep it close."""
+    d = write_random_model(tmp_path / "q", architecture="qwen2", seed=5)
+
+    def big_kv(t):
+        for name in list(t):
+            if ".k_proj." in name or ".v_proj." in name:
+                t[name] = t[name] * 2000.0
+            elif ".q_proj." in name or ".o_proj." in name:
+                t[name] = t[name] / 2000.0
+    _edit_weights(d, big_kv)
+    prompt = list(range(7, 60))
+    ref = _first_logprobs(LLM(d, kv_cache_bytes="4MiB"), prompt)
+    top = max(ref, key=ref.get)
+
+    def err(llm):
+        got = _first_logprobs(llm, prompt)
+        return max(abs(got[t] - ref[t]) for t in ref if t in got), got.get(top)
+
+    unit = LLM(d, kv_cache_bytes="4MiB", kv_cache_dtype="fp8", kv_scales="unit")
+    cal = LLM(d, kv_cache_bytes="4MiB", kv_cache_dtype="fp8")
+    assert cal.kv_cache_stats()["kv_scales"] == "calibrated" and unit.kv_cache_stats()["kv_scales"] == "unit"
+    assert all(k > 1.0 for k, _ in cal.kv_scales)               # |K| > 448 in every layer
+    e_cal, e_unit = err(cal)[0], err(unit)[0]
+    assert e_cal < 0.1 < e_unit, (e_cal, e_unit)
+    assert cal.namespace.kv_scales.startswith("blake2b:") and unit.namespace.kv_scales == ""
+    assert cal.namespace.id != unit.namespace.id
+    # the same prompts give the same scales (and namespace); other prompts other ones
+    again = LLM(d, kv_cache_bytes="4MiB", kv_cache_dtype="fp8")
+    assert again.kv_scales == cal.kv_scales and again.namespace.id == cal.namespace.id
+    other = LLM(d, kv_cache_bytes="4MiB", kv_cache_dtype="fp8", calibration_prompts=[list(range(3, 20))])
+    assert other.namespace.id != cal.namespace.id
+
+
+def test_fp8_scales_from_the_checkpoint(tmp_path):
+    d = write_random_model(tmp_path / "l", seed=6)
+    with pytest.raises(ConfigError, match="has no k_scale"):
+        LLM(d, kv_cache_bytes="4MiB", kv_cache_dtype="fp8", kv_scales="checkpoint")
+    with pytest.raises(ConfigError, match="kv_scales 'max'"):
+        LLM(d, kv_cache_bytes="4MiB", kv_cache_dtype="fp8", kv_scales="max")
+
+    def k_only(t):
+        t["model.layers.0.self_attn.k_scale"] = torch.tensor(0.02)
+    _edit_weights(d, k_only)
+    with pytest.raises(ConfigError, match="layer 0 needs one k_scale and one v_scale"):
+        LLM(d, kv_cache_bytes="4MiB", kv_cache_dtype="fp8")
+
+    def one_layer(t):
+        t["model.layers.0.self_attn.v_scale"] = torch.tensor(0.03)
+    _edit_weights(d, one_layer)
+    with pytest.raises(ConfigError, match="some layers only"):
+        LLM(d, kv_cache_bytes="4MiB", kv_cache_dtype="fp8")
+
+    def all_layers(t):
+        t["model.layers.1.self_attn.kv_scale"] = torch.tensor(0.05)
+    _edit_weights(d, all_layers)
+    llm = LLM(d, kv_cache_bytes="4MiB", kv_cache_dtype="fp8")
+    assert llm.kv_cache_stats()["kv_scales"] == "checkpoint"
+    assert llm.kv_scales == [(pytest.approx(0.02), pytest.approx(0.03)), (pytest.approx(0.05), pytest.approx(0.05))]
+    out = llm.generate(prompt_token_ids=list(range(30)), sampling_params=SamplingParams(temperature=0, max_tokens=4))
+    assert len(out[0].outputs[0].token_ids) == 4
+    # the cache holds value / scale (layer 0: its keys come from the prompt alone)
+    k = llm.kv_caches[0][0][0, :4].float() * 0.02
+    ref = LLM(d, kv_cache_bytes="4MiB")
+    ref.generate(prompt_token_ids=list(range(30)), sampling_params=SamplingParams(temperature=0, max_tokens=4))
+    want = ref.kv_caches[0][0][0, :4].float()
+    assert torch.allclose(k, want, rtol=0.07, atol=0.02 * 2 ** -9), (k - want).abs().max()
+
+
 def test_requests_added_while_others_run(model_dir):
     llm = LLM(model_dir, kv_cache_bytes="4MiB")
     first = llm.add_request(prompt_token_ids=list(range(50)), params=SamplingParams(temperature=0, max_tokens=20))

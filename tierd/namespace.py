@@ -176,6 +176,7 @@ class Namespace:
         tp_size: int = 1,
         cache_salt: str = "",
         tier_codec: str = "",
+        kv_scales: str = "",
     ) -> "Namespace":
         """The namespace of a Hugging Face model directory (config.json + weights)."""
         cfg = read_model_config(model_dir)
@@ -191,7 +192,7 @@ class Namespace:
             model=model_fingerprint(model_dir, revision=revision, mode=fingerprint),
             kv_dtype=kv_dtype, num_layers=layers, num_kv_heads=kv_heads_per_rank,
             head_dim=head_dim, block_tokens=block_tokens, tp_rank=tp_rank, tp_size=tp_size,
-            cache_salt=cache_salt, tier_codec=tier_codec)
+            cache_salt=cache_salt, tier_codec=tier_codec, kv_scales=kv_scales)
 
 
 def _cfg_int(cfg: dict, key: str, model_dir) -> int:

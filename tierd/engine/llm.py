@@ -56,7 +56,8 @@ class LLM:
                  kv_cache_bytes: int | str = "256MiB", enable_prefix_caching: bool = True,
                  kv_cache_dtype: str = "auto", kv_store=None, kv_block_tokens: int = 256,
                  cache_salt: str = "", seed: int = 0, max_model_len: int | None = None,
-                 kv_tier_codec: str = ""):
+                 kv_tier_codec: str = "", kv_scales: str = "auto",
+                 calibration_prompts: list[list[int]] | None = None):
         from ..config import parse_size
         self.model_dir = Path(model)
         self.config = cfg = ModelConfig.from_dir(self.model_dir)
@@ -72,13 +73,25 @@ class LLM:
         self.dtype = _DTYPES[dtype]
         self.block_size = block_size
         self.fp8 = kv_cache_dtype != "auto"
-        self.kv_scales = (1.0, 1.0)
+        if kv_scales not in ("auto", "checkpoint", "calibrate", "unit"):
+            raise ConfigError(f"kv_scales {kv_scales!r} is not auto, checkpoint, calibrate or unit")
         torch.manual_seed(seed)
         self.model = LlamaModel(cfg, self.model_dir, self.dtype)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        # fp8 KV: per layer (k_scale, v_scale), stored value = value / scale
+        self.kv_scales: list[tuple[float, float]] | None = None
+        self.kv_scale_source = ""
+        scales_id = ""
+        if self.fp8:
+            self.kv_scales, self.kv_scale_source = self._fp8_scales(kv_scales, calibration_prompts)
+            if self.kv_scale_source != "unit":   # blocks quantized with other scales are other blocks
+                import hashlib
+                flat = torch.tensor(self.kv_scales, dtype=torch.float32).numpy().tobytes()
+                scales_id = "blake2b:" + hashlib.blake2b(flat, digest_size=8).hexdigest()
         kv_dtype_name = "fp8" if self.fp8 else dtype
         self.namespace = Namespace.from_model_dir(
-            self.model_dir, block_tokens=block_size, kv_dtype=kv_dtype_name, cache_salt=cache_salt)
+            self.model_dir, block_tokens=block_size, kv_dtype=kv_dtype_name, cache_salt=cache_salt,
+            kv_scales=scales_id)
         per_token = self.namespace.bytes_per_token
         num_blocks = parse_size(kv_cache_bytes, what="kv_cache_bytes") // (per_token * block_size)
         if num_blocks < 2:
@@ -97,7 +110,7 @@ class LLM:
                 raise ConfigError(f"kv_block_tokens {kv_block_tokens} must be a multiple of block_size {block_size}")
             tier_ns = Namespace.from_model_dir(self.model_dir, block_tokens=kv_block_tokens,
                                                kv_dtype=kv_dtype_name, cache_salt=cache_salt,
-                                               tier_codec=kv_tier_codec)
+                                               tier_codec=kv_tier_codec, kv_scales=scales_id)
             self.connector = EngineConnector(kv_store, tier_ns, self.kv_caches, block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, self.connector)
         self.tokenizer = None
@@ -107,6 +120,52 @@ class LLM:
             self.tokenizer = Tokenizer.from_file(str(tok))
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
+
+    # -- fp8 KV scales --------------------------------------------------------------------------
+    def _fp8_scales(self, mode: str, prompts) -> tuple[list[tuple[float, float]], str]:
+        """Per-layer (k_scale, v_scale) and where they came from: the checkpoint's (vLLM's
+        `k_scale` / `v_scale`), calibrated, or 1.0 ("unit": values beyond +-448 saturate)."""
+        n = self.config.num_layers
+        ckpt = self.model.checkpoint_kv_scales
+        if mode == "unit":
+            return [(1.0, 1.0)] * n, "unit"
+        if mode == "checkpoint" or (mode == "auto" and ckpt is not None):
+            if ckpt is None:
+                raise ConfigError(f"{self.model_dir}: kv_scales='checkpoint' but the checkpoint has no "
+                                  "k_scale / v_scale")
+            return list(ckpt), "checkpoint"
+        return self.calibrate_kv_scales(prompts), "calibrated"
+
+    def calibrate_kv_scales(self, prompts: list[list[int]] | None = None) -> list[tuple[float, float]]:
+        """Per-layer scales that map the largest |K| and |V| the calibration prompts produce
+        onto fp8's largest value (448). Without prompts: four seeded random prompts of up to 512
+        tokens. The prompts run in full precision, each on its own scratch cache."""
+        from .attention import FP8_MAX
+        cfg = self.config
+        if prompts is None:
+            g = torch.Generator().manual_seed(0)
+            n = min(512, self.max_model_len)
+            prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for _ in range(4)]
+        if not prompts or any(not p for p in prompts):
+            raise ConfigError("calibration needs non-empty prompts")
+        amax = torch.zeros(cfg.num_layers, 2)
+
+        def observe(i, k, v):
+            amax[i, 0] = torch.maximum(amax[i, 0], k.abs().max().float())
+            amax[i, 1] = torch.maximum(amax[i, 1], v.abs().max().float())
+
+        bs = self.block_size
+        for p in prompts:
+            if len(p) > self.max_model_len or not all(0 <= t < cfg.vocab_size for t in p):
+                raise ConfigError("a calibration prompt is longer than the context or has ids outside the vocabulary")
+            n, nb = len(p), (len(p) + bs - 1) // bs
+            shape = (nb, bs, cfg.num_kv_heads, cfg.head_dim)
+            caches = [(torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype))
+                      for _ in range(cfg.num_layers)]
+            self.model.forward(torch.tensor(p), torch.arange(n), torch.arange(n), [(0, n, n, torch.arange(nb))],
+                               caches, torch.tensor([n - 1]), None, observe)
+        scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        return [(float(k), float(v)) for k, v in scales.tolist()]
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | None = None, params: SamplingParams | None = None,
@@ -296,4 +355,5 @@ class LLM:
                 "token_slots_allocated": slots, "token_slots_used": used_slots,
                 "waste": (slots - used_slots) / slots if slots else 0.0,
                 "prefix_cache_blocks": len(bm.cached), "prefix_cache_hits": bm.hits,
-                "preemptions": self.scheduler.preemptions, "fp8": self.fp8}
+                "preemptions": self.scheduler.preemptions, "fp8": self.fp8,
+                "kv_scales": self.kv_scale_source}

@@ -56,6 +56,11 @@ class LlamaModel:
         self.cfg = cfg
         self.dtype = dtype
         self.w = load_weights(cfg, Path(model_dir), dtype)
+        found = [layer.pop("kv_scales", None) for layer in self.w["layers"]]
+        # fp8 KV scales from the checkpoint (every layer, or none)
+        self.checkpoint_kv_scales = found if all(s is not None for s in found) else None
+        if self.checkpoint_kv_scales is None and any(s is not None for s in found):
+            raise ConfigError(f"{model_dir}: KV scales for some layers only")
         self.inv_freq = rope_inv_freq(cfg)
         self.scale = cfg.head_dim ** -0.5
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -77,9 +82,12 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 seqs: list, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                logits_index: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
-        """tokens, positions, slot_mapping: (T,). seqs: see paged_attention. Returns logits
-        (len(logits_index), vocab) in float32 for the rows in logits_index."""
+                logits_index: torch.Tensor, kv_scales: list[tuple[float, float]] | None = None,
+                observe=None) -> torch.Tensor:
+        """tokens, positions, slot_mapping: (T,). seqs: see paged_attention. kv_scales: per
+        layer (k_scale, v_scale) of an fp8 cache (None: 1.0). observe(layer, k, v), if given,
+        sees each layer's new keys and values before they are cached (calibration). Returns
+        logits (len(logits_index), vocab) in float32 for the rows in logits_index."""
         c, w = self.cfg, self.w
         T = tokens.shape[0]
         h = w["embed"][tokens]                                                  # (T, hidden)
@@ -96,8 +104,11 @@ class LlamaModel:
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             k_cache, v_cache = kv_caches[i]
-            reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *kv_scales)
-            a = paged_attention(q, k_cache, v_cache, meta, self.scale, *kv_scales,
+            if observe is not None:
+                observe(i, k, v)
+            ks = kv_scales[i] if kv_scales is not None else (1.0, 1.0)
+            reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *ks)
+            a = paged_attention(q, k_cache, v_cache, meta, self.scale, *ks,
                                 sliding_window=c.layer_windows[i] if c.layer_windows else c.sliding_window)
             h = h + F.linear(a.reshape(T, c.num_heads * c.head_dim), layer["o"], layer.get("o_b"))
             x = rms_norm(h, layer["post_norm"], c.rms_norm_eps)
@@ -158,5 +169,12 @@ def load_weights(cfg: ModelConfig, d: Path, dtype: torch.dtype) -> dict:
         if c.mlp_bias:
             for n in ("gate", "up", "down"):
                 layer[n + "_b"] = take(p + f"mlp.{n}_proj.bias")
+        # fp8 KV scales a quantized checkpoint carries (vLLM's names; `kv_scale`: one for both)
+        ks, vs, both = (tensors.get(p + "self_attn." + n) for n in ("k_scale", "v_scale", "kv_scale"))
+        if ks is not None or vs is not None or both is not None:
+            k, v = (ks if ks is not None else both), (vs if vs is not None else both)
+            if k is None or v is None or k.numel() != 1 or v.numel() != 1:
+                raise ConfigError(f"{d}: layer {i} needs one k_scale and one v_scale (per tensor)")
+            layer["kv_scales"] = (float(k), float(v))
         w["layers"].append(layer)
     return w
