@@ -82,6 +82,7 @@ class AttentionMetadata:
     `dec_lens` (B,))."""
 
     def __init__(self, seqs: list[tuple[int, int, int, torch.Tensor]], block_size: int):
+        self.all = seqs
         self.seqs = [s for s in seqs if s[1] > 1]
         dec = [s for s in seqs if s[1] == 1]
         self.dec_rows = self.dec_slots = self.dec_lens = None
@@ -134,4 +135,30 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out[q0:q0 + n] = attention_one(q[q0:q0 + n], k, v, ctx - n, scale, sliding_window)
     if meta.dec_rows is not None:
         out[meta.dec_rows] = _decode_batch(q, k_cache, v_cache, meta, scale, k_scale, v_scale, sliding_window)
+    return out
+
+
+def paged_attention_int4(q: torch.Tensor, cache, meta: AttentionMetadata, scale: float,
+                         sliding_window: int | None = None) -> torch.Tensor:
+    """paged_attention over an int4 cache (`tierd.engine.int4.Int4LayerCache`): a query sees
+    its own block's keys in full precision and earlier blocks' dequantized, values dequantized."""
+    out = torch.empty_like(q)
+    bs = cache.block_size
+    for q0, n, ctx, table in meta.all:
+        k, k_own, v = cache.gather(table, ctx, q.dtype)
+        qs = q[q0:q0 + n]
+        heads, d = qs.shape[1], qs.shape[2]
+        kvh = k.shape[1]
+        qh = qs.view(n, kvh, heads // kvh, d).permute(1, 2, 0, 3)             # (kvh, g, n, d)
+        s_other = torch.matmul(qh, k.permute(1, 2, 0).unsqueeze(1)) * scale     # (kvh, g, n, ctx)
+        s_own = torch.matmul(qh, k_own.permute(1, 2, 0).unsqueeze(1)) * scale
+        qpos = torch.arange(ctx - n, ctx).unsqueeze(1)
+        kpos = torch.arange(ctx).unsqueeze(0)
+        scores = torch.where(kpos // bs == qpos // bs, s_own, s_other)
+        mask = kpos > qpos
+        if sliding_window is not None:
+            mask = mask | (kpos <= qpos - sliding_window)
+        probs = torch.softmax(scores.masked_fill(mask, float("-inf")).float(), dim=-1).to(q.dtype)
+        o = torch.matmul(probs, v.permute(1, 0, 2).unsqueeze(1))               # (kvh, g, n, d)
+        out[q0:q0 + n] = o.permute(2, 0, 1, 3).reshape(n, heads, d)
     return out

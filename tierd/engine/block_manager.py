@@ -24,7 +24,9 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, root_key: bytes, prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, root_key: bytes, prefix_caching: bool = True,
+                 on_free=None):
+        self.on_free = on_free        # called with a block id whose last reference went
         self.block_size = block_size
         self.root_key = root_key
         self.prefix_caching = prefix_caching
@@ -109,7 +111,7 @@ class BlockManager:
                 b = self.blocks[bid]
                 b.ref_count -= 1
                 if b.ref_count == 0:
-                    self.free[bid] = None
+                    self._release(bid)
                 seq.block_table[i] = -1
                 freed += 1
         return freed
@@ -121,5 +123,10 @@ class BlockManager:
             b = self.blocks[bid]
             b.ref_count -= 1
             if b.ref_count == 0:
-                self.free[bid] = None
+                self._release(bid)
         seq.block_table = []
+
+    def _release(self, bid: int) -> None:
+        self.free[bid] = None
+        if self.on_free is not None:
+            self.on_free(bid)

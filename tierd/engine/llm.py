@@ -19,6 +19,7 @@ from ..errors import ConfigError
 from ..namespace import Namespace
 from .block_manager import BlockManager
 from .config import ModelConfig
+from .int4 import Int4LayerCache
 from .model import LlamaModel
 from .sampling import Logprob, SamplingParams, sample
 from .scheduler import Scheduler
@@ -57,7 +58,7 @@ class LLM:
                  kv_cache_dtype: str = "auto", kv_store=None, kv_block_tokens: int = 256,
                  cache_salt: str = "", seed: int = 0, max_model_len: int | None = None,
                  kv_tier_codec: str = "", kv_scales: str = "auto",
-                 calibration_prompts: list[list[int]] | None = None):
+                 calibration_prompts: list[list[int]] | None = None, int4_group: int = 32):
         from ..config import parse_size
         self.model_dir = Path(model)
         self.config = cfg = ModelConfig.from_dir(self.model_dir)
@@ -66,13 +67,21 @@ class LLM:
             dtype = "float32"
         if dtype not in _DTYPES:
             raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)} or 'auto'")
-        if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
-            raise ConfigError(f"kv_cache_dtype {kv_cache_dtype!r} is not 'auto' or 'fp8'")
+        if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "int4"):
+            raise ConfigError(f"kv_cache_dtype {kv_cache_dtype!r} is not 'auto', 'fp8' or 'int4'")
         if block_size < 1 or block_size & (block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {block_size}")
         self.dtype = _DTYPES[dtype]
         self.block_size = block_size
-        self.fp8 = kv_cache_dtype != "auto"
+        self.fp8 = kv_cache_dtype in ("fp8", "fp8_e4m3")
+        self.int4 = kv_cache_dtype == "int4"
+        self.kv_cache_dtype = "fp8" if self.fp8 else kv_cache_dtype
+        if self.int4:
+            if cfg.head_dim % int4_group or int4_group % 2:
+                raise ConfigError(f"int4_group {int4_group} must be even and divide head_dim {cfg.head_dim}")
+            if kv_store is not None:
+                raise ConfigError("kv_store with an int4 KV cache is not supported yet (tier blocks are "
+                                  "copied from float or fp8 caches)")
         if kv_scales not in ("auto", "checkpoint", "calibrate", "unit"):
             raise ConfigError(f"kv_scales {kv_scales!r} is not auto, checkpoint, calibrate or unit")
         torch.manual_seed(seed)
@@ -92,17 +101,31 @@ class LLM:
         self.namespace = Namespace.from_model_dir(
             self.model_dir, block_tokens=block_size, kv_dtype=kv_dtype_name, cache_salt=cache_salt,
             kv_scales=scales_id)
-        per_token = self.namespace.bytes_per_token
-        num_blocks = parse_size(kv_cache_bytes, what="kv_cache_bytes") // (per_token * block_size)
+        if self.int4:   # its own blocks: another layout, so another namespace (prefix-cache keys)
+            self.namespace = Namespace.from_dict({**self.namespace.to_dict(), "layout": f"int4-g{int4_group}"})
+            block_bytes = cfg.num_layers * Int4LayerCache.bytes_per_block(block_size, cfg.num_kv_heads,
+                                                                          cfg.head_dim, int4_group)
+        else:
+            block_bytes = self.namespace.bytes_per_token * block_size
+        num_blocks = parse_size(kv_cache_bytes, what="kv_cache_bytes") // block_bytes
         if num_blocks < 2:
-            raise ConfigError(f"kv_cache_bytes {kv_cache_bytes} holds fewer than 2 blocks of "
-                              f"{per_token * block_size} bytes")
-        cache_dtype = torch.float8_e4m3fn if self.fp8 else self.dtype
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype))
-                          for _ in range(cfg.num_layers)]
+            raise ConfigError(f"kv_cache_bytes {kv_cache_bytes} holds fewer than 2 blocks of {block_bytes} bytes")
+        self.kv_block_bytes = block_bytes
+        on_free = None
+        if self.int4:
+            self.kv_caches = [Int4LayerCache(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, int4_group,
+                                             self.dtype) for _ in range(cfg.num_layers)]
+
+            def on_free(bid: int) -> None:
+                for c in self.kv_caches:
+                    c.forget(bid)
+        else:
+            cache_dtype = torch.float8_e4m3fn if self.fp8 else self.dtype
+            shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+            self.kv_caches = [(torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype))
+                              for _ in range(cfg.num_layers)]
         self.block_manager = BlockManager(num_blocks, block_size, self.namespace.root_key,
-                                          enable_prefix_caching)
+                                          enable_prefix_caching, on_free=on_free)
         self.connector = None
         if kv_store is not None:
             from ..connectors.engine import EngineConnector
@@ -356,4 +379,5 @@ class LLM:
                 "waste": (slots - used_slots) / slots if slots else 0.0,
                 "prefix_cache_blocks": len(bm.cached), "prefix_cache_hits": bm.hits,
                 "preemptions": self.scheduler.preemptions, "fp8": self.fp8,
+                "kv_cache_dtype": self.kv_cache_dtype, "kv_block_bytes": self.kv_block_bytes,
                 "kv_scales": self.kv_scale_source}

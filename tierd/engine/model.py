@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from ..errors import ConfigError
-from .attention import AttentionMetadata, paged_attention, reshape_and_cache
+from .attention import AttentionMetadata, paged_attention, paged_attention_int4, reshape_and_cache
 from .config import ModelConfig
+from .int4 import Int4LayerCache
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -92,7 +93,8 @@ class LlamaModel:
         T = tokens.shape[0]
         h = w["embed"][tokens]                                                  # (T, hidden)
         cos, sin = self.rope(positions)                                         # (T, 1, d)
-        block_size = kv_caches[0][0].shape[1]
+        block_size = (kv_caches[0].block_size if isinstance(kv_caches[0], Int4LayerCache)
+                      else kv_caches[0][0].shape[1])
         meta = AttentionMetadata(seqs, block_size)
         for i, layer in enumerate(w["layers"]):
             x = rms_norm(h, layer["in_norm"], c.rms_norm_eps)
@@ -103,13 +105,17 @@ class LlamaModel:
             v = v.reshape(T, c.num_kv_heads, c.head_dim)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            k_cache, v_cache = kv_caches[i]
             if observe is not None:
                 observe(i, k, v)
-            ks = kv_scales[i] if kv_scales is not None else (1.0, 1.0)
-            reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *ks)
-            a = paged_attention(q, k_cache, v_cache, meta, self.scale, *ks,
-                                sliding_window=c.layer_windows[i] if c.layer_windows else c.sliding_window)
+            window = c.layer_windows[i] if c.layer_windows else c.sliding_window
+            if isinstance(kv_caches[i], Int4LayerCache):
+                kv_caches[i].write(k, v, slot_mapping)
+                a = paged_attention_int4(q, kv_caches[i], meta, self.scale, sliding_window=window)
+            else:
+                k_cache, v_cache = kv_caches[i]
+                ks = kv_scales[i] if kv_scales is not None else (1.0, 1.0)
+                reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *ks)
+                a = paged_attention(q, k_cache, v_cache, meta, self.scale, *ks, sliding_window=window)
             h = h + F.linear(a.reshape(T, c.num_heads * c.head_dim), layer["o"], layer.get("o_b"))
             x = rms_norm(h, layer["post_norm"], c.rms_norm_eps)
             gate, up = F.linear(x, layer["gate_up"], layer.get("gate_up_b")).chunk(2, dim=-1)

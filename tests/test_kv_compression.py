@@ -1,0 +1,116 @@
+"""KV compression in the bundled engine: the int4 cache (KIVI-style groups, full-precision
+residual of a partial block) stays within its stated error, keeps the engine's own guarantees
+(batching, preemption and prefix hits give the outputs of a request run alone), frees what it
+holds, and stays close to full precision."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tierd.engine import LLM, SamplingParams  # noqa: E402
+from tierd.engine.int4 import Int4LayerCache, pack, unpack  # noqa: E402
+from tierd.engine.random_model import write_random_model  # noqa: E402
+from tierd.errors import ConfigError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("m") / "llama", seed=2, head_dim=64)
+
+
+def lps(out):
+    c = out.outputs[0]
+    return [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
+
+
+def test_nibbles_pack_and_unpack_along_any_axis():
+    q = torch.randint(0, 16, (6, 4, 8), dtype=torch.uint8)
+    for dim in (0, 1, 2, -1):
+        p = pack(q, dim)
+        assert p.shape[dim] == q.shape[dim] // 2 and torch.equal(unpack(p, dim), q)
+    assert pack(torch.tensor([[1, 15]], dtype=torch.uint8), -1).item() == 0xF1    # low nibble first
+
+
+@pytest.mark.parametrize("group", [16, 32, 64])
+def test_int4_cache_round_trip_within_half_a_step(group):
+    torch.manual_seed(group)
+    bs, h, d = 16, 2, 64
+    c = Int4LayerCache(6, bs, h, d, group, torch.float32)
+    n = 3 * bs + 5                                   # three full blocks and a partial one
+    k = torch.randn(n, h, d) * torch.rand(1, h, d) * 4 + torch.randn(1, h, d)
+    v = torch.randn(n, h, d) * 3
+    table = torch.tensor([4, 1, 5, 0])
+    slots = (table.repeat_interleave(bs) * bs + torch.arange(bs).repeat(4))[:n]
+    for lo, hi in ((0, 7), (7, 30), (30, n)):       # in token order, in uneven chunks (prefill + decode)
+        c.write(k[lo:hi], v[lo:hi], slots[lo:hi])
+    gk, own, gv = c.gather(table, n, torch.float32)
+    assert torch.equal(own[bs:], k[bs:])             # blocks 2 and 3 were filled by the last write
+    assert torch.equal(own[:bs], gk[:bs])
+    full = 3 * bs
+    kb = k[:full].reshape(3, bs, h, d)              # keys: per channel over a block's tokens
+    kstep = (kb.amax(1, keepdim=True) - kb.amin(1, keepdim=True)) / 15
+    assert ((gk[:full].reshape(3, bs, h, d) - kb).abs() <= kstep / 2 * 1.01 + 2e-3 * kb.abs()).all()
+    assert torch.equal(gk[full:], k[full:])           # the partial block's keys wait in full precision
+    vg = v.reshape(n, h, d // group, group)          # values: per token over groups of channels
+    vstep = (vg.amax(-1, keepdim=True) - vg.amin(-1, keepdim=True)) / 15
+    assert ((gv.reshape(n, h, d // group, group) - vg).abs() <= vstep / 2 * 1.01 + 2e-3 * vg.abs()).all()
+    assert len(c.residual) == 1 and sorted(c.completed) == [1, 5]
+    for b in (0, 1, 5):
+        c.forget(b)
+    assert not c.residual and not c.completed
+
+
+def test_int4_kv_is_smaller_and_close_to_full_precision(model_dir):
+    """Teacher-forced along the full-precision greedy path: the int4 logprob of each reference
+    token stays within 0.3 (mean 0.15), and the argmax agrees at >= 12 of 16 steps."""
+    prompt = list(range(20, 100))
+    greedy = SamplingParams(temperature=0, max_tokens=16, logprobs=0)
+    ref_llm = LLM(model_dir, kv_cache_bytes="4MiB")
+    ref = ref_llm.generate(prompt_token_ids=prompt, sampling_params=greedy)[0]
+    toks, ref_lps = ref.outputs[0].token_ids, lps(ref)
+    q = LLM(model_dir, kv_cache_bytes="4MiB", kv_cache_dtype="int4", block_size=32)
+    fp16_bytes = q.config.num_layers * 2 * q.config.num_kv_heads * q.config.head_dim * 2 * 32
+    assert q.kv_cache_stats()["kv_block_bytes"] < fp16_bytes / 2.5     # vs the same block in fp16
+    diffs, agree = [], 0
+    for i in range(16):
+        o = q.generate(prompt_token_ids=prompt + toks[:i],
+                       sampling_params=SamplingParams(temperature=0, max_tokens=1, logprobs=50))[0]
+        got = o.outputs[0].logprobs[0]
+        assert toks[i] in got
+        diffs.append(abs(got[toks[i]].logprob - ref_lps[i]))
+        agree += o.outputs[0].token_ids[0] == toks[i]
+    assert max(diffs) < 0.3 and sum(diffs) / 16 < 0.15 and agree >= 12, (diffs, agree)
+    assert max(diffs) > 0                            # it is quantized
+
+
+def test_int4_batching_preemption_and_prefix_hits_give_the_alone_outputs(model_dir):
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (int(n),), generator=gen).tolist()
+               for n in torch.randint(20, 90, (8,), generator=gen)]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=0)
+    alone = LLM(model_dir, kv_cache_bytes="4MiB", kv_cache_dtype="int4", enable_prefix_caching=False)
+    ref = [alone.generate(prompt_token_ids=p, sampling_params=params)[0] for p in prompts]
+    per_block = alone.kv_cache_stats()["kv_block_bytes"]
+    small = LLM(model_dir, kv_cache_bytes=14 * per_block, kv_cache_dtype="int4", max_num_batched_tokens=64,
+                enable_prefix_caching=False)
+    outs = small.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert small.kv_cache_stats()["preemptions"] > 0
+    for a, b in zip(outs, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert max(abs(x - y) for x, y in zip(lps(a), lps(b))) < 1e-4
+    assert all(not c.residual for c in small.kv_caches)       # every partial block's residual freed
+    cached = LLM(model_dir, kv_cache_bytes="4MiB", kv_cache_dtype="int4")
+    cold = cached.generate(prompt_token_ids=prompts[0] * 2, sampling_params=params)[0]
+    warm = cached.generate(prompt_token_ids=prompts[0] * 2, sampling_params=params)[0]
+    assert warm.num_cached_tokens > 0 and warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert max(abs(x - y) for x, y in zip(lps(warm), lps(cold))) < 1e-4
+
+
+def test_int4_refuses_what_it_cannot_do(model_dir):
+    with pytest.raises(ConfigError, match="int4_group 48"):
+        LLM(model_dir, kv_cache_bytes="4MiB", kv_cache_dtype="int4", int4_group=48)
+    with pytest.raises(ConfigError, match="kv_store with an int4"):
+        LLM(model_dir, kv_cache_bytes="4MiB", kv_cache_dtype="int4", kv_store="embedded://")
+    with pytest.raises(ConfigError, match="'int4'"):
+        LLM(model_dir, kv_cache_bytes="4MiB", kv_cache_dtype="int2")
