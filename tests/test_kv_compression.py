@@ -114,3 +114,58 @@ def test_int4_refuses_what_it_cannot_do(model_dir):
         LLM(model_dir, kv_cache_bytes="4MiB", kv_cache_dtype="int4", kv_store="embedded://")
     with pytest.raises(ConfigError, match="'int4'"):
         LLM(model_dir, kv_cache_bytes="4MiB", kv_cache_dtype="int2")
+
+
+# -- StreamingLLM -----------------------------------------------------------------------------------
+def test_streaming_attention_is_attention_over_sinks_and_window_at_their_cache_positions():
+    """Against the paper's formulation, built naively: keep the first S and the last W tokens,
+    give them positions 0..S+W-1 in that order, rope keys and query there, attend. tierd caches
+    keys roped at their own positions and moves only the sinks (by rotating the query)."""
+    from tierd.engine.attention import AttentionMetadata, attention_one, rotate, streaming_attention
+    torch.manual_seed(0)
+    S, W, bs, h, kvh, d, ctx, n = 3, 20, 8, 4, 2, 16, 71, 5            # 5 queries: positions 66..70
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)).float()
+    q_raw, k_raw, v = torch.randn(n, h, d), torch.randn(ctx, kvh, d), torch.randn(ctx, kvh, d)
+    nb = (ctx + bs - 1) // bs
+    table = torch.arange(nb)
+    table[1:(ctx - n - W) // bs] = -1                                 # the middle was freed
+    k_cache, v_cache = torch.zeros(nb, bs, kvh, d), torch.zeros(nb, bs, kvh, d)
+    k_cache.view(-1, kvh, d)[:ctx] = rotate(k_raw, torch.arange(ctx), inv_freq)
+    v_cache.view(-1, kvh, d)[:ctx] = v
+    qpos = torch.arange(ctx - n, ctx)
+    meta = AttentionMetadata([(0, n, ctx, table)], bs)
+    got = streaming_attention(rotate(q_raw, qpos, inv_freq), k_cache, v_cache, meta, d ** -0.5, S, W, inv_freq)
+    for i, p in enumerate(qpos.tolist()):
+        kept = list(range(S)) + list(range(max(S, p - W + 1), p + 1))
+        cache_pos = torch.arange(len(kept))
+        k = rotate(k_raw[kept], cache_pos, inv_freq)
+        q = rotate(q_raw[i:i + 1], cache_pos[-1:], inv_freq)
+        want = attention_one(q, k, v[kept], len(kept) - 1, d ** -0.5)
+        torch.testing.assert_close(got[i:i + 1], want, atol=1e-5, rtol=1e-4)
+
+
+def test_streaming_llm_generates_4x_the_context_in_fixed_kv(tmp_path):
+    d = write_random_model(tmp_path / "short", seed=4, max_position_embeddings=128)
+    prompt = list(range(3, 23))
+    plain = LLM(d, kv_cache_bytes="4MiB")
+    stream = LLM(d, kv_cache_bytes="4MiB", attention_sinks=4, window=32, block_size=16)
+    g = SamplingParams(temperature=0, max_tokens=14, logprobs=0)      # within sinks + window: unchanged
+    a, b = (x.generate(prompt_token_ids=prompt, sampling_params=g)[0] for x in (plain, stream))
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert max(abs(x - y) for x, y in zip(lps(a), lps(b))) < 1e-4
+    with pytest.raises(ConfigError, match="exceeds the model's context"):
+        plain.add_request(prompt_token_ids=prompt, params=SamplingParams(max_tokens=512))
+    stream.add_request(prompt_token_ids=prompt, params=SamplingParams(temperature=0.8, seed=3, max_tokens=4 * 128))
+    peak, outs = 0, []
+    while stream.has_unfinished_requests():
+        outs += stream.step()
+        peak = max(peak, stream.kv_cache_stats()["blocks_allocated"])
+    toks = outs[0].outputs[0].token_ids
+    assert len(toks) == 512 and outs[0].outputs[0].finish_reason == "length"
+    assert peak <= 1 + 32 // 16 + 1                 # the sinks' block, the window's, the one being written
+    assert len(set(toks[-128:])) > 16                # still generating, not stuck on one token
+    assert stream.namespace.id != plain.namespace.id
+    with pytest.raises(ConfigError, match="exceed the model's context"):
+        LLM(d, kv_cache_bytes="4MiB", attention_sinks=4, window=128)
+    with pytest.raises(ConfigError, match="needs window"):
+        LLM(d, kv_cache_bytes="4MiB", attention_sinks=4)

@@ -162,3 +162,53 @@ def paged_attention_int4(q: torch.Tensor, cache, meta: AttentionMetadata, scale:
         o = torch.matmul(probs, v.permute(1, 0, 2).unsqueeze(1))               # (kvh, g, n, d)
         out[q0:q0 + n] = o.permute(2, 0, 1, 3).reshape(n, heads, d)
     return out
+
+
+def rotate(x: torch.Tensor, angle_pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """RoPE rotation of x (n, heads, d) by positions angle_pos (n,) (negative: backwards)."""
+    freqs = angle_pos.float().unsqueeze(1) * inv_freq.unsqueeze(0)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(x.dtype).unsqueeze(1), emb.sin().to(x.dtype).unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def streaming_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float, sinks: int, window: int,
+                        inv_freq: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """StreamingLLM attention: a query at position p sees the first `sinks` tokens and the last
+    `window` tokens (p - window, p], at their positions within that cache (sinks 0..S-1, the
+    window right after them). Keys are cached roped at their own positions, so the window keeps
+    its distances to the query; only the sinks move closer, by delta = p - window + 1 - S, which
+    is applied to the query (R(-delta) q . k = q . R(delta) k). Reads only the blocks a sequence
+    still holds (table entries -1 were freed)."""
+    out = torch.empty_like(q)
+    bs = k_cache.shape[1]
+    for q0, n, ctx, table in meta.all:
+        held = (table[: (ctx + bs - 1) // bs] >= 0).nonzero().flatten()
+        kpos = (held.unsqueeze(1) * bs + torch.arange(bs)).flatten()
+        valid = kpos < ctx
+        kpos = kpos[valid]
+        k = k_cache[table[held]].reshape(-1, *k_cache.shape[2:])[valid]
+        v = v_cache[table[held]].reshape(-1, *v_cache.shape[2:])[valid]
+        if k_cache.dtype == torch.float8_e4m3fn:
+            k, v = dequantize_fp8(k, k_scale, q.dtype), dequantize_fp8(v, v_scale, q.dtype)
+        else:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        qs = q[q0:q0 + n]
+        heads, d = qs.shape[1], qs.shape[2]
+        kvh = k.shape[1]
+        qpos = torch.arange(ctx - n, ctx)
+        delta = (qpos - window + 1 - sinks).clamp(min=0)
+        q_sink = rotate(qs, -delta, inv_freq)                                   # sinks closer by delta
+        qh = qs.view(n, kvh, heads // kvh, d).permute(1, 2, 0, 3)               # (kvh, g, n, d)
+        qsh = q_sink.view(n, kvh, heads // kvh, d).permute(1, 2, 0, 3)
+        kt = k.permute(1, 2, 0).unsqueeze(1)                                    # (kvh, 1, d, m)
+        is_sink = (kpos < sinks).view(1, 1, 1, -1)
+        scores = torch.where(is_sink, torch.matmul(qsh, kt), torch.matmul(qh, kt)) * scale
+        qp, kp = qpos.unsqueeze(1), kpos.unsqueeze(0)
+        mask = (kp > qp) | ((kp <= qp - window) & (kp >= sinks))
+        probs = torch.softmax(scores.masked_fill(mask, float("-inf")).float(), dim=-1).to(q.dtype)
+        o = torch.matmul(probs, v.permute(1, 0, 2).unsqueeze(1))
+        out[q0:q0 + n] = o.permute(2, 0, 1, 3).reshape(n, heads, d)
+    return out

@@ -101,11 +101,12 @@ class BlockManager:
                 b.key = keys[i]
                 self.cached[keys[i]] = b.id
 
-    def free_before(self, seq: Sequence, first_needed_pos: int) -> int:
+    def free_before(self, seq: Sequence, first_needed_pos: int, keep_first: int = 0) -> int:
         """Sliding window: free the blocks that hold only positions before `first_needed_pos`,
-        which no later query can attend to; their table entries become -1. Returns blocks freed."""
+        which no later query can attend to, except the first `keep_first` blocks (attention
+        sinks); their table entries become -1. Returns blocks freed."""
         freed = 0
-        for i in range(min(first_needed_pos // self.block_size, len(seq.block_table))):
+        for i in range(keep_first, min(first_needed_pos // self.block_size, len(seq.block_table))):
             bid = seq.block_table[i]
             if bid >= 0:
                 b = self.blocks[bid]

@@ -58,7 +58,8 @@ class LLM:
                  kv_cache_dtype: str = "auto", kv_store=None, kv_block_tokens: int = 256,
                  cache_salt: str = "", seed: int = 0, max_model_len: int | None = None,
                  kv_tier_codec: str = "", kv_scales: str = "auto",
-                 calibration_prompts: list[list[int]] | None = None, int4_group: int = 32):
+                 calibration_prompts: list[list[int]] | None = None, int4_group: int = 32,
+                 attention_sinks: int = 0, window: int | None = None):
         from ..config import parse_size
         self.model_dir = Path(model)
         self.config = cfg = ModelConfig.from_dir(self.model_dir)
@@ -71,6 +72,17 @@ class LLM:
             raise ConfigError(f"kv_cache_dtype {kv_cache_dtype!r} is not 'auto', 'fp8' or 'int4'")
         if block_size < 1 or block_size & (block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {block_size}")
+        self.streaming = None if window is None else (int(attention_sinks), int(window))
+        if self.streaming is not None:
+            if window < 1 or attention_sinks < 0:
+                raise ConfigError("StreamingLLM needs window >= 1 and attention_sinks >= 0")
+            if attention_sinks + window > cfg.max_position_embeddings:
+                raise ConfigError(f"attention_sinks + window ({attention_sinks + window}) exceed the model's "
+                                  f"context ({cfg.max_position_embeddings})")
+            if cfg.sliding_window is not None or kv_cache_dtype == "int4":
+                raise ConfigError("StreamingLLM with a sliding-window model or an int4 cache is not supported")
+        elif attention_sinks:
+            raise ConfigError("attention_sinks needs window= (StreamingLLM)")
         self.dtype = _DTYPES[dtype]
         self.block_size = block_size
         self.fp8 = kv_cache_dtype in ("fp8", "fp8_e4m3")
@@ -103,6 +115,11 @@ class LLM:
             kv_scales=scales_id)
         if self.int4:   # its own blocks: another layout, so another namespace (prefix-cache keys)
             self.namespace = Namespace.from_dict({**self.namespace.to_dict(), "layout": f"int4-g{int4_group}"})
+        # Under StreamingLLM the KV of tokens past the window comes from attention without the
+        # middle: other bytes than full attention's, so other blocks (prefix cache and tiers)
+        stream_layout = "" if self.streaming is None else "streaming-s%d-w%d" % self.streaming
+        if stream_layout:
+            self.namespace = Namespace.from_dict({**self.namespace.to_dict(), "layout": stream_layout})
             block_bytes = cfg.num_layers * Int4LayerCache.bytes_per_block(block_size, cfg.num_kv_heads,
                                                                           cfg.head_dim, int4_group)
         else:
@@ -134,6 +151,8 @@ class LLM:
             tier_ns = Namespace.from_model_dir(self.model_dir, block_tokens=kv_block_tokens,
                                                kv_dtype=kv_dtype_name, cache_salt=cache_salt,
                                                tier_codec=kv_tier_codec, kv_scales=scales_id)
+            if stream_layout:
+                tier_ns = Namespace.from_dict({**tier_ns.to_dict(), "layout": stream_layout})
             self.connector = EngineConnector(kv_store, tier_ns, self.kv_caches, block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, self.connector)
         self.tokenizer = None
@@ -206,12 +225,17 @@ class LLM:
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ConfigError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
-        if len(ids) + params.max_tokens > self.max_model_len:
+        if len(ids) + params.max_tokens > self.max_model_len and self.streaming is None:
             raise ConfigError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                               f"model's context of {self.max_model_len} tokens")
         need = self.block_manager.blocks_needed(len(ids) + params.max_tokens)
         if self.config.uniform_window is not None:  # out-of-window blocks are freed as it goes
             need = min(need, self.block_manager.blocks_needed(max(len(ids), self.config.uniform_window)) + 1)
+        if self.streaming is not None:               # sinks, the window, and the chunk being computed
+            sinks, window = self.streaming
+            chunk = min(len(ids), self.scheduler.max_num_batched_tokens)
+            need = min(need, self.block_manager.blocks_needed(sinks) +
+                       self.block_manager.blocks_needed(max(chunk, window)) + 2)
         if need > len(self.block_manager.blocks):
             raise ConfigError(f"the request needs {need} KV blocks; the cache has "
                               f"{len(self.block_manager.blocks)}: raise kv_cache_bytes")
@@ -237,7 +261,9 @@ class LLM:
         q0 = 0
         for seq, n in batch:
             start = seq.num_computed
-            table = torch.tensor(seq.block_table, dtype=torch.long).clamp_(min=0)  # -1: freed, masked
+            table = torch.tensor(seq.block_table, dtype=torch.long)
+            if self.streaming is None:
+                table.clamp_(min=0)  # -1: freed, masked (streaming attention reads only held blocks)
             for p in range(start, start + n):
                 tokens.append(seq.token_ids[p])
                 positions.append(p)
@@ -249,7 +275,7 @@ class LLM:
                 sampled.append(seq)
         logits = self.model.forward(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots),
                                     seqs, self.kv_caches, torch.tensor(logits_rows, dtype=torch.long),
-                                    self.kv_scales)
+                                    self.kv_scales, streaming=self.streaming)
         window = self.config.uniform_window    # a full-attention layer keeps every block
         for seq, n in batch:
             seq.num_computed += n
@@ -258,6 +284,10 @@ class LLM:
                 self.connector.save(seq)
             if window is not None:  # later queries (positions >= num_computed) never look back further
                 self.block_manager.free_before(seq, seq.num_computed - window + 1)
+            elif self.streaming is not None:    # the middle goes; the sinks' blocks stay
+                sinks, w = self.streaming
+                self.block_manager.free_before(seq, seq.num_computed - w + 1,
+                                               keep_first=self.block_manager.blocks_needed(sinks))
         finished = []
         now = time.time()
         for row, seq in enumerate(sampled):
@@ -275,7 +305,7 @@ class LLM:
             reason = None
             if token in stops and n_out + 1 >= p.min_tokens:
                 reason = "stop"
-            elif n_out + 1 >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif n_out + 1 >= p.max_tokens or (seq.num_tokens >= self.max_model_len and self.streaming is None):
                 reason = "length"
             if reason:
                 seq.finish_reason = reason

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from ..errors import ConfigError
-from .attention import AttentionMetadata, paged_attention, paged_attention_int4, reshape_and_cache
+from .attention import (AttentionMetadata, paged_attention, paged_attention_int4, reshape_and_cache,
+                        streaming_attention)
 from .config import ModelConfig
 from .int4 import Int4LayerCache
 
@@ -84,10 +85,11 @@ class LlamaModel:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 seqs: list, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 logits_index: torch.Tensor, kv_scales: list[tuple[float, float]] | None = None,
-                observe=None) -> torch.Tensor:
+                observe=None, streaming: tuple[int, int] | None = None) -> torch.Tensor:
         """tokens, positions, slot_mapping: (T,). seqs: see paged_attention. kv_scales: per
         layer (k_scale, v_scale) of an fp8 cache (None: 1.0). observe(layer, k, v), if given,
-        sees each layer's new keys and values before they are cached (calibration). Returns
+        sees each layer's new keys and values before they are cached (calibration).
+        streaming: (attention sinks, window) for StreamingLLM attention. Returns
         logits (len(logits_index), vocab) in float32 for the rows in logits_index."""
         c, w = self.cfg, self.w
         T = tokens.shape[0]
@@ -115,7 +117,11 @@ class LlamaModel:
                 k_cache, v_cache = kv_caches[i]
                 ks = kv_scales[i] if kv_scales is not None else (1.0, 1.0)
                 reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *ks)
-                a = paged_attention(q, k_cache, v_cache, meta, self.scale, *ks, sliding_window=window)
+                if streaming is not None:
+                    a = streaming_attention(q, k_cache, v_cache, meta, self.scale, *streaming,
+                                            self.inv_freq, *ks)
+                else:
+                    a = paged_attention(q, k_cache, v_cache, meta, self.scale, *ks, sliding_window=window)
             h = h + F.linear(a.reshape(T, c.num_heads * c.head_dim), layer["o"], layer.get("o_b"))
             x = rms_norm(h, layer["post_norm"], c.rms_norm_eps)
             gate, up = F.linear(x, layer["gate_up"], layer.get("gate_up_b")).chunk(2, dim=-1)
