@@ -113,13 +113,13 @@ class LLM:
         self.namespace = Namespace.from_model_dir(
             self.model_dir, block_tokens=block_size, kv_dtype=kv_dtype_name, cache_salt=cache_salt,
             kv_scales=scales_id)
-        if self.int4:   # its own blocks: another layout, so another namespace (prefix-cache keys)
-            self.namespace = Namespace.from_dict({**self.namespace.to_dict(), "layout": f"int4-g{int4_group}"})
         # Under StreamingLLM the KV of tokens past the window comes from attention without the
         # middle: other bytes than full attention's, so other blocks (prefix cache and tiers)
         stream_layout = "" if self.streaming is None else "streaming-s%d-w%d" % self.streaming
         if stream_layout:
             self.namespace = Namespace.from_dict({**self.namespace.to_dict(), "layout": stream_layout})
+        if self.int4:   # its own blocks: another layout, so another namespace (prefix-cache keys)
+            self.namespace = Namespace.from_dict({**self.namespace.to_dict(), "layout": f"int4-g{int4_group}"})
             block_bytes = cfg.num_layers * Int4LayerCache.bytes_per_block(block_size, cfg.num_kv_heads,
                                                                           cfg.head_dim, int4_group)
         else:
