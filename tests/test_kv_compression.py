@@ -169,3 +169,44 @@ def test_streaming_llm_generates_4x_the_context_in_fixed_kv(tmp_path):
         LLM(d, kv_cache_bytes="4MiB", attention_sinks=4, window=128)
     with pytest.raises(ConfigError, match="needs window"):
         LLM(d, kv_cache_bytes="4MiB", attention_sinks=4)
+
+
+# -- block eviction under a KV budget -------------------------------------------------------------
+def test_eviction_frees_the_blocks_with_the_least_attention_mass_never_sinks_or_the_last(model_dir):
+    from tierd.engine.sequence import Sequence
+    llm = LLM(model_dir, kv_cache_bytes="4MiB", block_size=16, kv_budget=64, attention_sinks=4)
+    seq = Sequence("s", None, list(range(100)), SamplingParams())
+    llm.block_manager.allocate(seq, 100)                       # 7 blocks, over a budget of 4
+    free_before = llm.block_manager.num_free
+    table = list(seq.block_table)
+    mass = torch.tensor([0.0, 5.0, 0.5, 9.0, 0.1, 7.0, 0.0], dtype=torch.float64)
+    llm._evict(seq, 1, mass)
+    # 7 held, budget 4: three go, lowest mean mass first among blocks 1..5 (0: sinks, 6: last)
+    assert [i for i, b in enumerate(seq.block_table) if b < 0] == [1, 2, 4]
+    assert seq.block_table[0] == table[0] and seq.block_table[6] == table[6]
+    assert llm.block_manager.num_free == free_before + 3
+    llm._evict(seq, 1, torch.zeros(7, dtype=torch.float64))   # within budget now: nothing more
+    assert sum(b >= 0 for b in seq.block_table) == 4
+    with pytest.raises(ConfigError, match="fewer blocks"):
+        LLM(model_dir, kv_cache_bytes="4MiB", block_size=16, kv_budget=32, attention_sinks=20)
+
+
+def test_eviction_keeps_every_sequence_within_its_budget_and_changes_nothing_below_it(model_dir):
+    prompt = list(range(3, 131))                               # 8 blocks of 16
+    g = SamplingParams(temperature=0, max_tokens=40, logprobs=0)
+    ref = LLM(model_dir, kv_cache_bytes="4MiB").generate(prompt_token_ids=prompt, sampling_params=g)[0]
+    roomy = LLM(model_dir, kv_cache_bytes="4MiB", kv_budget=512)
+    same = roomy.generate(prompt_token_ids=prompt, sampling_params=g)[0]
+    assert same.outputs[0].token_ids == ref.outputs[0].token_ids and roomy.kv_cache_stats()["evicted_blocks"] == 0
+    llm = LLM(model_dir, kv_cache_bytes="4MiB", kv_budget=64, attention_sinks=4)
+    for p in (prompt, prompt[:90]):
+        llm.add_request(prompt_token_ids=p, params=g)
+    outs = []
+    while llm.has_unfinished_requests():
+        outs += llm.step()
+        for seq in llm.scheduler.running:
+            assert sum(b >= 0 for b in seq.block_table) <= 4
+            assert seq.block_table[0] >= 0 and seq.block_table[-1] >= 0
+    assert len(outs) == 2 and all(len(o.outputs[0].token_ids) == 40 for o in outs)
+    assert llm.kv_cache_stats()["evicted_blocks"] > 0
+    assert llm.namespace.id != roomy.namespace.id

@@ -174,17 +174,23 @@ def rotate(x: torch.Tensor, angle_pos: torch.Tensor, inv_freq: torch.Tensor) -> 
 
 
 def streaming_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float, sinks: int, window: int,
-                        inv_freq: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """StreamingLLM attention: a query at position p sees the first `sinks` tokens and the last
-    `window` tokens (p - window, p], at their positions within that cache (sinks 0..S-1, the
-    window right after them). Keys are cached roped at their own positions, so the window keeps
-    its distances to the query; only the sinks move closer, by delta = p - window + 1 - S, which
-    is applied to the query (R(-delta) q . k = q . R(delta) k). Reads only the blocks a sequence
-    still holds (table entries -1 were freed)."""
+                        meta: AttentionMetadata, scale: float, sinks: int, window: int | None,
+                        inv_freq: torch.Tensor | None, k_scale: float = 1.0, v_scale: float = 1.0,
+                        mass: list | None = None) -> torch.Tensor:
+    """Attention over the blocks a sequence still holds (table entries -1 were freed).
+
+    StreamingLLM (`window` set): a query at position p sees the first `sinks` tokens and the
+    last `window` tokens (p - window, p], at their positions within that cache (sinks 0..S-1,
+    the window right after them). Keys are cached roped at their own positions, so the window
+    keeps its distances to the query; only the sinks move closer, by delta = p - window + 1 - S,
+    which is applied to the query (R(-delta) q . k = q . R(delta) k).
+
+    Eviction (`window` None): causal attention over the held blocks at their own positions;
+    `mass[i]` (per sequence, a tensor with one entry per block-table entry) gains each held
+    block's attention mass, averaged over heads and summed over this step's queries."""
     out = torch.empty_like(q)
     bs = k_cache.shape[1]
-    for q0, n, ctx, table in meta.all:
+    for si, (q0, n, ctx, table) in enumerate(meta.all):
         held = (table[: (ctx + bs - 1) // bs] >= 0).nonzero().flatten()
         kpos = (held.unsqueeze(1) * bs + torch.arange(bs)).flatten()
         valid = kpos < ctx
@@ -199,16 +205,23 @@ def streaming_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         heads, d = qs.shape[1], qs.shape[2]
         kvh = k.shape[1]
         qpos = torch.arange(ctx - n, ctx)
-        delta = (qpos - window + 1 - sinks).clamp(min=0)
-        q_sink = rotate(qs, -delta, inv_freq)                                   # sinks closer by delta
         qh = qs.view(n, kvh, heads // kvh, d).permute(1, 2, 0, 3)               # (kvh, g, n, d)
-        qsh = q_sink.view(n, kvh, heads // kvh, d).permute(1, 2, 0, 3)
         kt = k.permute(1, 2, 0).unsqueeze(1)                                    # (kvh, 1, d, m)
-        is_sink = (kpos < sinks).view(1, 1, 1, -1)
-        scores = torch.where(is_sink, torch.matmul(qsh, kt), torch.matmul(qh, kt)) * scale
         qp, kp = qpos.unsqueeze(1), kpos.unsqueeze(0)
-        mask = (kp > qp) | ((kp <= qp - window) & (kp >= sinks))
-        probs = torch.softmax(scores.masked_fill(mask, float("-inf")).float(), dim=-1).to(q.dtype)
-        o = torch.matmul(probs, v.permute(1, 0, 2).unsqueeze(1))
+        mask = kp > qp
+        if window is not None:
+            delta = (qpos - window + 1 - sinks).clamp(min=0)
+            q_sink = rotate(qs, -delta, inv_freq)                               # sinks closer by delta
+            qsh = q_sink.view(n, kvh, heads // kvh, d).permute(1, 2, 0, 3)
+            is_sink = (kpos < sinks).view(1, 1, 1, -1)
+            scores = torch.where(is_sink, torch.matmul(qsh, kt), torch.matmul(qh, kt)) * scale
+            mask = mask | ((kp <= qp - window) & (kp >= sinks))
+        else:
+            scores = torch.matmul(qh, kt) * scale
+        probs = torch.softmax(scores.masked_fill(mask, float("-inf")).float(), dim=-1)
+        if mass is not None:    # (kvh, g, n, m) -> per key, averaged over heads -> per block
+            per_key = probs.sum(dim=2).mean(dim=(0, 1))
+            mass[si].index_add_(0, kpos // bs, per_key.to(mass[si].dtype))
+        o = torch.matmul(probs.to(q.dtype), v.permute(1, 0, 2).unsqueeze(1))
         out[q0:q0 + n] = o.permute(2, 0, 1, 3).reshape(n, heads, d)
     return out

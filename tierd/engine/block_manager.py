@@ -117,6 +117,17 @@ class BlockManager:
                 freed += 1
         return freed
 
+    def free_entry(self, seq: Sequence, i: int) -> None:
+        """Drop the sequence's block-table entry `i` (evicted); the entry becomes -1."""
+        bid = seq.block_table[i]
+        if bid < 0:
+            return
+        b = self.blocks[bid]
+        b.ref_count -= 1
+        if b.ref_count == 0:
+            self._release(bid)
+        seq.block_table[i] = -1
+
     def free_seq(self, seq: Sequence) -> None:
         for bid in reversed(seq.block_table):   # tail first: evicted before the head
             if bid < 0:

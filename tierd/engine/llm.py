@@ -59,7 +59,7 @@ class LLM:
                  cache_salt: str = "", seed: int = 0, max_model_len: int | None = None,
                  kv_tier_codec: str = "", kv_scales: str = "auto",
                  calibration_prompts: list[list[int]] | None = None, int4_group: int = 32,
-                 attention_sinks: int = 0, window: int | None = None):
+                 attention_sinks: int = 0, window: int | None = None, kv_budget: int | None = None):
         from ..config import parse_size
         self.model_dir = Path(model)
         self.config = cfg = ModelConfig.from_dir(self.model_dir)
@@ -81,8 +81,19 @@ class LLM:
                                   f"context ({cfg.max_position_embeddings})")
             if cfg.sliding_window is not None or kv_cache_dtype == "int4":
                 raise ConfigError("StreamingLLM with a sliding-window model or an int4 cache is not supported")
-        elif attention_sinks:
-            raise ConfigError("attention_sinks needs window= (StreamingLLM)")
+        elif attention_sinks and kv_budget is None:
+            raise ConfigError("attention_sinks needs window= (StreamingLLM) or kv_budget= (eviction)")
+        self.kv_budget = None        # block eviction: (blocks per sequence, blocks of the sinks)
+        if kv_budget is not None:
+            sink_blocks = -(-attention_sinks // block_size)
+            budget_blocks = -(-int(kv_budget) // block_size)
+            if window is not None or kv_cache_dtype == "int4" or cfg.sliding_window is not None:
+                raise ConfigError("kv_budget (block eviction) with StreamingLLM, an int4 cache or a "
+                                  "sliding-window model is not supported")
+            if budget_blocks < sink_blocks + 2:
+                raise ConfigError(f"kv_budget {kv_budget} holds fewer blocks ({budget_blocks}) than the sinks' "
+                                  f"({sink_blocks}) + 2")
+            self.kv_budget = (budget_blocks, sink_blocks)
         self.dtype = _DTYPES[dtype]
         self.block_size = block_size
         self.fp8 = kv_cache_dtype in ("fp8", "fp8_e4m3")
@@ -116,6 +127,8 @@ class LLM:
         # Under StreamingLLM the KV of tokens past the window comes from attention without the
         # middle: other bytes than full attention's, so other blocks (prefix cache and tiers)
         stream_layout = "" if self.streaming is None else "streaming-s%d-w%d" % self.streaming
+        if self.kv_budget is not None:          # likewise past the first eviction
+            stream_layout = "evict-b%d-s%d" % self.kv_budget
         if stream_layout:
             self.namespace = Namespace.from_dict({**self.namespace.to_dict(), "layout": stream_layout})
         if self.int4:   # its own blocks: another layout, so another namespace (prefix-cache keys)
@@ -162,6 +175,32 @@ class LLM:
             self.tokenizer = Tokenizer.from_file(str(tok))
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
+        self.evicted_blocks = 0
+
+    # -- block eviction --------------------------------------------------------------------------
+    def _evict(self, seq: Sequence, n: int, mass: torch.Tensor) -> None:
+        """Account this step's attention mass to the sequence's blocks; over the budget, free the
+        full blocks with the least mean mass per layer-query that could see them, never the
+        sinks' blocks or the last block."""
+        nt = len(seq.block_table)
+        if seq.block_mass is None or len(seq.block_mass) < nt:
+            grow = nt - (0 if seq.block_mass is None else len(seq.block_mass))
+            pad = torch.zeros(grow, dtype=torch.float64)
+            seq.block_mass = pad.clone() if seq.block_mass is None else torch.cat((seq.block_mass, pad))
+            seq.block_seen = pad.clone() if seq.block_seen is None else torch.cat((seq.block_seen, pad))
+        held = torch.tensor([b >= 0 for b in seq.block_table])
+        seq.block_mass[:nt] += mass
+        seq.block_seen[:nt][held] += n * self.config.num_layers
+        budget, sink_blocks = self.kv_budget
+        held_idx = held.nonzero().flatten().tolist()
+        over = len(held_idx) - budget
+        if over <= 0:
+            return
+        cands = [i for i in held_idx if i >= sink_blocks and i < nt - 1]
+        score = seq.block_mass / seq.block_seen.clamp(min=1)
+        for i in sorted(cands, key=lambda i: float(score[i]))[:over]:
+            self.block_manager.free_entry(seq, i)
+        self.evicted_blocks += min(over, len(cands))
 
     # -- fp8 KV scales --------------------------------------------------------------------------
     def _fp8_scales(self, mode: str, prompts) -> tuple[list[tuple[float, float]], str]:
@@ -258,11 +297,13 @@ class LLM:
             return []
         bs = self.block_size
         tokens, positions, slots, seqs, logits_rows, sampled = [], [], [], [], [], []
+        mass = None if self.kv_budget is None else [torch.zeros(len(seq.block_table), dtype=torch.float64)
+                                                    for seq, _ in batch]
         q0 = 0
         for seq, n in batch:
             start = seq.num_computed
             table = torch.tensor(seq.block_table, dtype=torch.long)
-            if self.streaming is None:
+            if self.streaming is None and self.kv_budget is None:
                 table.clamp_(min=0)  # -1: freed, masked (streaming attention reads only held blocks)
             for p in range(start, start + n):
                 tokens.append(seq.token_ids[p])
@@ -275,7 +316,7 @@ class LLM:
                 sampled.append(seq)
         logits = self.model.forward(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots),
                                     seqs, self.kv_caches, torch.tensor(logits_rows, dtype=torch.long),
-                                    self.kv_scales, streaming=self.streaming)
+                                    self.kv_scales, streaming=self.streaming, mass=mass)
         window = self.config.uniform_window    # a full-attention layer keeps every block
         for seq, n in batch:
             seq.num_computed += n
@@ -288,6 +329,9 @@ class LLM:
                 sinks, w = self.streaming
                 self.block_manager.free_before(seq, seq.num_computed - w + 1,
                                                keep_first=self.block_manager.blocks_needed(sinks))
+        if mass is not None:
+            for (seq, n), m in zip(batch, mass):
+                self._evict(seq, n, m)
         finished = []
         now = time.time()
         for row, seq in enumerate(sampled):
@@ -410,4 +454,4 @@ class LLM:
                 "prefix_cache_blocks": len(bm.cached), "prefix_cache_hits": bm.hits,
                 "preemptions": self.scheduler.preemptions, "fp8": self.fp8,
                 "kv_cache_dtype": self.kv_cache_dtype, "kv_block_bytes": self.kv_block_bytes,
-                "kv_scales": self.kv_scale_source}
+                "kv_scales": self.kv_scale_source, "evicted_blocks": self.evicted_blocks}

@@ -85,11 +85,14 @@ class LlamaModel:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 seqs: list, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 logits_index: torch.Tensor, kv_scales: list[tuple[float, float]] | None = None,
-                observe=None, streaming: tuple[int, int] | None = None) -> torch.Tensor:
+                observe=None, streaming: tuple[int, int] | None = None,
+                mass: list | None = None) -> torch.Tensor:
         """tokens, positions, slot_mapping: (T,). seqs: see paged_attention. kv_scales: per
         layer (k_scale, v_scale) of an fp8 cache (None: 1.0). observe(layer, k, v), if given,
         sees each layer's new keys and values before they are cached (calibration).
-        streaming: (attention sinks, window) for StreamingLLM attention. Returns
+        streaming: (attention sinks, window) for StreamingLLM attention. mass: per sequence, a
+        tensor per block-table entry that gains each held block's attention mass (block
+        eviction: attention reads only held blocks). Returns
         logits (len(logits_index), vocab) in float32 for the rows in logits_index."""
         c, w = self.cfg, self.w
         T = tokens.shape[0]
@@ -117,9 +120,10 @@ class LlamaModel:
                 k_cache, v_cache = kv_caches[i]
                 ks = kv_scales[i] if kv_scales is not None else (1.0, 1.0)
                 reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *ks)
-                if streaming is not None:
-                    a = streaming_attention(q, k_cache, v_cache, meta, self.scale, *streaming,
-                                            self.inv_freq, *ks)
+                if streaming is not None or mass is not None:
+                    sinks, win = streaming if streaming is not None else (0, None)
+                    a = streaming_attention(q, k_cache, v_cache, meta, self.scale, sinks, win,
+                                            self.inv_freq, *ks, mass=mass)
                 else:
                     a = paged_attention(q, k_cache, v_cache, meta, self.scale, *ks, sliding_window=window)
             h = h + F.linear(a.reshape(T, c.num_heads * c.head_dim), layer["o"], layer.get("o_b"))

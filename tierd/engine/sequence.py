@@ -40,6 +40,8 @@ class Sequence:
         self.tier_loaded = 0                              # tier blocks loaded from the store
         self.tier_saved = 0                               # tier blocks handed to the store
         self.tier_sources: list[str] = []                 # where loaded blocks were: host, disk
+        self.block_mass: torch.Tensor | None = None       # eviction: attention mass per table entry
+        self.block_seen: torch.Tensor | None = None       # ... and the layer-queries that saw it
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
@@ -57,5 +59,6 @@ class Sequence:
         self.status = Status.WAITING
         self.num_computed = 0
         self.block_table = []
+        self.block_mass = self.block_seen = None
         self.tier_loaded = 0
         self.preemptions += 1
