@@ -73,6 +73,7 @@ bench: $(STAMP) vllm-env redis
 	$(PY) -m benchmarks.remote --quick
 	$(PY) -m benchmarks.routing --quick
 	$(PY) -m benchmarks.kv_waste --quick
+	$(PY) -m benchmarks.kv_quality --quick
 	$(PY) -m benchmarks.engine_throughput --quick
 	$(PY) -m benchmarks.ttft --quick
 	$(PY) -m benchmarks.vllm_ttft --quick

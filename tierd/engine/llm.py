@@ -190,7 +190,10 @@ class LLM:
             seq.block_seen = pad.clone() if seq.block_seen is None else torch.cat((seq.block_seen, pad))
         held = torch.tensor([b >= 0 for b in seq.block_table])
         seq.block_mass[:nt] += mass
-        seq.block_seen[:nt][held] += n * self.config.num_layers
+        # the queries that could see each block (causal: those at or after its first position)
+        end = seq.num_computed
+        could = (end - torch.arange(nt) * self.block_size).clamp(min=0, max=n)
+        seq.block_seen[:nt] += torch.where(held, could, 0).double() * self.config.num_layers
         budget, sink_blocks = self.kv_budget
         held_idx = held.nonzero().flatten().tolist()
         over = len(held_idx) - budget
@@ -261,7 +264,7 @@ class LLM:
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ConfigError("empty prompt: a request needs at least one token")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        bad = [t for t in ids + list(params.forced_token_ids or []) if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ConfigError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
         if len(ids) + params.max_tokens > self.max_model_len and self.streaming is None:
@@ -340,6 +343,8 @@ class LLM:
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.config.eos_token_ids))
             banned = sorted(stops) if n_out < p.min_tokens else []
             token, logprobs = sample(logits[row], p, seq.generator, banned)
+            if p.forced_token_ids is not None and n_out < len(p.forced_token_ids):
+                token = int(p.forced_token_ids[n_out])     # teacher forcing
             seq.token_ids.append(token)
             seq.cumulative_logprob += float(logprobs[token])
             if p.logprobs is not None:

@@ -20,6 +20,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None    # also report the top-k logprobs of each step
     ignore_eos: bool = False
+    forced_token_ids: list[int] | None = None   # score a continuation: output these tokens in turn
+                                                # (logprobs still describe the model's distribution)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
