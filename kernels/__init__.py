@@ -4,6 +4,8 @@
     paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
     gather_blocks(k_caches, v_caches, block_ids, slots) / scatter_blocks(...)
     quantize_fp8(x, scale) / dequantize_fp8(x, scale, dtype)
+    paged_attention_int4_decode(q, k_q, k_min, k_step, v_q, v_min, v_step, k_own, block_tables,
+                                seq_lens, scale)     (the int4 cache of tierd.engine.int4)
 
 Each is a `KernelOp`: on a CUDA device with CuPy it compiles the kernel (NVRTC, once per
 architecture), checks it against the reference on random data at first use, and runs it only if
@@ -33,7 +35,12 @@ quantize_fp8 = KernelOp("quantize_fp8", reference.quantize_fp8, ops.quantize_fp8
 dequantize_fp8 = KernelOp("dequantize_fp8", reference.dequantize_fp8, ops.dequantize_fp8,
                           case=cases.dequantize_case, available=available)
 
-OPS = (reshape_and_cache, paged_attention_decode, gather_blocks, scatter_blocks, quantize_fp8, dequantize_fp8)
+paged_attention_int4_decode = KernelOp("paged_attention_int4_decode", reference.paged_attention_int4_decode,
+                                       ops.paged_attention_int4_decode, case=cases.int4_case,
+                                       compare=close(atol=2e-2, rtol=1e-2), available=available)
+
+OPS = (reshape_and_cache, paged_attention_decode, gather_blocks, scatter_blocks, quantize_fp8, dequantize_fp8,
+       paged_attention_int4_decode)
 
 
 def status(device: torch.device | str = "cuda") -> dict[str, str]:

@@ -122,3 +122,51 @@ def dequantize_case(device, fn):
     g = _gen(10)
     x = quantize_fp8(torch.randn((4099,), generator=g) * 100, 1.0).to(device)
     return [fn(x, 0.07, torch.float32), fn(x, 0.5, torch.float16), fn(x, 0.01, torch.bfloat16)]
+
+
+def int4_inputs(device, *, batch: int = 3, heads: int = 8, kv_heads: int = 2, head_dim: int = 64,
+                block_size: int = 16, group: int = 32, max_len: int = 300, dtype: torch.dtype = torch.float16,
+                seed: int = 11):
+    """An int4 cache filled through the engine's own writer as a decode step leaves it: each of
+    `batch` sequences (random lengths, distinct blocks) prefilled but for its last token, then one
+    batched write of every last token; and each sequence's last block's keys, exact. Returns the
+    kernel's arguments, plus `cache` and the raw keys `k` (per sequence) for engine-side checks."""
+    from tierd.engine.int4 import Int4LayerCache
+    g = _gen(seed)
+    lens = torch.randint(1, max_len + 1, (batch,), generator=g)
+    lens[-1] = max_len
+    per_seq = (max_len + block_size - 1) // block_size
+    num_blocks = batch * per_seq + 3
+    tables = torch.randperm(num_blocks, generator=g)[:batch * per_seq].view(batch, per_seq).to(torch.int32)
+    cache = Int4LayerCache(num_blocks, block_size, kv_heads, head_dim, group, dtype)
+    k_own = torch.zeros((batch, block_size, kv_heads, head_dim), dtype=dtype)
+    last_k, last_v, last_slot, raw = [], [], [], []
+    for b in range(batch):
+        n = int(lens[b])
+        k = (torch.randn((n, kv_heads, head_dim), generator=g) * 2).to(dtype)
+        v = torch.randn((n, kv_heads, head_dim), generator=g).to(dtype)
+        slots = (tables[b].long().repeat_interleave(block_size) * block_size
+                 + torch.arange(block_size).repeat(per_seq))[:n]
+        if n > 1:
+            cache.write(k[:-1], v[:-1], slots[:-1])
+        last_k.append(k[-1:])
+        last_v.append(v[-1:])
+        last_slot.append(slots[-1:])
+        raw.append(k)
+        last = (n - 1) // block_size
+        k_own[b, :n - last * block_size] = k[last * block_size:]
+    cache.write(torch.cat(last_k), torch.cat(last_v), torch.cat(last_slot))    # the decode step
+    q = torch.randn((batch, heads, head_dim), generator=g).to(dtype)
+    to = (lambda t: t.to(device))
+    return dict(q=to(q), k_q=to(cache.k_q), k_min=to(cache.k_min), k_step=to(cache.k_step), v_q=to(cache.v_q),
+                v_min=to(cache.v_min), v_step=to(cache.v_step), k_own=to(k_own), block_tables=to(tables),
+                seq_lens=to(lens.to(torch.int32)), scale=head_dim ** -0.5, cache=cache, k=raw)
+
+
+def int4_case(device, fn):
+    outs = []
+    for dtype, group in ((torch.float16, 32), (torch.bfloat16, 16), (torch.float32, 64)):
+        a = int4_inputs(device, dtype=dtype, group=group)
+        outs.append(fn(a["q"], a["k_q"], a["k_min"], a["k_step"], a["v_q"], a["v_min"], a["v_step"], a["k_own"],
+                       a["block_tables"], a["seq_lens"], a["scale"]).float())
+    return outs

@@ -18,7 +18,7 @@ import torch
 log = logging.getLogger("tierd.kernels")
 
 KERNEL_DIR = Path(__file__).resolve().parent
-SOURCES = ("reshape_and_cache.cu", "paged_attention.cu", "gather_scatter.cu", "fp8.cu")
+SOURCES = ("reshape_and_cache.cu", "paged_attention.cu", "gather_scatter.cu", "fp8.cu", "int4_attention.cu")
 _INCLUDE = '#include "common.cuh"'
 
 _lock = threading.Lock()

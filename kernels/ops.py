@@ -143,3 +143,32 @@ def dequantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.T
         launch(x.device, "fp8.cu", f"dequantize_fp8_{_SUFFIX[dtype]}", _grid(x.numel()), (256,),
                (ptr(out), ptr(x), i64(x.numel()), f32(scale)))
     return out
+
+
+def paged_attention_int4_decode(q, k_q, k_min, k_step, v_q, v_min, v_step, k_own, block_tables, seq_lens,
+                                scale: float) -> torch.Tensor:
+    if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
+        raise ValueError("q needs contiguous heads")
+    for t in (k_q, k_min, k_step, v_q, v_min, v_step, k_own):
+        if not t.is_contiguous():
+            raise ValueError("int4 cache tensors must be contiguous")
+    if k_q.dtype != torch.uint8 or v_q.dtype != torch.uint8 or k_min.dtype != torch.float16:
+        raise ValueError("not an int4 cache")
+    if k_own.dtype != q.dtype:
+        raise ValueError("k_own must have q's dtype")
+    b, heads, d = q.shape
+    _, bs, kv_heads, _ = v_q.shape
+    group = d // v_min.shape[-1]
+    if heads % kv_heads or d % group:
+        raise ValueError("heads or groups do not divide")
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(device=q.device, dtype=torch.int32).contiguous()
+    max_len = int(lens.max())
+    if max_len > V1_MAX_TOKENS:
+        raise ValueError("context too long for the one-pass int4 kernel")
+    out = torch.empty((b, heads, d), dtype=q.dtype, device=q.device)
+    launch(q.device, "int4_attention.cu", f"paged_attention_int4_{_SUFFIX[q.dtype]}", (heads, b), (128,),
+           (ptr(out), ptr(q), ptr(k_q), ptr(k_min), ptr(k_step), ptr(v_q), ptr(v_min), ptr(v_step), ptr(k_own),
+            ptr(tables), ptr(lens), i32(tables.shape[1]), i32(heads), i32(kv_heads), i32(d), i32(bs), i32(group),
+            i64(q.stride(0)), f32(scale)), shared_mem=4 * (d + 32 + max_len))
+    return out

@@ -76,3 +76,31 @@ def _copy_blocks(k_caches, v_caches, block_ids, slots, *, to_slots: bool) -> Non
 
 def _slot_view(slot: torch.Tensor, layers: int, ratio: int, unit: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     return slot.reshape(-1).view(torch.uint8).view(dtype).view(layers, 2, ratio, *unit)
+
+
+def paged_attention_int4_decode(q: torch.Tensor, k_q: torch.Tensor, k_min: torch.Tensor, k_step: torch.Tensor,
+                                v_q: torch.Tensor, v_min: torch.Tensor, v_step: torch.Tensor, k_own: torch.Tensor,
+                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention over an int4 cache (`tierd.engine.int4.Int4LayerCache`'s tensors): q
+    (B, heads, d); each sequence's last block's keys from k_own[b] (block_size, kv_heads, d), in
+    full precision as its query sees them; earlier blocks' keys dequantized per channel, values
+    per token group (value = min + q * step). float32 math, returned in q's dtype."""
+    from tierd.engine.int4 import unpack
+    B, heads, d = q.shape
+    bs, kv_heads = v_q.shape[1], v_q.shape[2]
+    group = d // v_min.shape[-1]
+    g = heads // kv_heads
+    out = torch.empty_like(q)
+    for b in range(B):
+        n = int(seq_lens[b])
+        nb = (n + bs - 1) // bs
+        ids = block_tables[b, :nb].long()
+        k = unpack(k_q[ids], dim=1).float() * k_step[ids].float() + k_min[ids].float()     # (nb, bs, h, d)
+        k[nb - 1] = k_own[b].float()
+        vq = unpack(v_q[ids], dim=-1).float().view(nb, bs, kv_heads, d // group, group)
+        v = (vq * v_step[ids].float().unsqueeze(-1) + v_min[ids].float().unsqueeze(-1)).view(nb, bs, kv_heads, d)
+        k, v = k.reshape(-1, kv_heads, d)[:n], v.reshape(-1, kv_heads, d)[:n]
+        qh = q[b].float().view(kv_heads, g, d)
+        p = torch.softmax(torch.einsum("kgd,nkd->kgn", qh, k) * scale, dim=-1)
+        out[b] = torch.einsum("kgn,nkd->kgd", p, v).reshape(heads, d).to(q.dtype)
+    return out

@@ -224,6 +224,26 @@ def test_a_correct_kernel_is_used_after_its_check():
     assert op.status(torch.device("cpu")) == "kernel" and len(used) == 4
 
 
+def test_reference_int4_decode_matches_the_engine_path():
+    """The int4 kernel's reference and the engine's int4 attention agree on a batched decode
+    step (one ground truth), for the dtypes and groups the self-check uses."""
+    from tierd.engine.attention import AttentionMetadata, paged_attention_int4
+    for dtype, group, bs in ((torch.float32, 32, 16), (torch.float32, 16, 32), (torch.float16, 64, 16)):
+        a = cases.int4_inputs("cpu", dtype=dtype, group=group, block_size=bs, max_len=200, seed=group + bs)
+        seqs = [(i, 1, int(a["seq_lens"][i]), a["block_tables"][i].long()) for i in range(3)]
+        engine = paged_attention_int4(a["q"], a["cache"], AttentionMetadata(seqs, bs), a["scale"])
+        args = {k: v for k, v in a.items() if k not in ("cache", "k")}
+        ref = reference.paged_attention_int4_decode(**args)
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(engine.float(), ref.float(), atol=tol, rtol=tol)
+    # and it is attention over what was cached: exact keys give a different answer
+    a = cases.int4_inputs("cpu", dtype=torch.float32, group=32, max_len=100)
+    args = {k: v for k, v in a.items() if k not in ("cache", "k")}
+    quant = reference.paged_attention_int4_decode(**args)
+    assert not torch.allclose(quant, reference.paged_attention_int4_decode(
+        **{**args, "k_min": args["k_min"] * 0, "k_step": args["k_step"] * 0}), atol=1e-3)
+
+
 def test_on_cpu_the_real_ops_run_their_references():
     a = cases.decode_inputs("cpu", batch=2, heads=4, kv_heads=2, head_dim=64, block_size=16, num_blocks=32,
                             max_len=40, dtype=torch.float32)
