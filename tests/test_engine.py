@@ -40,6 +40,20 @@ def hf_greedy(model_dir, prompt, n):
     return toks, lps
 
 
+def teacher_forced(llm, prompt, toks, ref_lps, steps: int = 16) -> tuple[list[float], int]:
+    """Along a reference greedy path: |logprob difference| of each reference token, and at how
+    many steps `llm`'s own argmax is the reference token."""
+    diffs, agree = [], 0
+    for i in range(steps):
+        o = llm.generate(prompt_token_ids=prompt + toks[:i],
+                         sampling_params=SamplingParams(temperature=0, max_tokens=1, logprobs=50))[0]
+        lps = o.outputs[0].logprobs[0]
+        assert toks[i] in lps
+        diffs.append(abs(lps[toks[i]].logprob - ref_lps[i]))
+        agree += o.outputs[0].token_ids[0] == toks[i]
+    return diffs, agree
+
+
 def our_logprobs(out):
     c = out.outputs[0]
     return [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
@@ -210,14 +224,7 @@ def test_fp8_kv_stays_close_to_full_precision(model_dir):
     toks, ref_lps = ref.outputs[0].token_ids, our_logprobs(ref)
     fp8 = LLM(model_dir, kv_cache_bytes="4MiB", kv_cache_dtype="fp8")
     assert fp8.kv_caches[0][0].dtype == torch.float8_e4m3fn
-    diffs, agree = [], 0
-    for i in range(16):
-        o = fp8.generate(prompt_token_ids=prompt + toks[:i],
-                         sampling_params=SamplingParams(temperature=0, max_tokens=1, logprobs=50))[0]
-        lps = o.outputs[0].logprobs[0]
-        assert toks[i] in lps
-        diffs.append(abs(lps[toks[i]].logprob - ref_lps[i]))
-        agree += o.outputs[0].token_ids[0] == toks[i]
+    diffs, agree = teacher_forced(fp8, prompt, toks, ref_lps)
     assert max(diffs) < 0.15 and sum(diffs) / len(diffs) < 0.08
     assert agree >= 14
 

@@ -13,6 +13,8 @@ from tierd.engine.int4 import Int4LayerCache, pack, unpack  # noqa: E402
 from tierd.engine.random_model import write_random_model  # noqa: E402
 from tierd.errors import ConfigError  # noqa: E402
 
+from .test_engine import teacher_forced  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -72,14 +74,7 @@ def test_int4_kv_is_smaller_and_close_to_full_precision(model_dir):
     q = LLM(model_dir, kv_cache_bytes="4MiB", kv_cache_dtype="int4", block_size=32)
     fp16_bytes = q.config.num_layers * 2 * q.config.num_kv_heads * q.config.head_dim * 2 * 32
     assert q.kv_cache_stats()["kv_block_bytes"] < fp16_bytes / 2.5     # vs the same block in fp16
-    diffs, agree = [], 0
-    for i in range(16):
-        o = q.generate(prompt_token_ids=prompt + toks[:i],
-                       sampling_params=SamplingParams(temperature=0, max_tokens=1, logprobs=50))[0]
-        got = o.outputs[0].logprobs[0]
-        assert toks[i] in got
-        diffs.append(abs(got[toks[i]].logprob - ref_lps[i]))
-        agree += o.outputs[0].token_ids[0] == toks[i]
+    diffs, agree = teacher_forced(q, prompt, toks, ref_lps)
     assert max(diffs) < 0.3 and sum(diffs) / 16 < 0.15 and agree >= 12, (diffs, agree)
     assert max(diffs) > 0                            # it is quantized
 

@@ -105,40 +105,29 @@ class BlockManager:
         """Sliding window: free the blocks that hold only positions before `first_needed_pos`,
         which no later query can attend to, except the first `keep_first` blocks (attention
         sinks); their table entries become -1. Returns blocks freed."""
-        freed = 0
-        for i in range(keep_first, min(first_needed_pos // self.block_size, len(seq.block_table))):
-            bid = seq.block_table[i]
-            if bid >= 0:
-                b = self.blocks[bid]
-                b.ref_count -= 1
-                if b.ref_count == 0:
-                    self._release(bid)
-                seq.block_table[i] = -1
-                freed += 1
-        return freed
+        return sum(self.free_entry(seq, i)
+                   for i in range(keep_first, min(first_needed_pos // self.block_size, len(seq.block_table))))
 
-    def free_entry(self, seq: Sequence, i: int) -> None:
-        """Drop the sequence's block-table entry `i` (evicted); the entry becomes -1."""
+    def free_entry(self, seq: Sequence, i: int) -> bool:
+        """Drop the sequence's block-table entry `i` (out of its window, or evicted); the entry
+        becomes -1. Returns whether it held a block."""
         bid = seq.block_table[i]
         if bid < 0:
-            return
-        b = self.blocks[bid]
-        b.ref_count -= 1
-        if b.ref_count == 0:
-            self._release(bid)
+            return False
+        self._unref(bid)
         seq.block_table[i] = -1
+        return True
 
     def free_seq(self, seq: Sequence) -> None:
         for bid in reversed(seq.block_table):   # tail first: evicted before the head
-            if bid < 0:
-                continue
-            b = self.blocks[bid]
-            b.ref_count -= 1
-            if b.ref_count == 0:
-                self._release(bid)
+            if bid >= 0:
+                self._unref(bid)
         seq.block_table = []
 
-    def _release(self, bid: int) -> None:
-        self.free[bid] = None
-        if self.on_free is not None:
-            self.on_free(bid)
+    def _unref(self, bid: int) -> None:
+        b = self.blocks[bid]
+        b.ref_count -= 1
+        if b.ref_count == 0:
+            self.free[bid] = None
+            if self.on_free is not None:
+                self.on_free(bid)
