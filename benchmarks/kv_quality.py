@@ -39,7 +39,7 @@ NOTE = "random weights: quality figures are a floor check of the mechanics, not 
 
 
 def variants(head_dim: int, context: int) -> dict[str, dict]:
-    groups = [g for g in (16, 32, 64) if head_dim % g == 0][-2:]
+    groups = [g for g in (16, 24, 32, 48, 64) if head_dim % g == 0][-2:]
     out = {"fp8": dict(kv_cache_dtype="fp8")}
     for g in groups:
         out[f"int4 g{g}"] = dict(kv_cache_dtype="int4", int4_group=g, block_size=32)
