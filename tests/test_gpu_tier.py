@@ -1,7 +1,7 @@
 """The HBM tier's logic, run with the tier in host memory (`gpu_device="cpu"`): blocks are copied
-up once served often enough, leases expose exact device views, pinned copies are never evicted,
-the tier stays inclusive of the host tier, and flush/stats cover it. The CUDA IPC export and
-import run only on a GPU (marker gpu)."""
+up once served often enough to a reader of HBM copies (and never without one), leases expose
+exact device views, pinned copies are never evicted, the tier stays inclusive of the host tier,
+and flush/stats cover it. The CUDA IPC export and import run only on a GPU (marker gpu)."""
 
 import pytest
 import torch
@@ -29,31 +29,50 @@ def put(s, ns, seed, n=4):
 def test_second_hit_copies_to_hbm_and_lease_views_are_exact(gstore):
     ns = make_ns()
     keys = put(gstore, ns, 1)
-    with gstore.acquire(ns, keys) as lease:               # first hit: host only
+    with gstore.acquire(ns, keys, gpu=True) as lease:               # first hit: host only
         assert lease.gpu_offsets == [-1] * 4
-    with gstore.acquire(ns, keys) as lease:               # served once before: copied up
+    with gstore.acquire(ns, keys, gpu=True) as lease:               # served once before: copied up
         assert all(o >= 0 for o in lease.gpu_offsets)
         for buf, k in zip(lease.gpu_buffers, keys):
             assert isinstance(buf, torch.Tensor)
             assert bytes(buf.numpy()) == block_for(ns, k).tobytes()
     st = gstore.stats()["tiers"]["gpu"]
     assert st["blocks"] == 4 and st["promotions"] == 4 and st["device"] == "cpu"
-    with gstore.acquire(ns, keys) as lease:               # now a plain HBM hit
+    with gstore.acquire(ns, keys, gpu=True) as lease:               # now a plain HBM hit
         assert all(o >= 0 for o in lease.gpu_offsets)
     assert gstore.stats()["tiers"]["gpu"]["promotions"] == 4
+
+
+def test_without_a_reader_of_hbm_copies_the_tier_costs_nothing(gstore):
+    """Acquires that do not read HBM copies never copy a block up, lease nothing there, and
+    leave the tier's counters at zero; a reader's acquire then does."""
+    ns = make_ns()
+    keys = put(gstore, ns, 1)
+    for _ in range(5):
+        with gstore.acquire(ns, keys) as lease:
+            assert lease.gpu_offsets == [] and lease.gpu_buffers == []
+            assert [bytes(b) for b in lease.buffers] == [block_for(ns, k).tobytes() for k in keys]
+        assert gstore.is_quick("acquire", ns, keys)
+    st = gstore.stats()["tiers"]["gpu"]
+    assert st["blocks"] == 0 and st["promotions"] == 0 and st["used_bytes"] == 0
+    assert not gstore.is_quick("acquire", ns, keys, gpu=True)    # a reader's acquire would copy
+    with gstore.acquire(ns, keys, gpu=True) as lease:
+        assert all(o >= 0 for o in lease.gpu_offsets)
+    assert gstore.stats()["tiers"]["gpu"]["promotions"] == 4
+    assert gstore.is_quick("acquire", ns, keys, gpu=True)        # now plain HBM hits
 
 
 def test_leased_hbm_copies_are_never_evicted_and_pressure_evicts_the_rest(gstore):
     ns = make_ns()                                          # 16 KiB blocks: 16 fit in 256 KiB
     held = put(gstore, ns, 1)
     for _ in range(2):
-        gstore.acquire(ns, held).__exit__(None, None, None)
-    lease = gstore.acquire(ns, held)                        # pins 4 HBM copies
+        gstore.acquire(ns, held, gpu=True).__exit__(None, None, None)
+    lease = gstore.acquire(ns, held, gpu=True)                        # pins 4 HBM copies
     assert all(o >= 0 for o in lease.gpu_offsets)
     for seed in range(2, 12):                               # 40 more blocks want HBM
         keys = put(gstore, ns, seed)
         for _ in range(2):
-            gstore.acquire(ns, keys).__exit__(None, None, None)
+            gstore.acquire(ns, keys, gpu=True).__exit__(None, None, None)
     st = gstore.stats()["tiers"]["gpu"]
     assert st["evictions"] > 0 and st["blocks"] <= 16
     for buf, k in zip(lease.gpu_buffers, held):             # the pinned copies are intact
@@ -65,12 +84,12 @@ def test_hbm_is_inclusive_and_flushable(gstore):
     ns = make_ns()
     keys = put(gstore, ns, 1)
     for _ in range(2):
-        gstore.acquire(ns, keys).__exit__(None, None, None)
+        gstore.acquire(ns, keys, gpu=True).__exit__(None, None, None)
     assert gstore.stats()["tiers"]["gpu"]["blocks"] == 4
     assert gstore.flush("gpu") == 4
     assert gstore.stats()["tiers"]["gpu"]["blocks"] == 0
     assert gstore.lookup(ns, keys) == 4                      # the host copies stay
-    gstore.acquire(ns, keys).__exit__(None, None, None)
+    gstore.acquire(ns, keys, gpu=True).__exit__(None, None, None)
     assert gstore.stats()["tiers"]["gpu"]["blocks"] == 4
     gstore.flush("host")                                     # no HBM copy without a host copy
     assert gstore.stats()["tiers"]["gpu"]["blocks"] == 0 and gstore.stats()["tiers"]["gpu"]["used_bytes"] == 0
@@ -93,21 +112,42 @@ def test_a_store_without_hbm_reports_no_gpu_tier_and_cuda_is_required_for_cuda()
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_hbm_tier_on_the_device_and_its_ipc_handle():
-    from tierd.tiers.gpu import open_ipc
+def test_gpu_hbm_tier_on_the_device_and_another_process_maps_it(tmp_path):
+    """On a GPU: the tier's copies are exact on the device, and a second process maps the tier
+    through its IPC handle and reads the exact bytes at the leased offsets."""
+    import json
+    import subprocess
+    import sys
+    pytest.importorskip("cupy")
     s = TieredStore(small_config(None, gpu_bytes="4MiB", gpu_slab_bytes="1MiB", gpu_device="cuda"))
     try:
         ns = make_ns()
         keys = put(s, ns, 1)
         for _ in range(2):
-            s.acquire(ns, keys).__exit__(None, None, None)
-        with s.acquire(ns, keys) as lease:
+            s.acquire(ns, keys, gpu=True).__exit__(None, None, None)
+        with s.acquire(ns, keys, gpu=True) as lease:
             for buf, k in zip(lease.gpu_buffers, keys):
                 assert buf.is_cuda and bytes(buf.cpu().numpy()) == block_for(ns, k).tobytes()
-        desc = s.gpu.descriptor()
-        assert desc["ipc_handle"] and desc["capacity_bytes"] == s.gpu.capacity_bytes
-        # the same process cannot open its own handle (CUDA refuses); open_ipc says None, not raise
-        assert open_ipc(desc) is None or open_ipc(desc).numel() == desc["capacity_bytes"]
+            desc = s.gpu.descriptor()
+            assert desc["ipc_handle"] and desc["capacity_bytes"] == s.gpu.capacity_bytes
+            spec = tmp_path / "spec.json"
+            spec.write_text(json.dumps({**{k: v for k, v in desc.items() if k != "ipc_handle"},
+                                        "ipc_handle": desc["ipc_handle"].hex(), "offsets": lease.gpu_offsets,
+                                        "block_bytes": ns.block_bytes,
+                                        "want": [block_for(ns, k).tobytes().hex() for k in keys]}))
+            code = (
+                "import json, sys\n"
+                "from tierd.tiers.gpu import open_ipc\n"
+                "d = json.load(open(sys.argv[1]))\n"
+                "d['ipc_handle'] = bytes.fromhex(d['ipc_handle'])\n"
+                "arena = open_ipc(d)\n"
+                "assert arena is not None, 'could not map the HBM tier'\n"
+                "for off, want in zip(d['offsets'], d['want']):\n"
+                "    got = bytes(arena[off:off + d['block_bytes']].cpu().numpy())\n"
+                "    assert got == bytes.fromhex(want), f'bytes differ at {off}'\n"
+                "print('ok', len(d['offsets']))\n")
+            r = subprocess.run([sys.executable, "-c", code, str(spec)], capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0 and "ok 4" in r.stdout, r.stderr
     finally:
         s.close()
 
@@ -128,9 +168,14 @@ def test_the_daemon_serves_and_reports_an_hbm_tier(tmp_path):
     d = DaemonProc(tmp_path, toml=SMALL_TOML + '[gpu]\nbytes = "1MiB"\nslab_bytes = "256KiB"\ndevice = "cpu"\n').start()
     try:
         ns = make_ns()
-        with tierd.connect(d.url) as c:
-            keys = chain(ns, 1, 4)
+        keys = chain(ns, 1, 4)
+        with tierd.connect(d.url) as c:                  # maps no HBM tier: not a reader
             c.put(ns, keys, [block_for(ns, k) for k in keys])
+            for _ in range(3):
+                with c.acquire(ns, keys) as lease:
+                    assert [bytes(b) for b in lease.buffers] == [block_for(ns, k).tobytes() for k in keys]
+            assert c.stats()["tiers"]["gpu"]["promotions"] == 0   # nothing copied for nobody
+        with tierd.connect(d.url + "?hbm=1") as c:       # says it reads HBM copies
             for _ in range(2):
                 with c.acquire(ns, keys) as lease:
                     assert lease.gpu_buffers == []      # no CUDA here: host copies serve

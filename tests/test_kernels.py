@@ -353,6 +353,56 @@ def test_transfer_store_and_load_through_the_daemon(daemon):
         _transfer_roundtrip(c, "cpu")
 
 
+class RecordingPinning:
+    """A stand-in for the CUDA runtime's page-locking: what would be registered, and when."""
+
+    def __init__(self):
+        self.pinned: dict[int, int] = {}
+        self.calls: list[tuple[str, int]] = []
+
+    def register(self, ptr, size):
+        assert ptr not in self.pinned, "registered twice"
+        self.pinned[ptr] = size
+        self.calls.append(("register", ptr))
+        return True
+
+    def unregister(self, ptr):
+        assert ptr in self.pinned, "unregistered a range that was not registered"
+        del self.pinned[ptr]
+        self.calls.append(("unregister", ptr))
+
+
+def test_transfer_pins_each_arena_mapping_once_and_never_keeps_stale_pages(daemon):
+    """The client re-maps the daemon's arena after a restart: the transfer then unregisters the
+    old mapping's range and registers the new one; never twice, never a range it did not pin;
+    close() leaves nothing pinned."""
+    import tierd
+    from tierd import Namespace
+    from tierd.kernels.transfer import BlockTransfer
+    pin = RecordingPinning()
+    ks = [torch.zeros((8, 16, 2, 32), dtype=torch.float16) for _ in range(2)]
+    tr = BlockTransfer(ks, [torch.zeros_like(k) for k in ks], 1, pinning=pin)
+    ns = Namespace("pin-test", "float16", 2, 2, 32, block_tokens=16)
+    with tierd.connect(daemon.url) as c:
+        first = c.host_array()
+        for _ in range(3):
+            assert tr.attach(c)
+        assert pin.pinned == {first.ctypes.data: first.nbytes} and len(pin.calls) == 1
+        daemon.kill()
+        daemon.start()
+        keys = ns.block_keys(list(range(16)))
+        assert tr.store(c, ns, keys, torch.tensor([[2]])) == 1    # reconnects, re-maps, re-pins
+        second = c.host_array()
+        # re-pinned even were the new mapping at the old address (other pages behind it)
+        assert pin.calls[1:] == [("unregister", first.ctypes.data), ("register", second.ctypes.data)]
+        assert pin.pinned == {second.ctypes.data: second.nbytes}
+        assert tr.load(c, ns, keys, torch.tensor([[5]])) == 1
+    tr.close()
+    assert pin.pinned == {}
+    cpu = BlockTransfer(ks, ks, 1)                                 # on CPU nothing is pinned
+    assert cpu.pinning is None and not cpu.attach(object())
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_transfer_store_and_load(host_store):

@@ -36,7 +36,9 @@ def connect(url: str = "embedded://"):
     `connect_timeout_s` the connection, 5 s; `retries` how often a read-only request is retried
     on a new connection, 1; `spin_us` how long a request busy-polls for its reply before
     sleeping, 100 µs, 0 never; `index=0` asks the daemon for every lookup instead of answering
-    from its shared lookup index). Both have the same interface.
+    from its shared lookup index; `hbm=1|0` says whether this client reads the HBM tier's copies,
+    by default when it maps the daemon's HBM tier: only readers make blocks move into HBM). Both
+    have the same interface.
     """
     parts = urlsplit(url)
     if parts.scheme == "embedded":
@@ -57,7 +59,8 @@ def connect(url: str = "embedded://"):
         if not path:
             raise ConfigError(f"{url}: no socket path; use unix:///run/tierd/tierd.sock")
         kw: dict = {}
-        known = {"timeout_s": float, "connect_timeout_s": float, "retries": int, "spin_us": float, "index": int}
+        known = {"timeout_s": float, "connect_timeout_s": float, "retries": int, "spin_us": float, "index": int,
+                 "hbm": int}
         for k, v in parse_qsl(parts.query, keep_blank_values=True):
             if k not in known:
                 raise ConfigError(f"{url}: unknown parameter {k!r}; known: {', '.join(known)}")
@@ -65,9 +68,11 @@ def connect(url: str = "embedded://"):
                 kw[k] = known[k](v)
             except ValueError:
                 raise ConfigError(f"{url}: {k} must be a number") from None
-            if kw[k] < 0 or (k not in ("retries", "spin_us", "index") and not kw[k] > 0):
+            if kw[k] < 0 or (k not in ("retries", "spin_us", "index", "hbm") and not kw[k] > 0):
                 raise ConfigError(f"{url}: {k} must be positive")
         if "index" in kw:
             kw["use_index"] = bool(kw.pop("index"))
+        if "hbm" in kw:
+            kw["hbm"] = bool(kw["hbm"])
         return Client(path, **kw)
     raise ConfigError(f"{url}: unknown scheme {parts.scheme!r}; use embedded:// or unix://")

@@ -91,7 +91,7 @@ class Client:
 
     def __init__(self, path: str, *, timeout_s: float = 60.0, name: str | None = None,
                  connect_timeout_s: float = 5.0, retries: int = 1, spin_us: float = 100.0,
-                 use_index: bool = True):
+                 use_index: bool = True, hbm: bool | None = None):
         self.path = path
         self._spin_s = max(0.0, spin_us) / 1e6   # busy-poll for a reply this long (0: never)
         self._spin_skip = 0
@@ -112,6 +112,7 @@ class Client:
         self._rbuf = bytearray()     # received bytes not yet parsed into a reply
         self._index = None           # the daemon's shared lookup index (tierd.index), when mapped
         self.use_index = use_index
+        self._hbm = hbm              # reads HBM copies: None = when it maps the daemon's HBM tier
         self._hold_lock = threading.Lock()
         self._holds = 0
         self._zombies: list[socket.socket] = []
@@ -389,6 +390,12 @@ class Client:
         """The daemon's host arena as mapped here, one uint8 array (for cudaHostRegister)."""
         return self._arena
 
+    @property
+    def arena_generation(self) -> int:
+        """Changes whenever the arena is mapped anew (a reconnect): page-locked ranges of an
+        earlier mapping are stale, even at the same address."""
+        return self._generation
+
     # -- Store interface -----------------------------------------------------------------------
     def register(self, ns: Namespace) -> None:
         self._ns_name(ns)
@@ -482,7 +489,8 @@ class Client:
         nsobj = self._namespace(ns)
         keys = check_keys(keys)
         with self._lock:
-            r = self._call("acquire", ns=nsobj.name, keys=keys)
+            hbm = self._gpu_arena is not None if self._hbm is None else self._hbm
+            r = self._call("acquire", ns=nsobj.name, keys=keys, **({"gpu": True} if hbm else {}))
             views = [self._view(off, nsobj.block_bytes, False) for off in r["offsets"]]
             gen = self._generation
             lease = ClientLease(r["lease"], nsobj, keys[:len(views)], views, r["tiers"], self, gen)

@@ -511,7 +511,7 @@ class Daemon:
             keys = msg["keys"]
             if not isinstance(keys, list) or len(keys) > self.cfg.max_keys_per_request:
                 return False
-            return self.store.is_quick(op, ns, [k for k in keys if isinstance(k, bytes)])
+            return self.store.is_quick(op, ns, [k for k in keys if isinstance(k, bytes)], gpu=msg.get("gpu") is True)
         except Exception:  # malformed: let the handler produce the error reply
             return True
 
@@ -624,7 +624,8 @@ class Daemon:
 
     def _op_acquire(self, conn: _Conn, msg: dict) -> dict:
         ns = self._ns(conn, msg)
-        lease = self.store.acquire(ns, P.keys_field(msg, self.cfg.max_keys_per_request), owner=conn.id)
+        gpu = P.field(msg, "gpu", bool, default=False)     # the client reads HBM copies
+        lease = self.store.acquire(ns, P.keys_field(msg, self.cfg.max_keys_per_request), owner=conn.id, gpu=gpu)
         reply = {"lease": lease.id, "offsets": lease.offsets, "tiers": lease.tiers, "_obj": lease}
         if any(o >= 0 for o in lease.gpu_offsets):
             reply["gpu_offsets"] = lease.gpu_offsets

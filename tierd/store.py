@@ -1339,25 +1339,32 @@ class TieredStore:
                 out.append("+".join(tiers))
             return out
 
-    def is_quick(self, op: str, ns: Namespace, keys: Sequence[bytes]) -> bool:
-        """Whether `acquire` or `reserve` of `keys` would finish without disk I/O or waiting
-        for room (a hint for the daemon, which then serves it on its event loop thread)."""
+    def is_quick(self, op: str, ns: Namespace, keys: Sequence[bytes], *, gpu: bool = False) -> bool:
+        """Whether `acquire` or `reserve` of `keys` would finish without disk I/O, a copy into
+        HBM or waiting for room (a hint for the daemon, which then serves it on its event loop
+        thread)."""
         with self._cond:
             st = self._namespaces.get(ns.id)
             if st is None:
                 return False
             if op == "reserve":
                 return self.host.alloc.free_slot_count(st.host_slot_bytes) >= len(keys)
+            hbm = gpu and self.gpu is not None
             for k in keys:
                 b = self._blocks.get(st.ns_id + k)
                 if b is None:
                     return self.remote is None   # the remote tier may have it: not quick
                 if b.host_state != READY:
                     return b.disk is None and self.remote is None  # a promotion: not quick
+                if hbm and b.gpu_slot < 0 and b.hits >= self.config.gpu_admit_hits:
+                    return False                 # this serve would copy it into HBM
             return True
 
-    def acquire(self, ns: Namespace, keys: Sequence[bytes], *, owner=None) -> Lease:
-        """Lease the longest present prefix of `keys`, promoting disk blocks to host RAM."""
+    def acquire(self, ns: Namespace, keys: Sequence[bytes], *, owner=None, gpu: bool = False) -> Lease:
+        """Lease the longest present prefix of `keys`, promoting disk blocks to host RAM.
+
+        `gpu`: the caller reads HBM copies (`lease.gpu_buffers`); only then are blocks copied
+        into the HBM tier and its copies leased. Without a reader the tier costs nothing."""
         keys = check_keys(keys)
         with self._cond:
             self._check_open()
@@ -1452,7 +1459,8 @@ class TieredStore:
             lease = Lease(lid, st.ns, keys[:cut], leased, tiers, owner, self,
                           [self.host.offset(b.host_slot) for b in leased])
             fills = []
-            if self.gpu is not None:
+            hbm = gpu and self.gpu is not None
+            if hbm:
                 lease.gpu_offsets = []
                 for i, b in enumerate(leased):
                     off, fill = self._gpu_lease(b)
@@ -1466,7 +1474,7 @@ class TieredStore:
             self._tombstone(disk, discard)   # erase damaged copies on disk (no lock)
         if fills:
             self._gpu_fill(lease, fills)
-        if self.gpu is not None:
+        if hbm:
             lease.gpu_buffers = [self.gpu.buffer[o:o + st.block_bytes] if o >= 0 else None
                                  for o in lease.gpu_offsets]
         return lease

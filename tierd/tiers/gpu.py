@@ -103,8 +103,10 @@ def open_ipc(desc: dict) -> torch.Tensor | None:
         return None
     try:
         import cupy
-        dev = int(desc["device"])
-        if str(torch.cuda.get_device_properties(dev).uuid) != desc.get("device_uuid"):
+        # the daemon's device by UUID: under another CUDA_VISIBLE_DEVICES its index differs here
+        dev = next((i for i in range(torch.cuda.device_count())
+                    if str(torch.cuda.get_device_properties(i).uuid) == desc.get("device_uuid")), None)
+        if dev is None:
             return None
         with cupy.cuda.Device(dev):
             ptr = cupy.cuda.runtime.ipcOpenMemHandle(desc["ipc_handle"],
