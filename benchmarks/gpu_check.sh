@@ -30,7 +30,7 @@ print("torch", torch.__version__, "cuda", torch.version.cuda,
 print("kernels available (CUDA and CuPy):", K.available())
 PY
     echo "== gpu tests"
-    timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider --junitxml="$RES/gpu_tests.xml" tests/test_kernels.py tests/test_gpu_tier.py
+    timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider --junitxml="$RES/gpu_tests.xml" tests/test_kernels.py tests/test_gpu_tier.py tests/test_engine.py
     echo "pytest exit: $?"
     echo "== self-checks (kernel or reference, per op)"
     $PY -c "

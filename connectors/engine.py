@@ -12,6 +12,7 @@ waits for the store.
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -21,6 +22,14 @@ from tierd.keys import extend_keys
 from tierd.namespace import Namespace
 
 from .link import STORE_ERRORS, StoreLink
+
+
+def host_tensor(buf) -> torch.Tensor:
+    """A flat uint8 CPU tensor over a host buffer (a lease's slot view), without a copy. Lease
+    views are read-only; torch warns about that, and this only reads them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.asarray(buf).reshape(-1))
 
 
 class EngineConnector:
@@ -37,10 +46,12 @@ class EngineConnector:
         self.engine_block_size = engine_block_size
         self.link = StoreLink(store, max_pending_blocks=max_pending_blocks, retry_after_s=retry_after_s)
         self.stats = self.link.stats
-        # byte views of the caches: (num_blocks, bytes per engine block) per layer, K and V
-        self._k = [k.view(torch.uint8).numpy().reshape(k.shape[0], -1) for k, _ in kv_caches]
-        self._v = [v.view(torch.uint8).numpy().reshape(v.shape[0], -1) for _, v in kv_caches]
+        # byte views of the caches: (num_blocks, bytes per engine block) per layer, K and V, on
+        # the engine's device (host copies of tier blocks go to and from it)
+        self._k = [k.view(torch.uint8).reshape(k.shape[0], -1) for k, _ in kv_caches]
+        self._v = [v.view(torch.uint8).reshape(v.shape[0], -1) for _, v in kv_caches]
         self._per_block = self._k[0].shape[1]
+        self.device = self._k[0].device
 
     @property
     def store(self):
@@ -82,7 +93,8 @@ class EngineConnector:
             have = len(seq.block_table)                        # engine blocks already in place
             block_manager.allocate(seq, (first + n) * self.block_tokens - seq.num_computed)
             for j in range(n):
-                tb = np.asarray(lease.buffers[j]).reshape(len(self._k), 2, self.ratio, self._per_block)
+                # one copy of the tier block to the engine's device; the lease ends after the loop
+                tb = host_tensor(lease.buffers[j]).view(len(self._k), 2, self.ratio, self._per_block).to(self.device)
                 base = (first + j) * self.ratio
                 e0 = max(0, have - base)                        # engine blocks still to fill
                 bids = seq.block_table[base + e0:base + self.ratio]
@@ -123,12 +135,11 @@ class EngineConnector:
             bids = seq.block_table[i * self.ratio:(i + 1) * self.ratio]
             if len(bids) < self.ratio or min(bids) < 0:        # sliding window freed part of it
                 continue
-            block = np.empty((len(self._k), 2, self.ratio, self._per_block), dtype=np.uint8)
-            for layer in range(len(self._k)):
-                block[layer, 0] = self._k[layer][bids]
-                block[layer, 1] = self._v[layer][bids]
+            idx = torch.tensor(bids, device=self.device)
+            block = torch.stack([torch.stack((self._k[layer][idx], self._v[layer][idx]))
+                                 for layer in range(len(self._k))])     # (layers, 2, ratio, bytes)
             bt = self.block_tokens
-            self.link.submit(self.ns, keys[i], keys[i - 1] if i else None, block.reshape(-1),
+            self.link.submit(self.ns, keys[i], keys[i - 1] if i else None, block.reshape(-1).cpu().numpy(),
                              seq.token_ids[i * bt:(i + 1) * bt])
         seq.tier_saved = full
 

@@ -356,6 +356,59 @@ def test_sliding_window_frees_blocks_out_of_every_window(tmp_path):
     assert outs[0].request_id == rid and outs[0].outputs[0].token_ids == ref_tokens
 
 
+def test_the_device_path_runs_the_kernel_ops_on_cpu_with_the_same_outputs(model_dir):
+    """The engine calls tierd.kernels' ops where a device has them (the self-checked CUDA
+    kernels). On CPU the same call sites, fed the same kernel-shaped arguments (int32 block
+    tables, lengths, the longest length from the host), run the kernels' references: the
+    outputs are the engine's own, batched, with preemption."""
+    import tierd.kernels as K
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (int(n),), generator=gen).tolist() for n in (17, 40, 63, 90)]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=0)
+    ref = LLM(model_dir, kv_cache_bytes="4MiB").generate(prompt_token_ids=prompts, sampling_params=params)
+    for fp8 in (False, True):
+        llm = LLM(model_dir, kv_cache_bytes="4MiB", device="cpu", kv_cache_dtype="fp8" if fp8 else "auto",
+                  max_num_batched_tokens=48)
+        llm.model._ops = (K.reshape_and_cache, K.paged_attention_decode)    # what CUDA would call
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        plain = LLM(model_dir, kv_cache_bytes="4MiB", kv_cache_dtype="fp8" if fp8 else "auto",
+                    max_num_batched_tokens=48).generate(prompt_token_ids=prompts, sampling_params=params)
+        for a, b in zip(outs, plain):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert max(abs(x - y) for x, y in zip(our_logprobs(a), our_logprobs(b))) < 1e-4
+        if not fp8:
+            for a, b in zip(outs, ref):
+                assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert K.status("cpu")["paged_attention_decode"] == "unchecked"   # CPU tensors: references only
+    with pytest.raises(ConfigError, match="use cpu or cuda"):
+        LLM(model_dir, kv_cache_bytes="4MiB", device="mps")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            LLM(model_dir, kv_cache_bytes="4MiB", device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "mistral-window"])
+def test_gpu_engine_on_cuda_matches_transformers_in_fp16(tmp_path, name):
+    d = write_random_model(tmp_path / name, seed=1, **CONFIGS[name])
+    prompt = list(range(3, 43))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float16,
+                                                           attn_implementation="eager").cuda()
+    out = hf.generate(torch.tensor([prompt]).cuda(), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                      output_scores=True, return_dict_in_generate=True)
+    ref_tokens = out.sequences[0, len(prompt):].tolist()
+    ref_lps = [torch.log_softmax(sc[0].float(), -1)[t].item() for sc, t in zip(out.scores, ref_tokens)]
+    llm = LLM(d, kv_cache_bytes="4MiB", block_size=16, device="cuda", dtype="float16")
+    assert llm.kv_caches[0][0].is_cuda
+    got = llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(temperature=0, max_tokens=16,
+                                                                               logprobs=0))[0]
+    toks = got.outputs[0].token_ids
+    agree = next((i for i, (a, b) in enumerate(zip(toks, ref_tokens)) if a != b), len(toks))
+    assert agree >= 4, (toks, ref_tokens)           # fp16 near-ties may part the paths later
+    assert max(abs(a - b) for a, b in zip(our_logprobs(got)[:agree], ref_lps[:agree])) < 5e-2
+
+
 def test_text_prompts_with_a_tokenizer(model_dir, tmp_path):
     import shutil
 

@@ -76,45 +76,55 @@ class AttentionMetadata:
     """Per-step layout of a packed batch, built once and shared by every layer.
 
     `seqs`: per sequence (query_start, query_len, context_len, block_table (n_blocks,)), where
-    context_len counts every token whose K/V is in the cache, the new ones included. Sequences
-    with one new token (decodes) are also gathered into one padded batch: `dec_rows` (B,) rows
-    of q, `dec_slots` (B, max_ctx) cache slots (padding points at slot 0 and is masked by
-    `dec_lens` (B,))."""
+    context_len counts every token whose K/V is in the cache, the new ones included (tables on
+    the host; they are moved to `device` once here). Sequences with one new token (decodes) are
+    also gathered into one batch in the paged decode kernel's shape: `dec_rows` (B,) rows of q,
+    `dec_tables` (B, max_blocks) int32 block tables, `dec_lens` (B,) int32 lengths, on `device`,
+    and `dec_max_len` on the host (so that no step asks the device for it)."""
 
-    def __init__(self, seqs: list[tuple[int, int, int, torch.Tensor]], block_size: int):
-        self.all = seqs
-        self.seqs = [s for s in seqs if s[1] > 1]
+    def __init__(self, seqs: list[tuple[int, int, int, torch.Tensor]], block_size: int,
+                 device: torch.device | str = "cpu"):
+        device = torch.device(device)
+        self.device = device
+        moved = [(q0, n, ctx, t.to(device, non_blocking=True)) for q0, n, ctx, t in seqs]
+        self.all = moved
+        self.seqs = [s for s in moved if s[1] > 1]
         dec = [s for s in seqs if s[1] == 1]
-        self.dec_rows = self.dec_slots = self.dec_lens = None
+        self.dec_rows = self.dec_tables = self.dec_lens = None
+        self.dec_max_len = 0
         if dec:
             max_blocks = max(len(s[3]) for s in dec)
-            tables = torch.zeros(len(dec), max_blocks, dtype=torch.long)
+            tables = torch.zeros(len(dec), max_blocks, dtype=torch.int32)
             for i, s in enumerate(dec):
                 tables[i, :len(s[3])] = s[3]
-            max_ctx = max(s[2] for s in dec)
-            offs = torch.arange(block_size)
-            self.dec_slots = (tables.unsqueeze(2) * block_size + offs).view(len(dec), -1)[:, :max_ctx]
-            self.dec_lens = torch.tensor([s[2] for s in dec])
-            self.dec_rows = torch.tensor([s[0] for s in dec])
+            self.dec_max_len = max(s[2] for s in dec)
+            self.dec_tables = tables.to(device, non_blocking=True)
+            self.dec_lens = torch.tensor([s[2] for s in dec], dtype=torch.int32).to(device, non_blocking=True)
+            self.dec_rows = torch.tensor([s[0] for s in dec]).to(device, non_blocking=True)
 
 
-def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float, k_scale: float, v_scale: float,
-                  sliding_window: int | None) -> torch.Tensor:
-    """Attention of one new token per sequence for all decoding sequences at once. (B, heads, d)"""
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0, *,
+                     max_seq_len: int, sliding_window: int | None = None) -> torch.Tensor:
+    """Decode attention of one query per sequence, batched: q (B, heads, d) over each
+    sequence's first seq_lens[b] cached tokens (block_tables (B, max_blocks)). The paged decode
+    kernel's arguments (`tierd.kernels.paged_attention_decode`), run with torch ops on any
+    device. Returns (B, heads, d)."""
     nb, bs, kvh, d = k_cache.shape
-    qd = q[meta.dec_rows]                                             # (B, heads, d)
-    B, heads, _ = qd.shape
-    k = k_cache.view(nb * bs, kvh, d)[meta.dec_slots]                 # (B, ctx, kvh, d)
-    v = v_cache.view(nb * bs, kvh, d)[meta.dec_slots]
+    B, heads, _ = q.shape
+    offs = torch.arange(bs, device=q.device)
+    slots = (block_tables.long().unsqueeze(2) * bs + offs).view(B, -1)[:, :max_seq_len]   # (B, ctx)
+    k = k_cache.view(nb * bs, kvh, d)[slots]                            # (B, ctx, kvh, d)
+    v = v_cache.view(nb * bs, kvh, d)[slots]
     if k_cache.dtype == torch.float8_e4m3fn:
         k, v = dequantize_fp8(k, k_scale, q.dtype), dequantize_fp8(v, v_scale, q.dtype)
-    qg = qd.view(B, kvh, heads // kvh, d)
+    qg = q.view(B, kvh, heads // kvh, d)
     scores = torch.einsum("bkgd,bckd->bkgc", qg, k) * scale           # (B, kvh, g, ctx)
-    pos = torch.arange(k.shape[1]).unsqueeze(0)                       # (1, ctx)
-    mask = pos >= meta.dec_lens.unsqueeze(1)
+    pos = torch.arange(k.shape[1], device=q.device).unsqueeze(0)     # (1, ctx)
+    lens = seq_lens.long().unsqueeze(1)
+    mask = pos >= lens
     if sliding_window is not None:
-        mask = mask | (pos <= (meta.dec_lens.unsqueeze(1) - 1) - sliding_window)
+        mask = mask | (pos <= (lens - 1) - sliding_window)
     scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     # padded slots past a length hold whatever the cache holds there (NaN included): 0 * NaN is
@@ -123,18 +133,47 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return torch.einsum("bkgc,bckd->bkgd", probs, v).reshape(B, heads, d)
 
 
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float,
+                      sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of queries q (n, heads, d) at positions q_start.. over keys/values
+    (ctx, kv_heads, d) through torch's fused scaled_dot_product_attention (GQA by the kv heads).
+    Returns (n, heads, d)."""
+    n, heads, d = q.shape
+    ctx, kvh, _ = k.shape
+    qpos = torch.arange(q_start, q_start + n, device=q.device).unsqueeze(1)
+    kpos = torch.arange(ctx, device=q.device).unsqueeze(0)
+    allowed = kpos <= qpos
+    if sliding_window is not None:
+        allowed = allowed & (kpos > qpos - sliding_window)
+    kx = k.repeat_interleave(heads // kvh, dim=1) if kvh != heads else k
+    vx = v.repeat_interleave(heads // kvh, dim=1) if kvh != heads else v
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), kx.transpose(0, 1), vx.transpose(0, 1), attn_mask=allowed, scale=scale)
+    return out.transpose(0, 1)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
-                    v_scale: float = 1.0, sliding_window: int | None = None) -> torch.Tensor:
+                    v_scale: float = 1.0, sliding_window: int | None = None, decode=None) -> torch.Tensor:
     """Attention for a batch of sequences whose new tokens are packed in q (T, heads, d);
-    the new tokens of a sequence are the last query_len of its context. Returns (T, heads, d)."""
+    the new tokens of a sequence are the last query_len of its context. Prefills run through
+    torch's fused attention; decodes in one batch through `decode` (the paged decode kernel's
+    signature, e.g. `tierd.kernels.paged_attention_decode`; by default, and for a sliding
+    window, `decode_attention`). Returns (T, heads, d)."""
     out = torch.empty_like(q)
     for q0, n, ctx, table in meta.seqs:
         k = gather_kv(k_cache, table, ctx, k_scale, q.dtype)
         v = gather_kv(v_cache, table, ctx, v_scale, q.dtype)
-        out[q0:q0 + n] = attention_one(q[q0:q0 + n], k, v, ctx - n, scale, sliding_window)
+        out[q0:q0 + n] = prefill_attention(q[q0:q0 + n], k, v, ctx - n, scale, sliding_window)
     if meta.dec_rows is not None:
-        out[meta.dec_rows] = _decode_batch(q, k_cache, v_cache, meta, scale, k_scale, v_scale, sliding_window)
+        qd = q[meta.dec_rows]
+        if decode is not None and sliding_window is None:
+            out[meta.dec_rows] = decode(qd, k_cache, v_cache, meta.dec_tables, meta.dec_lens, scale,
+                                        k_scale, v_scale, max_seq_len=meta.dec_max_len)
+        else:
+            out[meta.dec_rows] = decode_attention(qd, k_cache, v_cache, meta.dec_tables, meta.dec_lens, scale,
+                                                  k_scale, v_scale, max_seq_len=meta.dec_max_len,
+                                                  sliding_window=sliding_window)
     return out
 
 
@@ -190,9 +229,10 @@ def streaming_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     block's attention mass, averaged over heads and summed over this step's queries."""
     out = torch.empty_like(q)
     bs = k_cache.shape[1]
+    dev = q.device
     for si, (q0, n, ctx, table) in enumerate(meta.all):
         held = (table[: (ctx + bs - 1) // bs] >= 0).nonzero().flatten()
-        kpos = (held.unsqueeze(1) * bs + torch.arange(bs)).flatten()
+        kpos = (held.unsqueeze(1) * bs + torch.arange(bs, device=dev)).flatten()
         valid = kpos < ctx
         kpos = kpos[valid]
         k = k_cache[table[held]].reshape(-1, *k_cache.shape[2:])[valid]
@@ -204,7 +244,7 @@ def streaming_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         qs = q[q0:q0 + n]
         heads, d = qs.shape[1], qs.shape[2]
         kvh = k.shape[1]
-        qpos = torch.arange(ctx - n, ctx)
+        qpos = torch.arange(ctx - n, ctx, device=dev)
         qh = qs.view(n, kvh, heads // kvh, d).permute(1, 2, 0, 3)               # (kvh, g, n, d)
         kt = k.permute(1, 2, 0).unsqueeze(1)                                    # (kvh, 1, d, m)
         qp, kp = qpos.unsqueeze(1), kpos.unsqueeze(0)
@@ -221,7 +261,7 @@ def streaming_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         probs = torch.softmax(scores.masked_fill(mask, float("-inf")).float(), dim=-1)
         if mass is not None:    # (kvh, g, n, m) -> per key, averaged over heads -> per block
             per_key = probs.sum(dim=2).mean(dim=(0, 1))
-            mass[si].index_add_(0, kpos // bs, per_key.to(mass[si].dtype))
+            mass[si].index_add_(0, (kpos // bs).cpu(), per_key.to(mass[si].dtype).cpu())
         o = torch.matmul(probs.to(q.dtype), v.permute(1, 0, 2).unsqueeze(1))
         out[q0:q0 + n] = o.permute(2, 0, 1, 3).reshape(n, heads, d)
     return out

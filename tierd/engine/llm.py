@@ -59,7 +59,8 @@ class LLM:
                  cache_salt: str = "", seed: int = 0, max_model_len: int | None = None,
                  kv_tier_codec: str = "", kv_scales: str = "auto",
                  calibration_prompts: list[list[int]] | None = None, int4_group: int = 32,
-                 attention_sinks: int = 0, window: int | None = None, kv_budget: int | None = None):
+                 attention_sinks: int = 0, window: int | None = None, kv_budget: int | None = None,
+                 device: str = "cpu"):
         from ..config import parse_size
         self.model_dir = Path(model)
         self.config = cfg = ModelConfig.from_dir(self.model_dir)
@@ -95,6 +96,14 @@ class LLM:
                                   f"({sink_blocks}) + 2")
             self.kv_budget = (budget_blocks, sink_blocks)
         self.dtype = _DTYPES[dtype]
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"device {device!r}: use cpu or cuda[:N]")
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ConfigError("device='cuda' but CUDA is not available")
+            if kv_cache_dtype == "int4":
+                raise ConfigError("the int4 KV cache runs on the CPU only (its CUDA kernel is not wired yet)")
         self.block_size = block_size
         self.fp8 = kv_cache_dtype in ("fp8", "fp8_e4m3")
         self.int4 = kv_cache_dtype == "int4"
@@ -108,7 +117,7 @@ class LLM:
         if kv_scales not in ("auto", "checkpoint", "calibrate", "unit"):
             raise ConfigError(f"kv_scales {kv_scales!r} is not auto, checkpoint, calibrate or unit")
         torch.manual_seed(seed)
-        self.model = LlamaModel(cfg, self.model_dir, self.dtype)
+        self.model = LlamaModel(cfg, self.model_dir, self.dtype, self.device)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         # fp8 KV: per layer (k_scale, v_scale), stored value = value / scale
         self.kv_scales: list[tuple[float, float]] | None = None
@@ -152,7 +161,8 @@ class LLM:
         else:
             cache_dtype = torch.float8_e4m3fn if self.fp8 else self.dtype
             shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-            self.kv_caches = [(torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype))
+            self.kv_caches = [(torch.zeros(shape, dtype=cache_dtype, device=self.device),
+                               torch.zeros(shape, dtype=cache_dtype, device=self.device))
                               for _ in range(cfg.num_layers)]
         self.block_manager = BlockManager(num_blocks, block_size, self.namespace.root_key,
                                           enable_prefix_caching, on_free=on_free)
@@ -235,8 +245,8 @@ class LLM:
         amax = torch.zeros(cfg.num_layers, 2)
 
         def observe(i, k, v):
-            amax[i, 0] = torch.maximum(amax[i, 0], k.abs().max().float())
-            amax[i, 1] = torch.maximum(amax[i, 1], v.abs().max().float())
+            amax[i, 0] = torch.maximum(amax[i, 0], k.abs().max().float().cpu())
+            amax[i, 1] = torch.maximum(amax[i, 1], v.abs().max().float().cpu())
 
         bs = self.block_size
         for p in prompts:
@@ -244,10 +254,11 @@ class LLM:
                 raise ConfigError("a calibration prompt is longer than the context or has ids outside the vocabulary")
             n, nb = len(p), (len(p) + bs - 1) // bs
             shape = (nb, bs, cfg.num_kv_heads, cfg.head_dim)
-            caches = [(torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype))
+            dev = self.device
+            caches = [(torch.empty(shape, dtype=self.dtype, device=dev), torch.empty(shape, dtype=self.dtype, device=dev))
                       for _ in range(cfg.num_layers)]
-            self.model.forward(torch.tensor(p), torch.arange(n), torch.arange(n), [(0, n, n, torch.arange(nb))],
-                               caches, torch.tensor([n - 1]), None, observe)
+            self.model.forward(torch.tensor(p, device=dev), torch.arange(n, device=dev), torch.arange(n, device=dev),
+                               [(0, n, n, torch.arange(nb))], caches, torch.tensor([n - 1], device=dev), None, observe)
         scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
         return [(float(k), float(v)) for k, v in scales.tolist()]
 
@@ -317,9 +328,13 @@ class LLM:
             if start + n == seq.num_tokens:
                 logits_rows.append(q0 - 1)
                 sampled.append(seq)
-        logits = self.model.forward(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots),
-                                    seqs, self.kv_caches, torch.tensor(logits_rows, dtype=torch.long),
+        dev = self.device
+        logits = self.model.forward(torch.tensor(tokens).to(dev, non_blocking=True),
+                                    torch.tensor(positions).to(dev, non_blocking=True),
+                                    torch.tensor(slots).to(dev, non_blocking=True),
+                                    seqs, self.kv_caches, torch.tensor(logits_rows, dtype=torch.long).to(dev),
                                     self.kv_scales, streaming=self.streaming, mass=mass)
+        logits = logits.cpu()        # sampling runs on the host: the step's one wait for the device
         window = self.config.uniform_window    # a full-attention layer keeps every block
         for seq, n in batch:
             seq.num_computed += n

@@ -54,16 +54,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LlamaModel:
     """Weights and forward of a Llama/Mistral/Qwen2 decoder."""
 
-    def __init__(self, cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
         self.cfg = cfg
         self.dtype = dtype
-        self.w = load_weights(cfg, Path(model_dir), dtype)
+        self.device = torch.device(device)
+        self.w = load_weights(cfg, Path(model_dir), dtype, self.device)
         found = [layer.pop("kv_scales", None) for layer in self.w["layers"]]
         # fp8 KV scales from the checkpoint (every layer, or none)
         self.checkpoint_kv_scales = found if all(s is not None for s in found) else None
         if self.checkpoint_kv_scales is None and any(s is not None for s in found):
             raise ConfigError(f"{model_dir}: KV scales for some layers only")
-        self.inv_freq = rope_inv_freq(cfg)
+        self.inv_freq = rope_inv_freq(cfg).to(self.device)
+        self._ops = None
         self.scale = cfg.head_dim ** -0.5
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_sizes = [q_out, kv_out, kv_out]
@@ -75,6 +78,19 @@ class LlamaModel:
             layer["gate_up"] = torch.cat([layer.pop("gate"), layer.pop("up")])
             if cfg.mlp_bias:
                 layer["gate_up_b"] = torch.cat([layer.pop("gate_b"), layer.pop("up_b")])
+
+    def ops(self):
+        """(reshape_and_cache, decode) for this device: tierd.kernels' self-checked CUDA kernels
+        where they passed on this device (else their references); the engine's own batched
+        decode on CPU (the same arguments)."""
+        if self._ops is None:
+            if self.device.type == "cuda":
+                import tierd.kernels as K   # not at import time: tierd.kernels imports the engine's references
+                decode = K.paged_attention_decode if K.paged_attention_decode.use_kernel(self.device) else None
+                self._ops = (K.reshape_and_cache, decode)
+            else:
+                self._ops = (reshape_and_cache, None)
+        return self._ops
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)   # (T, d/2)
@@ -100,7 +116,8 @@ class LlamaModel:
         cos, sin = self.rope(positions)                                         # (T, 1, d)
         block_size = (kv_caches[0].block_size if isinstance(kv_caches[0], Int4LayerCache)
                       else kv_caches[0][0].shape[1])
-        meta = AttentionMetadata(seqs, block_size)
+        meta = AttentionMetadata(seqs, block_size, self.device)
+        cache_op, decode = self.ops()
         for i, layer in enumerate(w["layers"]):
             x = rms_norm(h, layer["in_norm"], c.rms_norm_eps)
             qkv = F.linear(x, layer["qkv"], layer.get("qkv_b"))               # one GEMM for q, k, v
@@ -119,13 +136,14 @@ class LlamaModel:
             else:
                 k_cache, v_cache = kv_caches[i]
                 ks = kv_scales[i] if kv_scales is not None else (1.0, 1.0)
-                reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *ks)
+                cache_op(k, v, k_cache, v_cache, slot_mapping, *ks)
                 if streaming is not None or mass is not None:
                     sinks, win = streaming if streaming is not None else (0, None)
                     a = streaming_attention(q, k_cache, v_cache, meta, self.scale, sinks, win,
                                             self.inv_freq, *ks, mass=mass)
                 else:
-                    a = paged_attention(q, k_cache, v_cache, meta, self.scale, *ks, sliding_window=window)
+                    a = paged_attention(q, k_cache, v_cache, meta, self.scale, *ks, sliding_window=window,
+                                        decode=decode)
             h = h + F.linear(a.reshape(T, c.num_heads * c.head_dim), layer["o"], layer.get("o_b"))
             x = rms_norm(h, layer["post_norm"], c.rms_norm_eps)
             gate, up = F.linear(x, layer["gate_up"], layer.get("gate_up_b")).chunk(2, dim=-1)
@@ -134,7 +152,7 @@ class LlamaModel:
         return F.linear(h, w["lm_head"]).float()
 
 
-def load_weights(cfg: ModelConfig, d: Path, dtype: torch.dtype) -> dict:
+def load_weights(cfg: ModelConfig, d: Path, dtype: torch.dtype, device: torch.device | None = None) -> dict:
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{d}: no *.safetensors weight files")
@@ -155,7 +173,7 @@ def load_weights(cfg: ModelConfig, d: Path, dtype: torch.dtype) -> dict:
             return None
         if shape is not None and tuple(t.shape) != shape:
             raise ConfigError(f"{d}: weight {name} has shape {tuple(t.shape)}, config says {shape}")
-        return t.to(dtype).contiguous()
+        return t.to(device=device, dtype=dtype).contiguous()
 
     c = cfg
     q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
