@@ -146,7 +146,7 @@ def dequantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.T
 
 
 def paged_attention_int4_decode(q, k_q, k_min, k_step, v_q, v_min, v_step, k_own, block_tables, seq_lens,
-                                scale: float) -> torch.Tensor:
+                                scale: float, *, max_seq_len: int | None = None) -> torch.Tensor:
     if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
         raise ValueError("q needs contiguous heads")
     for t in (k_q, k_min, k_step, v_q, v_min, v_step, k_own):
@@ -163,7 +163,7 @@ def paged_attention_int4_decode(q, k_q, k_min, k_step, v_q, v_min, v_step, k_own
         raise ValueError("heads or groups do not divide")
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(device=q.device, dtype=torch.int32).contiguous()
-    max_len = int(lens.max())
+    max_len = int(lens.max()) if max_seq_len is None else max_seq_len   # the caller knows it: no sync
     if max_len > V1_MAX_TOKENS:
         raise ValueError("context too long for the one-pass int4 kernel")
     out = torch.empty((b, heads, d), dtype=q.dtype, device=q.device)

@@ -80,11 +80,13 @@ def _slot_view(slot: torch.Tensor, layers: int, ratio: int, unit: torch.Size, dt
 
 def paged_attention_int4_decode(q: torch.Tensor, k_q: torch.Tensor, k_min: torch.Tensor, k_step: torch.Tensor,
                                 v_q: torch.Tensor, v_min: torch.Tensor, v_step: torch.Tensor, k_own: torch.Tensor,
-                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                                max_seq_len: int | None = None) -> torch.Tensor:
     """Decode attention over an int4 cache (`tierd.engine.int4.Int4LayerCache`'s tensors): q
     (B, heads, d); each sequence's last block's keys from k_own[b] (block_size, kv_heads, d), in
     full precision as its query sees them; earlier blocks' keys dequantized per channel, values
-    per token group (value = min + q * step). float32 math, returned in q's dtype."""
+    per token group (value = min + q * step). float32 math, returned in q's dtype.
+    (`max_seq_len` steers the kernel; the reference has one way.)"""
     from tierd.engine.int4 import unpack
     B, heads, d = q.shape
     bs, kv_heads = v_q.shape[1], v_q.shape[2]

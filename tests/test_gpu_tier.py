@@ -140,11 +140,13 @@ def test_gpu_hbm_tier_on_the_device_and_another_process_maps_it(tmp_path):
                 "from tierd.tiers.gpu import open_ipc\n"
                 "d = json.load(open(sys.argv[1]))\n"
                 "d['ipc_handle'] = bytes.fromhex(d['ipc_handle'])\n"
-                "arena = open_ipc(d)\n"
-                "assert arena is not None, 'could not map the HBM tier'\n"
+                "m = open_ipc(d)\n"
+                "assert m is not None, 'could not map the HBM tier'\n"
+                "arena = m.tensor\n"
                 "for off, want in zip(d['offsets'], d['want']):\n"
                 "    got = bytes(arena[off:off + d['block_bytes']].cpu().numpy())\n"
                 "    assert got == bytes.fromhex(want), f'bytes differ at {off}'\n"
+                "m.close()\n"
                 "print('ok', len(d['offsets']))\n")
             r = subprocess.run([sys.executable, "-c", code, str(spec)], capture_output=True, text=True, timeout=120)
             assert r.returncode == 0 and "ok 4" in r.stdout, r.stderr

@@ -106,6 +106,7 @@ class Client:
         self._arena = None
         self._arena_mmap = None
         self._gpu_arena = None
+        self._gpu_map = None         # the daemon's HBM tier as mapped here (tierd.tiers.gpu.IpcMapping)
         self._generation = 0
         self._deferred: list[dict] = []
         self._deferred_commits = 0   # commits among them (a lookup from the index waits for them)
@@ -143,11 +144,23 @@ class Client:
         self.limits = reply.get("limits", {})
         self._map_arena(reply["arenas"][0])
         self._map_index(reply.get("index"))
-        gpu = [a for a in reply["arenas"][1:] if a.get("tier") == "gpu"]
-        self._gpu_arena = None
-        if gpu:
-            from .tiers.gpu import open_ipc   # torch and CuPy: only where the daemon has HBM
-            self._gpu_arena = open_ipc(gpu[0])
+        self._map_gpu([a for a in reply["arenas"][1:] if a.get("tier") == "gpu"])
+
+    def _map_gpu(self, descs: list[dict]) -> None:
+        """Map the daemon's HBM tier once per export: a reconnect to the same daemon keeps the
+        mapping (CUDA refuses to open one handle twice in a process); another export (a
+        restarted daemon) closes the old mapping first."""
+        if descs:
+            from .tiers.gpu import ipc_key, open_ipc   # torch and CuPy: only where the daemon has HBM
+            if self._gpu_map is not None and self._gpu_map.key == ipc_key(descs[0]):
+                return
+        if self._gpu_map is not None:
+            self._gpu_arena = None
+            self._gpu_map.close()
+            self._gpu_map = None
+        if descs:
+            self._gpu_map = open_ipc(descs[0])
+        self._gpu_arena = self._gpu_map.tensor if self._gpu_map is not None else None
 
     def _map_arena(self, desc: dict) -> None:
         if self._arena_mmap is not None:
@@ -577,6 +590,7 @@ class Client:
                 except BufferError:
                     pass
                 self._arena_mmap = None
+            self._map_gpu([])
 
     def __enter__(self) -> "Client":
         return self

@@ -96,14 +96,40 @@ class GpuTier(Tier):
             self._raw = None
 
 
-def open_ipc(desc: dict) -> torch.Tensor | None:
-    """Map a daemon's HBM tier: a (capacity_bytes,) uint8 CUDA tensor, or None where this process
-    cannot (no CUDA or CuPy, or another device)."""
+class IpcMapping:
+    """A daemon's HBM tier mapped into this process: `tensor` (capacity_bytes,) uint8 on the
+    device; `close()` closes the IPC handle (once every view of it is gone)."""
+
+    def __init__(self, tensor: torch.Tensor, ptr: int, device: int, key: tuple):
+        self.tensor, self._ptr, self._device, self.key = tensor, ptr, device, key
+
+    def close(self) -> None:
+        if self._ptr is None:
+            return
+        self.tensor = None
+        try:
+            import cupy
+            with cupy.cuda.Device(self._device):
+                torch.cuda.synchronize(self._device)   # no copy from the mapping still in flight
+                cupy.cuda.runtime.ipcCloseMemHandle(self._ptr)
+        except Exception:  # noqa: BLE001 -- the daemon is gone or the context with it
+            pass
+        self._ptr = None
+
+
+def ipc_key(desc: dict) -> tuple:
+    """What names one export: the device and the handle (a restarted daemon exports another)."""
+    return (desc.get("device_uuid"), bytes(desc.get("ipc_handle") or b""))
+
+
+def open_ipc(desc: dict) -> IpcMapping | None:
+    """Map a daemon's HBM tier, or None where this process cannot (no CUDA or CuPy, or the
+    daemon's device is not visible here). The device is found by UUID: under another
+    CUDA_VISIBLE_DEVICES its index differs from the daemon's."""
     if not desc or not torch.cuda.is_available():
         return None
     try:
         import cupy
-        # the daemon's device by UUID: under another CUDA_VISIBLE_DEVICES its index differs here
         dev = next((i for i in range(torch.cuda.device_count())
                     if str(torch.cuda.get_device_properties(i).uuid) == desc.get("device_uuid")), None)
         if dev is None:
@@ -113,6 +139,6 @@ def open_ipc(desc: dict) -> torch.Tensor | None:
                                                      cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
             mem = cupy.cuda.UnownedMemory(ptr, desc["capacity_bytes"], owner=None, device_id=dev)
             arr = cupy.ndarray((desc["capacity_bytes"],), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
-        return torch.as_tensor(arr, device=f"cuda:{dev}")
+        return IpcMapping(torch.as_tensor(arr, device=f"cuda:{dev}"), ptr, dev, ipc_key(desc))
     except Exception:  # noqa: BLE001 -- the host tier still serves every block
         return None
