@@ -176,7 +176,7 @@ def test_one_batch_of_every_kind_of_value_reads_right_and_leaves_the_connection_
     rng = np.random.default_rng(7)
     blocks = [rng.integers(0, 256, n, dtype=np.uint8) for _ in range(4)]
     blocks.append(np.repeat(np.arange(n // 64, dtype=np.uint16), 32).view(np.uint8))  # compressible
-    keys = [bytes([i]) * 16 for i in range(12)]
+    keys = [bytes([i]) * 16 for i in range(13)]
     raw_t = RemoteTier(server.url)
     zstd_t = RemoteTier(server.url, codec="zstd")
     for i, b in enumerate(blocks):
@@ -194,8 +194,9 @@ def test_one_batch_of_every_kind_of_value_reads_right_and_leaves_the_connection_
                            b"p": bytes(flipped)})                           # payload bit flipped
     r.set(rk[8], b"not a tierd value")                                      # another type
     r.hset(rk[9], b"h", hdr)                                                # header only
-    r.hset(rk[10], b"h", b"\xff" * 40)                                      # header garbage
-    # keys[11]: absent
+    r.hset(rk[10], mapping={b"h": b"\xff" * 40, b"p": good[b"p"]})          # header garbage
+    # keys[11]: absent; keys[12]: a header field far too long to be one, and a payload
+    r.hset(rk[12], mapping={b"h": good[b"h"] + b"\0" * (200 << 10), b"p": good[b"p"]})
     t = RemoteTier(server.url)
     t.direct_reads = direct
     if direct:                             # nothing may fall back to redis-py's reads
@@ -205,7 +206,7 @@ def test_one_batch_of_every_kind_of_value_reads_right_and_leaves_the_connection_
         out = t.fetch_many(ns_id, keys, dsts)
         for i in range(5):
             assert out[i] is None and np.array_equal(dsts[i], blocks[i]), i
-        for i in range(5, 11):
+        for i in (*range(5, 11), 12):
             assert isinstance(out[i], CorruptBlockError), (i, out[i])
         assert isinstance(out[11], KeyError)
     assert t.fetch_many(ns_id, [], []) == []

@@ -393,11 +393,26 @@ class _ReplyStream:
             raise ConnectionError("bulk string not terminated")
         self.pos += 2
 
-    def bulk(self) -> bytearray | None:
-        """A bulk string (None for nil)."""
+    def skip(self, n: int) -> None:
+        """Read past the next n bytes of a bulk string and its CRLF, holding none of them."""
+        have = min(n, len(self.buf) - self.pos)
+        self.pos += have
+        view = memoryview(self.scratch)
+        while have < n:
+            got = self.sock.recv_into(view[:min(len(view), n - have)])
+            if got == 0:
+                raise ConnectionError("the server closed the connection")
+            have += got
+        self.into(memoryview(bytearray(0)))      # the CRLF
+
+    def bulk(self, limit: int) -> bytearray | None | bool:
+        """A bulk string (None for nil; False for one longer than `limit`, read past)."""
         n = self._length(self.line(), b"$")
         if n is None:
             return None
+        if n > limit:
+            self.skip(n)
+            return False
         out = bytearray(n)
         self.into(memoryview(out))
         return out
@@ -440,7 +455,7 @@ def _fetch_direct(pool, rkeys, ns_id, keys, dsts, idx, out, lossy_ok) -> list[in
                 continue
             if rs._length(line, b"*") != 2:
                 raise ConnectionError(f"unexpected reply {line[:40]!r}")
-            header = rs.bulk()
+            header = rs.bulk(limit=PAGE)             # a slot header fits a page: larger is foreign
             n = rs._length(rs.line(), b"$")
             dst = dsts[j]
             if header is None and n is None:
@@ -449,12 +464,14 @@ def _fetch_direct(pool, rkeys, ns_id, keys, dsts, idx, out, lossy_ok) -> list[in
             try:
                 if header is None or n is None:
                     raise CorruptBlockError("value lacks its header or payload")
+                if header is False:
+                    raise CorruptBlockError("value's header is too long to be one")
                 codec, payload_len, pcsum, _ = RemoteTier.check_header(header, ns_id, keys[j], dst.nbytes, lossy_ok)
                 if n != payload_len:
                     raise CorruptBlockError("value truncated")
             except CorruptBlockError as e:
                 if n is not None:
-                    rs.into(memoryview(bytearray(n)))      # read past it
+                    rs.skip(n)                             # read past it
                 out[i] = e
                 continue
             if codec == _codec.CODEC_NONE and n == dst.nbytes:
