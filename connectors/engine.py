@@ -12,24 +12,15 @@ waits for the store.
 from __future__ import annotations
 
 import time
-import warnings
 
-import numpy as np
 import torch
 
 from tierd.errors import TierdError
+from tierd.kernels.transfer import host_tensor
 from tierd.keys import extend_keys
 from tierd.namespace import Namespace
 
 from .link import STORE_ERRORS, StoreLink
-
-
-def host_tensor(buf) -> torch.Tensor:
-    """A flat uint8 CPU tensor over a host buffer (a lease's slot view), without a copy. Lease
-    views are read-only; torch warns about that, and this only reads them."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(np.asarray(buf).reshape(-1))
 
 
 class EngineConnector:

@@ -116,7 +116,7 @@ def test_streaming_attention_is_attention_over_sinks_and_window_at_their_cache_p
     """Against the paper's formulation, built naively: keep the first S and the last W tokens,
     give them positions 0..S+W-1 in that order, rope keys and query there, attend. tierd caches
     keys roped at their own positions and moves only the sinks (by rotating the query)."""
-    from tierd.engine.attention import AttentionMetadata, attention_one, rotate, streaming_attention
+    from tierd.engine.attention import AttentionMetadata, prefill_attention, rotate, streaming_attention
     torch.manual_seed(0)
     S, W, bs, h, kvh, d, ctx, n = 3, 20, 8, 4, 2, 16, 71, 5            # 5 queries: positions 66..70
     inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)).float()
@@ -135,7 +135,7 @@ def test_streaming_attention_is_attention_over_sinks_and_window_at_their_cache_p
         cache_pos = torch.arange(len(kept))
         k = rotate(k_raw[kept], cache_pos, inv_freq)
         q = rotate(q_raw[i:i + 1], cache_pos[-1:], inv_freq)
-        want = attention_one(q, k, v[kept], len(kept) - 1, d ** -0.5)
+        want = prefill_attention(q, k, v[kept], len(kept) - 1, d ** -0.5)
         torch.testing.assert_close(got[i:i + 1], want, atol=1e-5, rtol=1e-4)
 
 

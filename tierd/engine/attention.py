@@ -49,29 +49,6 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, scale
     return out.to(dtype)
 
 
-def attention_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int,
-                  scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """Causal attention of queries q (n, heads, d) at positions q_start.. over keys/values
-    (ctx, kv_heads, d) at positions 0..ctx-1 (GQA: heads share kv heads in groups).
-    Returns (n, heads, d)."""
-    n, heads, d = q.shape
-    ctx, kv_heads, _ = k.shape
-    group = heads // kv_heads
-    qh = q.view(n, kv_heads, group, d).permute(1, 2, 0, 3)          # (kvh, g, n, d)
-    kh = k.permute(1, 0, 2).unsqueeze(1)                              # (kvh, 1, ctx, d)
-    vh = v.permute(1, 0, 2).unsqueeze(1)
-    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale           # (kvh, g, n, ctx)
-    qpos = torch.arange(q_start, q_start + n).unsqueeze(1)
-    kpos = torch.arange(ctx).unsqueeze(0)
-    mask = kpos > qpos
-    if sliding_window is not None:
-        mask = mask | (kpos <= qpos - sliding_window)
-    scores = scores.masked_fill(mask, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    out = torch.matmul(probs, vh)                                     # (kvh, g, n, d)
-    return out.permute(2, 0, 1, 3).reshape(n, heads, d)
-
-
 class AttentionMetadata:
     """Per-step layout of a packed batch, built once and shared by every layer.
 

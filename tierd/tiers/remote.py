@@ -189,12 +189,7 @@ class RemoteTier(Tier):
         codec, payload_len, pcsum, parent = cls.check_header(header, ns_id, key, dst.nbytes, lossy_ok)
         if len(payload) != payload_len:
             raise CorruptBlockError("value truncated")
-        if _csum(payload) != pcsum:
-            raise CorruptBlockError("payload checksum mismatch")
-        try:
-            _codec.decode(codec, payload, dst)
-        except Exception as ex:  # zstd errors are not one class
-            raise CorruptBlockError(f"payload does not decode: {ex}") from None
+        finish_payload(codec, payload, pcsum, dst)
         return parent
 
     # -- data calls (no store lock; each one round trip) ----------------------------------------------
@@ -341,6 +336,19 @@ class RemoteTier(Tier):
             pass
 
 
+def finish_payload(codec: int, payload, pcsum: int, dst: np.ndarray) -> None:
+    """Verify a received payload against its header's checksum and decode it into `dst` (a
+    payload received into `dst` itself is only verified). Raises CorruptBlockError."""
+    if _csum(payload) != pcsum:
+        raise CorruptBlockError("payload checksum mismatch")
+    if payload is dst:
+        return
+    try:
+        _codec.decode(codec, payload, dst)
+    except Exception as ex:  # noqa: BLE001 -- zstd errors are not one class
+        raise CorruptBlockError(f"payload does not decode: {ex}") from None
+
+
 # -- the fast read path -------------------------------------------------------------------------
 _CRLF = b"\r\n"
 _REDIRECTS = (b"MOVED", b"ASK", b"TRYAGAIN", b"CLUSTERDOWN")
@@ -480,13 +488,10 @@ def _fetch_direct(pool, rkeys, ns_id, keys, dsts, idx, out, lossy_ok) -> list[in
             else:
                 payload = bytearray(n)
                 rs.into(memoryview(payload))
-            if _csum(payload) != pcsum:
-                out[i] = CorruptBlockError("payload checksum mismatch")
-            elif payload is not dst:
-                try:
-                    _codec.decode(codec, payload, dst)
-                except Exception as ex:  # noqa: BLE001 -- zstd errors are not one class
-                    out[i] = CorruptBlockError(f"payload does not decode: {ex}")
+            try:
+                finish_payload(codec, payload, pcsum, dst)
+            except CorruptBlockError as e:
+                out[i] = e
         ok = rs.pos == len(rs.buf)
         if not ok:
             raise ConnectionError("the server sent more than was asked for")
