@@ -68,8 +68,33 @@ def attention_case(device, fn):
     return outs
 
 
+LAYOUTS = ("contiguous", "2bnhd", "b2hnd", "bhn2d")
+
+
+def cache_views(layout: str, num_blocks: int, block_size: int, heads: int, head_dim: int, make):
+    """(tensors, K view, V view) of one layer's paged cache in `layout`, each view (num_blocks,
+    block_size, heads, head_dim) with head_dim contiguous; `make(shape)` creates a tensor.
+    contiguous: separate K and V tensors; 2bnhd: one (2, B, N, H, D) tensor; b2hnd: one
+    (B, 2, H, N, D) tensor, head-major; bhn2d: one (B, H, N, 2 * D) tensor, K and V side by side."""
+    n, h, d = block_size, heads, head_dim
+    if layout == "contiguous":
+        k, v = make((num_blocks, n, h, d)), make((num_blocks, n, h, d))
+        return [k, v], k, v
+    if layout == "2bnhd":
+        t = make((2, num_blocks, n, h, d))
+        return [t], t[0], t[1]
+    if layout == "b2hnd":
+        t = make((num_blocks, 2, h, n, d))
+        return [t], t[:, 0].transpose(1, 2), t[:, 1].transpose(1, 2)
+    if layout == "bhn2d":
+        t = make((num_blocks, h, n, 2 * d))
+        return [t], t[..., :d].transpose(1, 2), t[..., d:].transpose(1, 2)
+    raise ValueError(layout)
+
+
 def reshape_case(device, fn, *, tokens: int = 37, heads: int = 4, head_dim: int = 64, block_size: int = 16,
-                 num_blocks: int = 8, dtype: torch.dtype = torch.float16, fp8: bool = False, seed: int = 5):
+                 num_blocks: int = 8, dtype: torch.dtype = torch.float16, fp8: bool = False, seed: int = 5,
+                 layout: str = "contiguous"):
     g = _gen(seed)
     # key and value as strided views of a fused qkv projection, as models produce them
     q_heads = 2 * heads
@@ -79,37 +104,43 @@ def reshape_case(device, fn, *, tokens: int = 37, heads: int = 4, head_dim: int 
     slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
     slots[::5] = -1                                   # padding tokens
     cache_dtype = torch.float8_e4m3fn if fp8 else dtype
-    k_cache = torch.zeros((num_blocks, block_size, heads, head_dim), dtype=cache_dtype, device=device)
-    v_cache = torch.zeros_like(k_cache)
+    tensors, k_cache, v_cache = cache_views(layout, num_blocks, block_size, heads, head_dim,
+                                            lambda shape: torch.zeros(shape, dtype=cache_dtype, device=device))
     fn(key, value, k_cache, v_cache, slots.to(device), 0.03 if fp8 else 1.0, 0.04 if fp8 else 1.0)
-    return [k_cache, v_cache]
+    return tensors
 
 
 def reshape_self_check(device, fn):
-    return [*reshape_case(device, fn), *reshape_case(device, fn, dtype=torch.bfloat16, fp8=True, seed=6)]
+    return [*reshape_case(device, fn), *reshape_case(device, fn, dtype=torch.bfloat16, fp8=True, seed=6),
+            *reshape_case(device, fn, layout="b2hnd", seed=12), *reshape_case(device, fn, layout="bhn2d", seed=13)]
 
 
 def block_copy_case(device, fn, *, scatter: bool, layers: int = 3, ratio: int = 2, block_size: int = 16,
                     kv_heads: int = 2, head_dim: int = 64, num_blocks: int = 24, n_tier: int = 5,
-                    dtype: torch.dtype = torch.float16, seed: int = 7):
+                    dtype: torch.dtype = torch.float16, seed: int = 7, layout: str = "contiguous"):
     g = _gen(seed)
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    ks = [torch.randn(shape, generator=g).to(dtype).to(device) for _ in range(layers)]
-    vs = [torch.randn(shape, generator=g).to(dtype).to(device) for _ in range(layers)]
+    tensors, ks, vs = [], [], []
+    for _ in range(layers):
+        ts, k, v = cache_views(layout, num_blocks, block_size, kv_heads, head_dim,
+                               lambda shape: torch.randn(shape, generator=g).to(dtype).to(device))
+        tensors += ts
+        ks.append(k)
+        vs.append(v)
     ids = torch.randperm(num_blocks, generator=g)[:n_tier * ratio].view(n_tier, ratio)
     ids[1, 0] = -1                                    # a part the engine already holds
     unit = block_size * kv_heads * head_dim
     slots = [torch.randn((layers * 2 * ratio * unit,), generator=g).to(dtype).to(device) for _ in range(n_tier)]
     fn(ks, vs, ids, slots)
-    return [*ks, *vs, *slots]
+    return [*tensors, *slots]
 
 
 def gather_case(device, fn):
-    return block_copy_case(device, fn, scatter=False)
+    return [*block_copy_case(device, fn, scatter=False), *block_copy_case(device, fn, scatter=False, layout="b2hnd")]
 
 
 def scatter_case(device, fn):
-    return block_copy_case(device, fn, scatter=True, dtype=torch.bfloat16, seed=8)
+    return [*block_copy_case(device, fn, scatter=True, dtype=torch.bfloat16, seed=8),
+            *block_copy_case(device, fn, scatter=True, layout="bhn2d", seed=14)]
 
 
 def quantize_case(device, fn):

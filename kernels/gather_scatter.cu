@@ -1,50 +1,77 @@
-// Multi-block, all-layer copies between per-layer paged caches and contiguous tier slots.
+// Multi-block copies between paged caches, in the layout the engine keeps them, and contiguous
+// tier slots.
 //
 // A tier block holds `ratio` engine blocks of every layer in tierd's block layout
-// [num_layers, 2 (K, V), ratio * block_size tokens, kv_heads, head_dim]; one engine block of one
-// layer's K (or V) is `unit_bytes` contiguous bytes in both places.
-//   k_ptrs, v_ptrs: (num_layers,) addresses of each layer's K and V cache
-//                   (num_blocks, block_size, kv_heads, head_dim), contiguous;
-//   block_ids:      (n_tier * ratio,) int64 engine block of tier block t, part r at t * ratio + r;
-//                   -1 skips that part (e.g. blocks the engine already holds);
-//   slots:          (n_tier,) address of each tier block's slot (device memory, or pinned host
-//                   memory mapped into the device's address space).
-// Grid: (n_tier * ratio, num_layers * 2); each thread block copies one unit with 16-byte
-// accesses when both addresses and unit_bytes allow, bytewise otherwise.
+// [num_layers, 2 (K, V), ratio * block_size tokens, kv_heads, head_dim]; in a slot, one engine
+// block of one layer's K (or V) is `unit = block_size * kv_heads * row_bytes` contiguous bytes.
+// In the cache it may be strided: each layer's K and V are views (num_blocks, block_size,
+// kv_heads, head_dim) with head_dim contiguous and byte strides (s_block, s_token, s_head),
+// the same for every layer's K and V. That covers per-layer contiguous caches, one tensor per
+// layer holding K and V ((2, B, N, H, D), (B, 2, N, H, D)), head-major caches ((.., H, N, D))
+// and K and V side by side in each row ((B, H, N, 2D)).
+//   k_ptrs, v_ptrs: (num_layers,) addresses of each layer's K and V view;
+//   ids_slots:      (n_tier * ratio + n_tier,) int64: the engine block of tier block t, part r
+//                   at t * ratio + r (-1 skips that part), then each tier block's slot address
+//                   (device memory, or host memory mapped into the device's address space);
+// A slot may also be one layer's part of a tier block ([2, ratio * block_size, heads, head_dim]),
+// with one layer's K and V: a layer-by-layer copy.
+// Grid: (n_tier * ratio, num_layers * 2); each thread block copies one unit, with 16-byte
+// accesses when every address and stride allows, bytewise otherwise.
 #include "common.cuh"
 
 typedef unsigned long long u64;
 
-__device__ __forceinline__ void copy_unit(u8* __restrict__ dst, const u8* __restrict__ src, i64 n) {
-    if ((((u64)dst | (u64)src | (u64)n) & 15) == 0) {
-        uint4* d = reinterpret_cast<uint4*>(dst);
-        const uint4* s = reinterpret_cast<const uint4*>(src);
-        for (i64 i = threadIdx.x; i < n / 16; i += blockDim.x) d[i] = s[i];
-    } else {
-        for (i64 i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+struct Geometry {
+    int ratio, block_size, heads;
+    i64 row_bytes, s_block, s_token, s_head;
+};
+
+template <bool TO_SLOT>
+__device__ __forceinline__ void copy_unit(u8* __restrict__ cache, u8* __restrict__ slot, const Geometry& g) {
+    const bool vec = (((u64)cache | (u64)slot | (u64)g.row_bytes | (u64)g.s_token | (u64)g.s_head) & 15) == 0;
+    const i64 w = vec ? 16 : 1;
+    const i64 per_row = g.row_bytes / w;
+    const i64 n = (i64)g.block_size * g.heads * per_row;
+    for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
+        const i64 row = i / per_row, col = (i - row * per_row) * w;
+        const i64 t = row / g.heads, h = row - t * g.heads;
+        u8* c = cache + t * g.s_token + h * g.s_head + col;
+        u8* s = slot + row * g.row_bytes + col;
+        if (vec) {
+            if (TO_SLOT) *reinterpret_cast<uint4*>(s) = *reinterpret_cast<const uint4*>(c);
+            else *reinterpret_cast<uint4*>(c) = *reinterpret_cast<const uint4*>(s);
+        } else {
+            if (TO_SLOT) *s = *c;
+            else *c = *s;
+        }
     }
 }
 
-__device__ __forceinline__ bool locate(const u64* k_ptrs, const u64* v_ptrs, const i64* block_ids, const u64* slots,
-                                       int ratio, i64 unit_bytes, u8** cache, u8** slot) {
+template <bool TO_SLOT>
+__device__ __forceinline__ void block_copy(const u64* k_ptrs, const u64* v_ptrs, const i64* ids_slots, int n_tier,
+                                           const Geometry& g) {
     const i64 i = blockIdx.x;
     const int layer = blockIdx.y >> 1, kv = blockIdx.y & 1;
-    const i64 block = block_ids[i];
-    if (block < 0) return false;
-    const i64 tier = i / ratio, part = i % ratio;
-    *cache = reinterpret_cast<u8*>((kv ? v_ptrs : k_ptrs)[layer]) + block * unit_bytes;
-    *slot = reinterpret_cast<u8*>(slots[tier]) + ((i64)(layer * 2 + kv) * ratio + part) * unit_bytes;
-    return true;
+    const i64 block = ids_slots[i];
+    if (block < 0) return;
+    const i64 tier = i / g.ratio, part = i - tier * g.ratio;
+    const i64 unit = (i64)g.block_size * g.heads * g.row_bytes;
+    u8* cache = reinterpret_cast<u8*>((kv ? v_ptrs : k_ptrs)[layer]) + block * g.s_block;
+    u8* slot = reinterpret_cast<u8*>(ids_slots[(i64)n_tier * g.ratio + tier])
+               + ((i64)(layer * 2 + kv) * g.ratio + part) * unit;
+    copy_unit<TO_SLOT>(cache, slot, g);
 }
 
-extern "C" __global__ void gather_blocks(const u64* k_ptrs, const u64* v_ptrs, const i64* block_ids,
-                                         const u64* slots, int ratio, i64 unit_bytes) {
-    u8 *cache, *slot;
-    if (locate(k_ptrs, v_ptrs, block_ids, slots, ratio, unit_bytes, &cache, &slot)) copy_unit(slot, cache, unit_bytes);
+extern "C" __global__ void gather_blocks(const u64* k_ptrs, const u64* v_ptrs, const i64* ids_slots, int n_tier,
+                                         int ratio, int block_size, int heads, i64 row_bytes,
+                                         i64 s_block, i64 s_token, i64 s_head) {
+    const Geometry g{ratio, block_size, heads, row_bytes, s_block, s_token, s_head};
+    block_copy<true>(k_ptrs, v_ptrs, ids_slots, n_tier, g);
 }
 
-extern "C" __global__ void scatter_blocks(const u64* k_ptrs, const u64* v_ptrs, const i64* block_ids,
-                                          const u64* slots, int ratio, i64 unit_bytes) {
-    u8 *cache, *slot;
-    if (locate(k_ptrs, v_ptrs, block_ids, slots, ratio, unit_bytes, &cache, &slot)) copy_unit(cache, slot, unit_bytes);
+extern "C" __global__ void scatter_blocks(const u64* k_ptrs, const u64* v_ptrs, const i64* ids_slots, int n_tier,
+                                          int ratio, int block_size, int heads, i64 row_bytes,
+                                          i64 s_block, i64 s_token, i64 s_head) {
+    const Geometry g{ratio, block_size, heads, row_bytes, s_block, s_token, s_head};
+    block_copy<false>(k_ptrs, v_ptrs, ids_slots, n_tier, g);
 }

@@ -32,21 +32,37 @@ def _threads(n: int) -> int:
     return max(32, min(1024, (n + 31) // 32 * 32))
 
 
+def _upload(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 values on `device` without waiting: from page-locked memory, asynchronously on the
+    current stream (torch's host allocator keeps the pinned buffer until the copy has run)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(block, token, head) element strides shared by a K and a V view (num_blocks, block_size,
+    heads, head_dim) whose head_dim is contiguous; ValueError otherwise."""
+    if k_cache.stride() != v_cache.stride() or k_cache.shape != v_cache.shape or k_cache.stride(-1) != 1:
+        raise ValueError("K and V views need one layout with a contiguous head_dim")
+    return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+
+
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0,
                       v_scale: float = 1.0) -> None:
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("key/value need a contiguous last dimension")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("caches must be contiguous")
+    c_block, c_token, c_head = _cache_strides(k_cache, v_cache)
     t, h, d = key.shape
     if t == 0:
         return
-    slots = slot_mapping.to(torch.int64).contiguous()
+    slots = slot_mapping.to(device=key.device, dtype=torch.int64).contiguous()
     name = "reshape_and_cache_" + _suffix(key.dtype, k_cache.dtype)
     launch(key.device, "reshape_and_cache.cu", name, (t,), (_threads(h * d),),
            (ptr(key), ptr(value), ptr(k_cache), ptr(v_cache), ptr(slots), i64(key.stride(0)),
             i64(key.stride(1)), i64(value.stride(0)), i64(value.stride(1)), i32(h), i32(d),
-            f32(k_scale), f32(v_scale)))
+            i32(k_cache.shape[1]), i64(c_block), i64(c_token), i64(c_head), f32(k_scale), f32(v_scale)))
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
@@ -87,32 +103,45 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: f
     return out
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=4096)
 def _cache_ptrs(device: torch.device, ptrs: tuple[int, ...]) -> torch.Tensor:
     """The layers' cache addresses on the device: the caches live as long as the engine, so one
-    upload serves every transfer (slots change per call and are uploaded each time)."""
+    upload serves every transfer (slots change per call and are uploaded each time). This one
+    waits, once per set of caches (every layer, or one layer for layer-by-layer copies), so the
+    tensor is complete before any stream reads it."""
     return torch.tensor(ptrs, dtype=torch.int64).to(device)
 
 
 def _block_copy(kernel: str, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
                 block_ids: torch.Tensor, slots: Sequence[torch.Tensor]) -> None:
     device = k_caches[0].device
-    if not all(c.is_contiguous() and c.device == device for c in (*k_caches, *v_caches)):
-        raise ValueError("caches must be contiguous and on one device")
+    k0 = k_caches[0]
+    nb, bs, heads, d = k0.shape
+    if not all(c.device == device and c.shape == k0.shape and c.stride() == k0.stride() and c.dtype == k0.dtype
+               for c in (*k_caches, *v_caches)) or k0.stride(-1) != 1:
+        raise ValueError("every K and V view needs one shape, one layout (head_dim contiguous) and one device")
     if not all(s.device == device and s.is_contiguous() for s in slots):
         raise ValueError("slots must be contiguous device memory")
     n_tier, ratio = block_ids.shape
     if n_tier == 0:
         return
-    unit = k_caches[0][0].numel() * k_caches[0].element_size()
+    if len(slots) != n_tier:
+        raise ValueError(f"{len(slots)} slots for {n_tier} tier blocks")
+    esize = k0.element_size()
+    unit = bs * heads * d * esize
     if any(s.numel() * s.element_size() < 2 * len(k_caches) * ratio * unit for s in slots):
         raise ValueError("a slot is smaller than a tier block")
     k_ptrs = _cache_ptrs(device, tuple(c.data_ptr() for c in k_caches))
     v_ptrs = _cache_ptrs(device, tuple(c.data_ptr() for c in v_caches))
-    slot_ptrs = torch.tensor([s.data_ptr() for s in slots], dtype=torch.int64).to(device)
-    ids = block_ids.to(device=device, dtype=torch.int64).contiguous()
+    # the block ids and the slots' addresses in one upload that does not wait for the device
+    ids = block_ids.to(torch.int64).reshape(-1)
+    if ids.device.type == "cpu":
+        ids_slots = _upload([*ids.tolist(), *(s.data_ptr() for s in slots)], device)
+    else:
+        ids_slots = torch.cat([ids.to(device), _upload([s.data_ptr() for s in slots], device)])
     launch(device, "gather_scatter.cu", kernel, (n_tier * ratio, 2 * len(k_caches)), (256,),
-           (ptr(k_ptrs), ptr(v_ptrs), ptr(ids), ptr(slot_ptrs), i32(ratio), i64(unit)))
+           (ptr(k_ptrs), ptr(v_ptrs), ptr(ids_slots), i32(n_tier), i32(ratio), i32(bs), i32(heads),
+            i64(d * esize), i64(k0.stride(0) * esize), i64(k0.stride(1) * esize), i64(k0.stride(2) * esize)))
 
 
 def gather_blocks(k_caches, v_caches, block_ids, slots) -> None:

@@ -45,9 +45,11 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def gather_blocks(k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
                   block_ids: torch.Tensor, slots: Sequence[torch.Tensor]) -> None:
-    """Copy engine blocks into tier slots. block_ids: (n_tier, ratio) engine block per part of
-    each tier block (-1: leave that part of the slot as it is); slots[t]: the tier block's slot,
-    any tensor of its bytes (viewed as [layers, 2, ratio, block_size, kv_heads, head_dim])."""
+    """Copy engine blocks into tier slots. k_caches, v_caches: per layer (num_blocks, block_size,
+    kv_heads, head_dim), contiguous or views of a cache laid out otherwise; block_ids: (n_tier,
+    ratio) engine block per part of each tier block (-1: leave that part of the slot as it is);
+    slots[t]: the tier block's slot, any tensor of its bytes (viewed as [layers, 2, ratio,
+    block_size, kv_heads, head_dim]); with one layer's caches, that layer's part of a slot."""
     _copy_blocks(k_caches, v_caches, block_ids, slots, to_slots=True)
 
 
@@ -60,18 +62,23 @@ def scatter_blocks(k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Te
 def _copy_blocks(k_caches, v_caches, block_ids, slots, *, to_slots: bool) -> None:
     layers, ratio = len(k_caches), block_ids.shape[1]
     unit = k_caches[0].shape[1:]
-    for t, slot in enumerate(slots):
-        s = _slot_view(slot, layers, ratio, unit, k_caches[0].dtype)
-        for r in range(ratio):
-            b = int(block_ids[t, r])
-            if b < 0:
-                continue
-            for layer in range(layers):
-                for kv, caches in ((0, k_caches), (1, v_caches)):
-                    if to_slots:
-                        s[layer, kv, r] = caches[layer][b]
-                    else:
-                        caches[layer][b] = s[layer, kv, r]
+    device = k_caches[0].device
+    for t, row in enumerate(block_ids.tolist()):
+        parts = [r for r in range(ratio) if row[r] >= 0]
+        if not parts:
+            continue
+        s = _slot_view(slots[t], layers, ratio, unit, k_caches[0].dtype)
+        idx = torch.tensor([row[r] for r in parts], dtype=torch.long, device=device)
+        whole = len(parts) == ratio
+        for layer in range(layers):
+            for kv, caches in ((0, k_caches), (1, v_caches)):
+                cache = caches[layer]
+                if to_slots and whole:
+                    s[layer, kv].copy_(cache[idx])
+                elif to_slots:
+                    s[layer, kv, parts] = cache[idx].to(s.device)
+                else:
+                    cache[idx] = (s[layer, kv] if whole else s[layer, kv, parts]).to(device)
 
 
 def _slot_view(slot: torch.Tensor, layers: int, ratio: int, unit: torch.Size, dtype: torch.dtype) -> torch.Tensor:

@@ -149,6 +149,38 @@ def test_reference_gather_scatter_round_trip_in_tier_layout():
         assert not ks2[layer][0].any()
 
 
+@pytest.mark.parametrize("layout", cases.LAYOUTS)
+def test_reference_cache_ops_take_every_engine_layout(layout):
+    """reshape_and_cache, gather and scatter on views of a cache laid out as engines keep it (K
+    and V in one tensor, head-major, side by side in a row) do what they do on contiguous caches."""
+    layers, ratio, bs, h, d, nb = 2, 2, 16, 2, 64, 12
+    g = torch.Generator().manual_seed(1)
+    made = [cases.cache_views(layout, nb, bs, h, d, lambda s: torch.randn(s, generator=g).half())
+            for _ in range(layers)]
+    ks, vs = [m[1] for m in made], [m[2] for m in made]
+    if layout in ("b2hnd", "bhn2d"):
+        assert not ks[0].is_contiguous()
+    plain_k, plain_v = [k.contiguous() for k in ks], [v.contiguous() for v in vs]
+    ids = torch.tensor([[3, 7], [-1, 2], [11, 0]])
+    slots = [torch.zeros(layers * 2 * ratio * bs * h * d, dtype=torch.float16) for _ in range(3)]
+    want = [s.clone() for s in slots]
+    reference.gather_blocks(ks, vs, ids, slots)
+    reference.gather_blocks(plain_k, plain_v, ids, want)
+    assert all(torch.equal(a, b) for a, b in zip(slots, want)) and slots[0].any()
+    fresh = [torch.randn(s.shape, generator=g).half() for s in slots]
+    reference.scatter_blocks(ks, vs, ids, fresh)
+    reference.scatter_blocks(plain_k, plain_v, ids, fresh)
+    for a, b in zip((*ks, *vs), (*plain_k, *plain_v)):
+        assert torch.equal(a, b)
+    key = torch.randn((9, h, d), generator=g).half()
+    value = torch.randn((9, h, d), generator=g).half()
+    slot_mapping = torch.tensor([0, 17, -1, 33, 190, 5, 64, -1, 100])
+    reference.reshape_and_cache(key, value, ks[0], vs[0], slot_mapping)
+    reference.reshape_and_cache(key, value, plain_k[0], plain_v[0], slot_mapping)
+    assert torch.equal(ks[0], plain_k[0]) and torch.equal(vs[0], plain_v[0])
+    assert torch.equal(ks[0][190 // bs, 190 % bs], key[4])
+
+
 def test_reference_fp8_saturates_and_round_trips():
     x = torch.tensor([0.0, 1.0, -1.0, 1e6, -1e6, 0.3])
     q = reference.quantize_fp8(x, 0.5)

@@ -26,16 +26,21 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                       k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write key/value (T, kv_heads, head_dim) into the caches at slot_mapping (T,); slot -1 is
-    padding and is skipped."""
+    padding and is skipped. The caches are (num_blocks, block_size, kv_heads, head_dim), either
+    contiguous or views in another layout."""
     nb, bs, h, d = k_cache.shape
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    kf, vf = k_cache.view(nb * bs, h, d), v_cache.view(nb * bs, h, d)
     k, v = key[keep], value[keep]
     if k_cache.dtype == torch.float8_e4m3fn:
         k, v = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
-    kf[slots] = k.to(k_cache.dtype)
-    vf[slots] = v.to(v_cache.dtype)
+    if k_cache.is_contiguous() and v_cache.is_contiguous():
+        k_cache.view(nb * bs, h, d)[slots] = k.to(k_cache.dtype)
+        v_cache.view(nb * bs, h, d)[slots] = v.to(v_cache.dtype)
+    else:     # strided views of a cache laid out otherwise (K and V in one tensor, head-major)
+        blocks, offsets = slots // bs, slots % bs
+        k_cache[blocks, offsets] = k.to(k_cache.dtype)
+        v_cache[blocks, offsets] = v.to(v_cache.dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, scale: float,
