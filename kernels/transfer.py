@@ -1,14 +1,29 @@
-"""Block transfers between an engine's per-layer paged caches and tier slots in the host arena.
+"""Block transfers between an engine's paged caches and tier slots in the host arena (or the
+HBM tier), on their own CUDA streams.
 
-`BlockTransfer.store(store, ns, keys, block_ids)` reserves slots, gathers the engine blocks into
-them and commits; `load(store, ns, keys, block_ids)` acquires, scatters and releases. On a CUDA
-device a store gathers every block of every layer into a device staging buffer in one kernel
-launch, copies it to the (pinned, registered) host slots on a dedicated stream and waits on a
-CUDA event before committing; a load copies the slots to staging on another stream, scatters in
-one launch, and the engine's compute stream waits on the load's event, so attention never reads a
-block before it has arrived. On CPU the same steps run with memcpy (the kernels' references).
+`BlockTransfer(k_caches, v_caches, ratio)`:
 
-Engine caches: lists of K and V tensors (num_blocks, block_size, kv_heads, head_dim), contiguous;
+- `save_async(block_ids, buffers)`: on a dedicated stream that first waits for the compute
+  stream (the forward wrote the blocks), gather every layer of the blocks into device staging
+  in one launch and copy it into the (page-locked) host slots; returns the CUDA event after
+  which the slots hold the bytes: commit only after it (`event.synchronize()`).
+- `load_layers(block_ids, buffers, device_buffers=, layered=)`: on a load stream that first
+  waits for the compute stream (its work may still read or write the blocks), copy the slots
+  up and scatter them; with `layered`, layer by layer with one event each, so the compute
+  stream waits for layer i only (`job.wait_layer(i)`) and layer i + 1 loads while layer i
+  computes. Tier blocks held in device memory (`device_buffers`, the HBM tier's leased copies on
+  the engine's device) are scattered device-to-device, with no host copy. The leased buffers
+  may be released once `job.synchronize()` has returned.
+- `store(store, ns, keys, block_ids)` / `load(store, ns, keys, block_ids)`: the same with a Store
+  (reserve, gather, commit / acquire, scatter, release).
+
+On CPU the same calls copy at once (the kernels' references) and return no events. The stream
+work goes through a `streams` object (`CudaStreams` on a CUDA device); tests give a CPU stand-in
+that runs queued work only when something waits for it, so a missing wait shows as missing
+bytes.
+
+Engine caches: lists of K and V views (num_blocks, block_size, kv_heads, head_dim) with
+head_dim contiguous (contiguous per layer, or views of one tensor in another layout);
 `block_ids` (n, ratio): the engine blocks of each tier block, -1 for a part not to copy.
 """
 
@@ -49,22 +64,77 @@ class CudaHostPinning:
         torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
+class CudaStreams:
+    """What a transfer asks of a device: streams, work queued on them, events. Work queued with
+    `run` allocates its device memory on that stream, so freeing it needs no record_stream."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def stream(self):
+        return torch.cuda.Stream(self.device)
+
+    def current(self):
+        return torch.cuda.current_stream(self.device)
+
+    def run(self, stream, fn) -> None:
+        with torch.cuda.stream(stream):
+            fn()
+
+    def record(self, stream):
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def wait(self, stream, event) -> None:
+        stream.wait_event(event)
+
+    def synchronize(self, event) -> None:
+        event.synchronize()
+
+
+class LoadJob:
+    """Tier blocks being copied into the engine's caches: `wait_layer(i)` makes the compute
+    stream wait for layer i; `wait_all()` for every layer; `synchronize()` waits on the host
+    until every copy has run (then the leased buffers may go). On CPU everything is already done."""
+
+    def __init__(self, streams=None, events: Sequence | None = None, layered: bool = False):
+        self.streams, self.events, self.layered = streams, list(events or ()), layered
+
+    def wait_layer(self, layer: int) -> None:
+        if self.events:
+            self.streams.wait(self.streams.current(), self.events[layer if self.layered else -1])
+
+    def wait_all(self) -> None:
+        if self.events:
+            self.streams.wait(self.streams.current(), self.events[-1])
+
+    def synchronize(self) -> None:
+        if self.events:
+            self.streams.synchronize(self.events[-1])
+
+
 class BlockTransfer:
     def __init__(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor], ratio: int,
-                 *, pinning=None):
+                 *, pinning=None, streams=None):
         self.k, self.v, self.ratio = list(k_caches), list(v_caches), ratio
         self.device = self.k[0].device
-        unit = self.k[0][0].numel() * self.k[0].element_size()
-        self.block_bytes = 2 * len(self.k) * ratio * unit
+        k0 = self.k[0]
+        unit = k0[0].numel() * k0.element_size()
+        self.layers = len(self.k)
+        self.layer_bytes = 2 * ratio * unit             # one layer's K and V in a tier block
+        self.block_bytes = self.layers * self.layer_bytes
         self.cuda = self.device.type == "cuda"
         # who page-locks host memory: the CUDA runtime on a CUDA device, nobody on CPU (a test
         # may pass a stand-in to watch what would be pinned)
         self.pinning = pinning if pinning is not None else (CudaHostPinning() if self.cuda else None)
         self._pinned: dict[int, int] = {}              # registered host ranges: ptr -> size
         self._mapping: dict[int, tuple[int, int, int]] = {}  # id(store) -> arena range, generation
-        if self.cuda:
-            self.d2h = torch.cuda.Stream(self.device)
-            self.h2d = torch.cuda.Stream(self.device)
+        # streams: CUDA's on a CUDA device; none on CPU (copies run at once), or a test's stand-in
+        self.streams = streams if streams is not None else (CudaStreams(self.device) if self.cuda else None)
+        if self.streams is not None:
+            self.d2h = self.streams.stream()
+            self.h2d = self.streams.stream()
 
     # -- pinned host memory -----------------------------------------------------------------------
     def register_host(self, array: np.ndarray) -> bool:
@@ -110,43 +180,93 @@ class BlockTransfer:
         self._mapping.clear()
 
     # -- the two directions -----------------------------------------------------------------------
-    def gather_into(self, block_ids: torch.Tensor, buffers: Sequence[np.ndarray]) -> None:
-        """Copy engine blocks into host buffers (one per tier block); returns when they are there."""
+    def save_async(self, block_ids: torch.Tensor, buffers: Sequence[np.ndarray]):
+        """Start copying engine blocks into host buffers (one per tier block). Returns the event
+        after which they hold the bytes (None on CPU: they already do)."""
         host = [host_tensor(b) for b in buffers]
-        if not self.cuda:
+        sx = self.streams
+        if sx is None:
             gather_blocks(self.k, self.v, block_ids, host)
-            return
-        staging = torch.empty((len(buffers), self.block_bytes), dtype=torch.uint8, device=self.device)
-        self.d2h.wait_stream(torch.cuda.current_stream(self.device))   # the forward wrote the blocks
-        with torch.cuda.stream(self.d2h):
+            return None
+        sx.wait(self.d2h, sx.record(sx.current()))      # the forward wrote the blocks
+
+        def work():
+            staging = torch.empty((len(host), self.block_bytes), dtype=torch.uint8, device=self.device)
             gather_blocks(self.k, self.v, block_ids, list(staging))
             for i, h in enumerate(host):
                 h.copy_(staging[i], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.d2h)
-        staging.record_stream(self.d2h)
-        done.synchronize()   # the slots are committed next: the bytes must be in them
+        sx.run(self.d2h, work)
+        return sx.record(self.d2h)
 
-    def scatter_from(self, block_ids: torch.Tensor, buffers: Sequence[np.ndarray]) -> torch.cuda.Event | None:
-        """Copy host buffers into engine blocks. On CUDA returns the event the compute stream
-        already waits on (the buffers may be released once it has fired: `event.synchronize()`)."""
-        host = [host_tensor(b) for b in buffers]
-        if not self.cuda:
-            scatter_blocks(self.k, self.v, block_ids, host)
-            return None
-        staging = torch.empty((len(buffers), self.block_bytes), dtype=torch.uint8, device=self.device)
-        # the staging memory was allocated on the compute stream, and the engine blocks the
-        # scatter writes may still be read or written by work queued there: wait for it first
-        self.h2d.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.h2d):
-            for i, h in enumerate(host):
-                staging[i].copy_(h, non_blocking=True)
-            scatter_blocks(self.k, self.v, block_ids, list(staging))
-            done = torch.cuda.Event()
-            done.record(self.h2d)
-        staging.record_stream(self.h2d)
-        torch.cuda.current_stream(self.device).wait_event(done)
-        return done
+    def gather_into(self, block_ids: torch.Tensor, buffers: Sequence[np.ndarray]) -> None:
+        """Copy engine blocks into host buffers; returns when they are there."""
+        done = self.save_async(block_ids, buffers)
+        if done is not None:
+            self.streams.synchronize(done)
+
+    def load_layers(self, block_ids: torch.Tensor, buffers: Sequence, device_buffers: Sequence | None = None,
+                    *, layered: bool = True) -> LoadJob:
+        """Start copying tier blocks into engine blocks: `buffers[t]` a host buffer, or
+        `device_buffers[t]` (when given and not None) a copy on the engine's device, copied
+        device-to-device. With `layered`, one event per layer. The compute stream waits for
+        nothing yet: `job.wait_layer(i)` / `job.wait_all()`."""
+        n = len(buffers)
+        srcs: list = []
+        for t in range(n):
+            d = device_buffers[t] if device_buffers is not None and t < len(device_buffers) else None
+            srcs.append(d.reshape(-1) if d is not None and d.device == self.device else host_tensor(buffers[t]))
+        sx = self.streams
+        if sx is None:
+            scatter_blocks(self.k, self.v, block_ids, srcs)
+            return LoadJob()
+        up = [i for i, src in enumerate(srcs) if src.device != self.device]   # host blocks to copy up
+        sx.wait(self.h2d, sx.record(sx.current()))       # queued compute may still use these blocks
+        staging: list = []
+        events = []
+
+        def copy_up(lo: int, size: int):
+            def work():
+                # allocated on the load stream, used only there: freed after its last use
+                buf = torch.empty((len(up), size), dtype=torch.uint8, device=self.device)
+                for j, i in enumerate(up):
+                    buf[j].copy_(srcs[i][lo:lo + size], non_blocking=True)
+                staging[:] = [buf]
+            return work
+
+        def scatter(layer: int | None):
+            def work():
+                slots, j = [], 0
+                lo, size = (0, self.block_bytes) if layer is None else (layer * self.layer_bytes, self.layer_bytes)
+                for src in srcs:
+                    if src.device == self.device:
+                        slots.append(src[lo:lo + size])
+                    else:
+                        slots.append(staging[0][j])
+                        j += 1
+                ks, vs = (self.k, self.v) if layer is None else ([self.k[layer]], [self.v[layer]])
+                scatter_blocks(ks, vs, block_ids, slots)
+            return work
+
+        if not layered:
+            if up:
+                sx.run(self.h2d, copy_up(0, self.block_bytes))
+            sx.run(self.h2d, scatter(None))
+            events.append(sx.record(self.h2d))
+        else:
+            for layer in range(self.layers):
+                if up:
+                    sx.run(self.h2d, copy_up(layer * self.layer_bytes, self.layer_bytes))
+                sx.run(self.h2d, scatter(layer))
+                events.append(sx.record(self.h2d))
+        return LoadJob(sx, events, layered)
+
+    def scatter_from(self, block_ids: torch.Tensor, buffers: Sequence[np.ndarray]):
+        """Copy host buffers into engine blocks, all layers at once. On a device the compute
+        stream waits for the copies; returns the event after which the buffers may be released
+        (None on CPU)."""
+        job = self.load_layers(block_ids, buffers, layered=False)
+        job.wait_all()
+        return job.events[-1] if job.events else None
 
     # -- with a Store -------------------------------------------------------------------------------
     def store(self, store, ns, keys: Sequence[bytes], block_ids: torch.Tensor, *, parent: bytes | None = None) -> int:
@@ -170,9 +290,10 @@ class BlockTransfer:
             self.attach(store)       # after the acquire: a reconnect there re-maps the arena
             n = len(lease)
             if n:
-                ev = self.scatter_from(block_ids[:n], lease.buffers[:n])
-                if ev is not None:
-                    ev.synchronize()         # the lease ends below; the copies must be done
+                gpu = getattr(lease, "gpu_buffers", None) or None
+                job = self.load_layers(block_ids[:n], lease.buffers[:n], gpu, layered=False)
+                job.wait_all()
+                job.synchronize()            # the lease ends below; the copies must be done
             return n
         finally:
             lease.__exit__(None, None, None)

@@ -45,3 +45,51 @@ def wait_for(pred, timeout_s: float = 10.0, what: str = "condition"):
             return v
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+class LazyStreams:
+    """A CPU stand-in for CUDA streams (the `streams` of `tierd.kernels.transfer`): work queued on
+    a stream runs only when something waits for it -- an event synchronized on the host, or
+    another stream waiting on an event when that wait itself runs -- so a wait the transfer
+    forgets shows as bytes missing, and a wait it adds in the wrong place shows as bytes early.
+    `compute` is the engine's stream; `settle()` runs everything queued on it."""
+
+    class Stream:
+        def __init__(self, name: str):
+            self.name, self.ops, self.done = name, [], 0
+
+    def __init__(self):
+        self.compute = self.Stream("compute")
+        self.streams = [self.compute]
+        self.waits: list[tuple[str, str]] = []       # (waiting stream, stream waited for), as queued
+
+    def stream(self):
+        s = self.Stream(f"side{len(self.streams)}")
+        self.streams.append(s)
+        return s
+
+    def current(self):
+        return self.compute
+
+    def run(self, stream, fn) -> None:
+        stream.ops.append(fn)
+
+    def record(self, stream):
+        return (stream, len(stream.ops))
+
+    def wait(self, stream, event) -> None:
+        src, n = event
+        self.waits.append((stream.name, src.name))
+        stream.ops.append(lambda: self._flush(src, n))
+
+    def synchronize(self, event) -> None:
+        self._flush(*event)
+
+    def settle(self) -> None:
+        self._flush(self.compute, len(self.compute.ops))
+
+    def _flush(self, stream, n: int) -> None:
+        while stream.done < n:
+            op = stream.ops[stream.done]
+            stream.done += 1
+            op()

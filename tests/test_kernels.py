@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import numpy as np
 import torch
 
 import tierd.kernels as K
@@ -439,3 +440,69 @@ def test_transfer_pins_each_arena_mapping_once_and_never_keeps_stale_pages(daemo
 @needs_gpu
 def test_gpu_transfer_store_and_load(host_store):
     _transfer_roundtrip(host_store, "cuda")
+
+
+# -- stream ordering, with a CPU stand-in for CUDA streams -------------------------------------------
+def _lazy_transfer(layout: str = "contiguous"):
+    from tierd.kernels.transfer import BlockTransfer
+    from tests.helpers import LazyStreams
+    layers, ratio, bs, h, d, nb = 3, 2, 16, 2, 32, 16
+    g = torch.Generator().manual_seed(3)
+    made = [cases.cache_views(layout, nb, bs, h, d, lambda s: torch.randn(s, generator=g).half())
+            for _ in range(layers)]
+    sx = LazyStreams()
+    tr = BlockTransfer([m[1] for m in made], [m[2] for m in made], ratio, streams=sx)
+    return tr, sx
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "b2hnd"])
+def test_a_layered_load_gives_the_compute_stream_each_layer_after_its_copy_and_no_earlier(layout):
+    tr, sx = _lazy_transfer(layout)
+    ids = torch.tensor([[3, 5], [8, -1]])
+    g = torch.Generator().manual_seed(4)
+    bufs = [torch.randint(0, 256, (tr.block_bytes,), generator=g, dtype=torch.uint8).numpy() for _ in range(2)]
+    before = [k[3].clone() for k in tr.k]
+    seen = []
+    # work the engine queued before the load: it must read the blocks as they were
+    sx.run(sx.compute, lambda: seen.append(tr.k[0][3].clone()))
+    job = tr.load_layers(ids, bufs, layered=True)
+    assert all(same_bytes(k[3], b) for k, b in zip(tr.k, before))   # nothing ran yet
+    want = [torch.from_numpy(b).view(torch.float16).view(tr.layers, 2, 2, 16, 2, 32) for b in bufs]
+    for layer in range(tr.layers):
+        job.wait_layer(layer)
+        sx.settle()
+        assert same_bytes(tr.k[layer][3], want[0][layer, 0, 0]) and same_bytes(tr.v[layer][8], want[1][layer, 1, 0])
+        if layer + 1 < tr.layers:     # the next layer is still on its way: layered, not all at once
+            assert same_bytes(tr.k[layer + 1][3], before[layer + 1])
+    assert same_bytes(seen[0], before[0])
+    assert ("side2", "compute") in sx.waits          # the load stream waited for queued compute work
+    job.synchronize()
+
+
+def test_a_save_copies_what_the_forward_wrote_and_its_bytes_are_there_only_after_its_event():
+    tr, sx = _lazy_transfer()
+    ids = torch.tensor([[2, 4]])
+    buf = np.zeros(tr.block_bytes, dtype=np.uint8)
+    sx.run(sx.compute, lambda: tr.k[1][4].fill_(7.0))            # the forward writes a block
+    ev = tr.save_async(ids, [buf])
+    assert not buf.any()                                           # queued, not copied
+    sx.synchronize(ev)
+    got = torch.from_numpy(buf).view(torch.float16).view(tr.layers, 2, 2, 16, 2, 32)
+    assert bool((got[1, 0, 1] == 7.0).all()) and same_bytes(got[0, 1, 0], tr.v[0][2])
+
+
+def test_hbm_copies_on_the_engines_device_are_scattered_from_there():
+    """A tier block whose HBM copy is on the engine's device is copied from it (device to
+    device), not from its host copy; others come from the host."""
+    tr, sx = _lazy_transfer()
+    ids = torch.tensor([[1, 2], [6, 7]])
+    g = torch.Generator().manual_seed(5)
+    host = [torch.randint(0, 256, (tr.block_bytes,), generator=g, dtype=torch.uint8).numpy() for _ in range(2)]
+    device_copy = torch.randint(0, 256, (tr.block_bytes,), generator=g, dtype=torch.uint8)
+    job = tr.load_layers(ids, host, [device_copy, None], layered=True)
+    job.wait_all()
+    sx.settle()
+    first = device_copy.view(torch.float16).view(tr.layers, 2, 2, 16, 2, 32)
+    second = torch.from_numpy(host[1]).view(torch.float16).view(tr.layers, 2, 2, 16, 2, 32)
+    for layer in range(tr.layers):
+        assert same_bytes(tr.k[layer][1], first[layer, 0, 0]) and same_bytes(tr.v[layer][7], second[layer, 1, 1])
