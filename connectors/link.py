@@ -24,6 +24,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+import torch
+
 import tierd
 from tierd.errors import LeaseError, TierdError
 
@@ -49,6 +51,17 @@ def holding(store, held):
         if not store.connected or held._generation != store.generation():
             raise LeaseError("the connection that holds these slots is gone")
         yield
+
+
+def acquire_for(store, ns, keys: Sequence[bytes], device):
+    """`store.acquire(ns, keys)` for a reader on `device`: an embedded store whose HBM tier is on
+    that device is asked for its HBM copies too (`lease.gpu_buffers`), which the reader copies
+    device-to-device; a daemon's client asks for them itself when it maps the daemon's tier."""
+    tier = getattr(store, "gpu", None)
+    buffer = getattr(tier, "buffer", None)
+    if isinstance(buffer, torch.Tensor) and buffer.device == torch.device(device):
+        return store.acquire(ns, keys, gpu=True)
+    return store.acquire(ns, keys)
 
 
 class StoreLink:

@@ -61,6 +61,7 @@ it the module still imports (with a stand-in base class), so its logic is tested
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -75,11 +76,11 @@ import torch
 
 from tierd.errors import NamespaceError, TierdError
 from tierd.keys import extend_keys
-from tierd.kernels.transfer import host_tensor
+from tierd.kernels.transfer import BlockTransfer, LoadJob
 from tierd.namespace import DEFAULT_BLOCK_TOKENS, Namespace, canonical_dtype, model_fingerprint
 
 from . import vllm_layout
-from .link import STORE_ERRORS, StoreLink, holding
+from .link import STORE_ERRORS, StoreLink, acquire_for, holding
 from .vllm_keys import block_extra
 try:  # vLLM is optional: the real base class where it is installed
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -206,13 +207,25 @@ def _has_checkpoint_kv_scales(model_dir: str) -> bool:
 class _Pending:
     """A reservation being asked for on the save thread, awaited at the end of the step."""
 
-    __slots__ = ("spec", "ns", "bytes", "event", "res", "abandoned")
+    __slots__ = ("spec", "ns", "bytes", "event", "res", "abandoned", "copied", "hold")
 
     def __init__(self, spec: SaveSpec, ns: Namespace, nbytes: int):
         self.spec, self.ns, self.bytes = spec, ns, nbytes
         self.event = threading.Event()
         self.res = None
         self.abandoned = False
+        self.copied = None       # the device event after which the slots hold the bytes (None: they do)
+        self.hold = contextlib.ExitStack()   # keeps the slots' connection while the copy runs
+
+
+class _Loading:
+    """A synchronous load whose copies run during the step's forward."""
+
+    __slots__ = ("spec", "store", "lease", "loaded", "job", "hold", "t0")
+
+    def __init__(self, spec: LoadSpec, store, lease, loaded: int, job: LoadJob, hold, t0: float):
+        self.spec, self.store, self.lease, self.loaded, self.job, self.hold, self.t0 = \
+            spec, store, lease, loaded, job, hold, t0
 
 
 class TierdConnector(KVConnectorBase_V1):
@@ -270,7 +283,7 @@ class TierdConnector(KVConnectorBase_V1):
             self.save_link.stats = self.link.stats
         self.stats = self.link.stats
         for k in ("lookup_timeouts", "loads_async", "stores_present", "lost_leases", "requests_not_keyed",
-                  "save_s"):
+                  "save_s", "hbm_hit_blocks", "loads_unordered"):
             self.stats.setdefault(k, 0)
         if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning("kv_load_failure_policy is %r: a tier block evicted between lookup and load "
@@ -294,6 +307,11 @@ class TierdConnector(KVConnectorBase_V1):
         self._saver: threading.Thread | None = None
         self._step_saves: list[_Pending] = []
         self._inflight = 0
+        self._xfer: BlockTransfer | None = None
+        self._layer_idx: dict[str, int] = {}
+        self._loading: list[_Loading] = []       # this step's synchronous loads, copying
+        self._waited: set[str] = set()           # layers whose wait_for_layer_load ran this forward
+        self._layerwise = False                  # the last forward asked for every layer: wait per layer
 
     # -- configuration ------------------------------------------------------------------------
     @staticmethod
@@ -564,6 +582,10 @@ class TierdConnector(KVConnectorBase_V1):
         self._layers = layers
         self._dtype = k0.dtype
         self._device = k0.device
+        # copies between these views and tier slots: gather/scatter kernels on a GPU (on their own
+        # streams, loads layer by layer), their references on CPU
+        self._xfer = BlockTransfer([k for k, _ in layers], [v for _, v in layers], self.ratio)
+        self._layer_idx = {n: i for i, n in enumerate(names)}
 
     def _layer_scales(self, names: list[str]) -> list[tuple[float, float]]:
         ctx = getattr(getattr(self._vllm_config, "compilation_config", None), "static_forward_context", None) or {}
@@ -578,22 +600,25 @@ class TierdConnector(KVConnectorBase_V1):
         self._layers = []
         log.warning("tierd connector disabled: %s", reason)
 
-    def _tier_view(self, buf) -> torch.Tensor:
-        """A tier block (uint8 buffer) as (layers, 2, ratio, block_size, kv_heads, head_dim)."""
-        ns = self.namespace("")
-        return host_tensor(buf).view(self._dtype).view(ns.num_layers, 2, self.ratio, self.block_size,
-                                                       ns.num_kv_heads, ns.head_dim)
-
     # -- loads --------------------------------------------------------------------------------
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        # per-layer waits only once a forward has asked for every layer (a model whose attention
+        # never calls wait_for_layer_load gets its loads waited for as a whole, before the forward)
+        self._layerwise = bool(self._layer_idx) and self._waited >= self._layer_idx.keys()
+        self._waited = set()
         if not self.has_connector_metadata():
             return
         for spec in getattr(self._get_connector_metadata(), "loads", ()):
             if not spec.is_async:
                 if self._layers:
-                    errors = self._load(spec)
-                    with self._lock:
-                        self._load_errors.update(errors)
+                    started = self._begin_load(spec)
+                    if isinstance(started, _Loading):
+                        self._loading.append(started)
+                        if not self._layerwise:
+                            started.job.wait_all()
+                    else:
+                        with self._lock:
+                            self._load_errors.update(started)
                 continue
             if not self._layers:     # declined: the request still has to be reported, as failed
                 with self._lock:
@@ -625,71 +650,130 @@ class TierdConnector(KVConnectorBase_V1):
                 self._done_loads[spec.req_id] = errors
 
     def _load(self, spec: LoadSpec) -> set[int]:
-        """Copy the tier blocks of `spec` into the paged cache; returns the block ids that could
-        not be loaded (vLLM recomputes them)."""
+        """Load `spec` to the end (the asynchronous path: its blocks are outside the batch);
+        returns the block ids that could not be loaded (vLLM recomputes them)."""
+        started = self._begin_load(spec)
+        if not isinstance(started, _Loading):
+            return started
+        return self._end_load(started)
+
+    def _begin_load(self, spec: LoadSpec) -> _Loading | set[int]:
+        """Acquire the tier blocks of `spec` and start copying them into its vLLM blocks (on a
+        GPU: on the load stream, layer by layer; HBM-tier copies on this device device-to-device).
+        Returns the load in flight, or the block ids that cannot be loaded."""
         t0 = time.perf_counter()
         store = self.link.get()
-        loaded = 0
         lease = None
         keys = spec.keys[self._rank]
-        try:
-            if store is not None:
-                try:
-                    lease = store.acquire(self.namespace(spec.salt), keys)
-                    loaded = len(lease)
-                    self.link.ok()
-                except STORE_ERRORS as e:
-                    self.stats["load_failures"] += 1
-                    self.link.failed(e, "load")
-            if loaded:
-                try:   # the bytes count only if the lease held from before the copy until its end
-                    with holding(store, lease):
-                        self._copy_from(lease, spec, loaded)
-                        lease, held = None, lease
-                        store.release(held, confirm=True)
-                except STORE_ERRORS as e:
-                    self.stats["lost_leases"] += 1
-                    log.warning("tierd lease lost during a load (%s); the blocks are recomputed", e)
-                    loaded = 0
-            # blocks of tier blocks that were not there any more: vLLM recomputes them
-            first_missing = (spec.first_tier + loaded) * self.ratio
-            missing = set(spec.block_ids[max(0, first_missing - spec.first_block):])
-            if missing:
+        if store is not None:
+            try:
+                lease = acquire_for(store, self.namespace(spec.salt), keys, self._device)
+                self.link.ok()
+            except STORE_ERRORS as e:
                 self.stats["load_failures"] += 1
-            if loaded:
-                self.stats["loaded_bytes"] += loaded * self.namespace(spec.salt).block_bytes
-            return missing
-        finally:
-            if lease is not None:
-                try:
-                    store.release(lease)
-                except STORE_ERRORS:
-                    pass
-            self.stats["load_s"] += time.perf_counter() - t0
+                self.link.failed(e, "load")
+        loaded = len(lease) if lease is not None else 0
+        if loaded:
+            hold = contextlib.ExitStack()
+            try:    # the bytes count only if the lease holds from before the copy until its end
+                hold.enter_context(holding(store, lease))
+                self._xfer.attach(store)
+                ids = self._load_ids(spec, loaded)
+                gpu = list(getattr(lease, "gpu_buffers", None) or ())[:loaded] or None
+                if gpu is not None:
+                    self.stats["hbm_hit_blocks"] += sum(b is not None and b.device == self._device for b in gpu)
+                job = self._xfer.load_layers(ids, lease.buffers[:loaded], gpu, layered=True)
+                return _Loading(spec, store, lease, loaded, job, hold, t0)
+            except STORE_ERRORS as e:
+                hold.close()
+                self.stats["lost_leases"] += 1
+                log.warning("tierd lease lost before a load (%s); the blocks are recomputed", e)
+                loaded = 0
+        if lease is not None:
+            self._release_quietly(store, lease)
+        self.stats["load_s"] += time.perf_counter() - t0
+        return self._missing(spec, loaded)
 
-    def _copy_from(self, lease, spec: LoadSpec, loaded: int) -> None:
-        """Copy the first `loaded` leased tier blocks into the vLLM blocks of `spec`."""
+    def _end_load(self, ld: _Loading, *, unsafe: bool = False) -> set[int]:
+        """Wait for a load's copies, confirm its lease and end it; returns the blocks to recompute.
+        `unsafe`: the forward may have read the blocks before they arrived (not every layer
+        waited for its copy): all of them are recomputed."""
+        loaded = ld.loaded
+        try:
+            ld.job.synchronize()
+            lease, ld.lease = ld.lease, None
+            ld.store.release(lease, confirm=True)
+        except STORE_ERRORS as e:
+            self.stats["lost_leases"] += 1
+            log.warning("tierd lease lost during a load (%s); the blocks are recomputed", e)
+            loaded = 0
+        finally:
+            ld.hold.close()
+            if ld.lease is not None:
+                self._release_quietly(ld.store, ld.lease)
+            self.stats["load_s"] += time.perf_counter() - ld.t0
+        if unsafe and ld.job.events:
+            self.stats["loads_unordered"] += 1
+            loaded = 0
+        if loaded:
+            self.stats["loaded_bytes"] += loaded * self.namespace(ld.spec.salt).block_bytes
+        return self._missing(ld.spec, loaded)
+
+    def _missing(self, spec: LoadSpec, loaded: int) -> set[int]:
+        """The vLLM blocks of `spec` past its first `loaded` tier blocks (vLLM recomputes them)."""
+        first_missing = (spec.first_tier + loaded) * self.ratio
+        missing = set(spec.block_ids[max(0, first_missing - spec.first_block):])
+        if missing:
+            self.stats["load_failures"] += 1
+        return missing
+
+    def _release_quietly(self, store, lease) -> None:
+        try:
+            store.release(lease)
+        except STORE_ERRORS:
+            pass
+
+    def _load_ids(self, spec: LoadSpec, loaded: int) -> torch.Tensor:
+        """(loaded, ratio) vLLM block per part of each leased tier block; -1 for parts vLLM's own
+        prefix cache already holds (or past the request's blocks)."""
+        ids = torch.full((loaded, self.ratio), -1, dtype=torch.long)
         last = spec.first_block + len(spec.block_ids)
         for j in range(loaded):
-            tier = spec.first_tier + j
-            lo = max(spec.first_block, tier * self.ratio)
-            hi = min(last, (tier + 1) * self.ratio)
-            if lo >= hi:
-                continue
-            src = self._tier_view(lease.buffers[j])[:, :, lo - tier * self.ratio:hi - tier * self.ratio]
-            src = src.to(self._device, non_blocking=True)
-            dst = torch.tensor(spec.block_ids[lo - spec.first_block:hi - spec.first_block],
-                               dtype=torch.long, device=self._device)
-            for layer, (k, v) in enumerate(self._layers):
-                k[dst] = src[layer, 0]
-                v[dst] = src[layer, 1]
-        if self._device.type == "cuda":
-            torch.cuda.current_stream(self._device).synchronize()  # the lease ends after this
+            for r in range(self.ratio):
+                b = (spec.first_tier + j) * self.ratio + r
+                if spec.first_block <= b < last:
+                    ids[j, r] = spec.block_ids[b - spec.first_block]
+        return ids
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # synchronous loads complete inside start_load_kv; asynchronous ones outside the batch
+        """Before layer `layer_name`'s attention: the compute stream waits for that layer's copies
+        (and no others). Asynchronous loads complete outside the batch."""
+        self._waited.add(layer_name)
+        if not self._loading or not self._layerwise:
+            return
+        i = self._layer_idx.get(layer_name)
+        for ld in self._loading:
+            if i is None:
+                ld.job.wait_all()
+            else:
+                ld.job.wait_layer(i)
+
+    def _finish_loads(self) -> None:
+        """End this step's synchronous loads (after the forward was queued): their lease is
+        confirmed once the copies have run; a lost one, or a forward that did not wait for
+        every layer, reports the blocks for recomputation."""
+        loading, self._loading = self._loading, []
+        if not loading:
+            return
+        unsafe = self._layerwise and not self._waited >= self._layer_idx.keys()
+        errors: set[int] = set()
+        for ld in loading:
+            errors |= self._end_load(ld, unsafe=unsafe)
+        with self._lock:
+            self._load_errors.update(errors)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._finish_loads()
         with self._lock:
             # requests aborted before their load started: nothing is written, report them at once
             for req_id in finished_req_ids or ():
@@ -701,6 +785,7 @@ class TierdConnector(KVConnectorBase_V1):
         return None, (set(done) or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_loads()
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
@@ -734,6 +819,7 @@ class TierdConnector(KVConnectorBase_V1):
         return  # whole tier blocks are copied out in wait_for_save, once every layer is written
 
     def wait_for_save(self):
+        self._finish_loads()
         pending, self._step_saves = self._step_saves, []
         if not pending:
             return
@@ -759,29 +845,25 @@ class TierdConnector(KVConnectorBase_V1):
             if res is None:                        # the reservation failed (counted there)
                 continue
             try:
-                self._copy_into(res, p.spec)
+                self._start_copy(res, p)
             except Exception:  # noqa: BLE001 - a failed copy must not reach vLLM
                 log.exception("tierd: copying blocks into reserved slots failed")
+                p.hold.close()
                 self._save_q.put(("abort", p))
                 continue
-            self._save_q.put(("commit", p))
+            self._save_q.put(("commit", p))       # after the copy's event, on the save thread
 
-    def _copy_into(self, res, spec: SaveSpec) -> None:
-        """Copy the reserved tier blocks of `spec` from the paged cache straight into their slots."""
-        with holding(self.save_link.store, res):
-            for j, status in enumerate(res.status):
-                if status != "reserved":
-                    continue
-                idx = torch.tensor(spec.block_ids[j * self.ratio:(j + 1) * self.ratio], dtype=torch.long,
-                                   device=self._device)
-                dst = self._tier_view(res.buffers[j])
-                for layer, (k, v) in enumerate(self._layers):
-                    if self._device.type == "cpu":
-                        torch.index_select(k, 0, idx, out=dst[layer, 0])
-                        torch.index_select(v, 0, idx, out=dst[layer, 1])
-                    else:
-                        dst[layer, 0].copy_(k[idx])
-                        dst[layer, 1].copy_(v[idx])
+    def _start_copy(self, res, p: _Pending) -> None:
+        """Start copying the reserved tier blocks of `p` from the paged cache straight into their
+        slots (on a GPU: gather + D2H on the save stream, after this step's forward); the save
+        thread commits once the copy's event has fired. The slots' connection is held until then."""
+        p.hold.enter_context(holding(self.save_link.store, res))
+        todo = [j for j, status in enumerate(res.status) if status == "reserved"]
+        if not todo:
+            return
+        self._xfer.attach(self.save_link.store)
+        ids = torch.tensor(p.spec.block_ids[:len(res.status) * self.ratio], dtype=torch.long).view(-1, self.ratio)
+        p.copied = self._xfer.save_async(ids[todo], [res.buffers[j] for j in todo])
 
     def _save_loop(self) -> None:
         while True:
@@ -825,6 +907,12 @@ class TierdConnector(KVConnectorBase_V1):
     def _finish(self, p: _Pending, commit: bool) -> None:
         store, res = self.save_link.store, p.res
         try:
+            if commit and p.copied is not None:
+                try:
+                    self._xfer.streams.synchronize(p.copied)     # the slots hold the bytes now
+                except Exception:  # noqa: BLE001 - a device error: the blocks are not stored
+                    log.exception("tierd: a copy into reserved slots failed")
+                    commit = False
             if not commit:
                 self._abort(store, res)
             elif not res.num_reserved:
@@ -840,6 +928,7 @@ class TierdConnector(KVConnectorBase_V1):
                     self.stats["store_failures"] += res.num_reserved
                     self.save_link.failed(e, "store")
         finally:
+            p.hold.close()
             self._settle(p)
 
     def _abort(self, store, res) -> None:

@@ -405,3 +405,120 @@ def test_auto_loads_asynchronously_what_needs_the_disk_or_is_large(daemon):
         assert torch.equal(drv.block_kv(worker, 10 + i), drv.block_kv(worker, i))
     for c in (big, worker, sched):
         c.shutdown()
+
+
+# -- copies on streams, layer by layer (a CPU stand-in for CUDA streams) -------------------------------
+def _stored_then_lazy(url, *, skip_layer: int | None = None):
+    """Store a 70-token prompt, then set the worker's transfer on a stand-in for CUDA streams that
+    runs queued copies only when waited for. Returns (sched, worker, objs, streams, stored)."""
+    from tierd.kernels.transfer import BlockTransfer
+    from tests.helpers import LazyStreams
+    sched, worker = pair(url, "2BHND", load_async=False)
+    objs = drv.Objects()
+    prompt = list(range(1, 71))
+    a = objs.request("A", prompt)
+    assert drv.admit(sched, objs, a, 0, list(range(5))) == 0
+    drv.step(sched, worker, objs.output([(a, range(5), 0, 70)]))      # every layer waited for
+    assert worker.flush(30)
+    sched.request_finished(a, list(range(5)))
+    stored = {i: drv.block_kv(worker, i) for i in range(4)}
+    sx = LazyStreams()
+    worker._xfer = BlockTransfer(worker._xfer.k, worker._xfer.v, worker.ratio, streams=sx)
+    return sched, worker, objs, sx, stored, prompt
+
+
+def _layer(worker, layer: int, block: int) -> torch.Tensor:
+    k, v = worker._layers[layer]
+    return torch.stack([k[block], v[block]])
+
+
+def test_a_load_is_copied_layer_by_layer_and_each_layer_waits_only_for_its_own_copy(embedded_url):
+    sched, worker, objs, sx, stored, prompt = _stored_then_lazy(embedded_url)
+    b = objs.request("B", prompt)
+    blocks = list(range(10, 15))
+    assert drv.admit(sched, objs, b, 0, blocks) == 64
+    worker.bind_connector_metadata(sched.build_connector_meta(objs.output([(b, blocks, 64, 6)])))
+    worker.start_load_kv(None)
+    store = tv._EMBEDDED[embedded_url]
+    assert store.stats()["leases"] == 1                      # held while the copies run
+    for layer in range(drv.LAYERS):
+        worker.wait_for_layer_load(f"model.layers.{layer}.self_attn.attn")
+        sx.settle()                                          # the forward up to this layer's attention
+        for i in range(4):
+            assert torch.equal(_layer(worker, layer, 10 + i), stored[i][layer])
+        if layer + 1 < drv.LAYERS:                           # later layers still on their way
+            assert not torch.equal(_layer(worker, layer + 1, 10), stored[0][layer + 1])
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert store.stats()["leases"] == 0                      # released once the copies had run
+    assert worker.stats["loads_unordered"] == 0
+    worker.shutdown()
+    sched.shutdown()
+
+
+def test_a_forward_that_skips_a_layers_wait_gets_its_loaded_blocks_recomputed(embedded_url):
+    """On a GPU the attention of a layer that did not wait could read blocks before they arrive:
+    those loads are reported as failed, so vLLM recomputes them instead of trusting them."""
+    sched, worker, objs, sx, stored, prompt = _stored_then_lazy(embedded_url)
+    b = objs.request("B", prompt)
+    blocks = list(range(10, 15))
+    drv.admit(sched, objs, b, 0, blocks)
+    worker.bind_connector_metadata(sched.build_connector_meta(objs.output([(b, blocks, 64, 6)])))
+    worker.start_load_kv(None)
+    for layer in range(drv.LAYERS - 1):                      # the last layer never asks
+        worker.wait_for_layer_load(f"model.layers.{layer}.self_attn.attn")
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == set(blocks[:4])
+    assert worker.stats["loads_unordered"] == 1
+    # the next load step does not trust per-layer waits: its forward waits for the whole load
+    worker.clear_connector_metadata()
+    c = objs.request("C", prompt)
+    blocks = list(range(20, 25))
+    drv.admit(sched, objs, c, 0, blocks)
+    worker.bind_connector_metadata(sched.build_connector_meta(objs.output([(c, blocks, 64, 6)])))
+    worker.start_load_kv(None)
+    sx.settle()                                              # before any layer asks
+    assert all(torch.equal(drv.block_kv(worker, 20 + i), stored[i]) for i in range(4))
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == set()
+    worker.shutdown()
+    sched.shutdown()
+
+
+def test_a_save_commits_only_after_its_copy_has_run(embedded_url):
+    from tierd.kernels.transfer import BlockTransfer
+    from tests.helpers import LazyStreams
+    sched, worker = pair(embedded_url, "B2NHD", load_async=False)
+    sx = LazyStreams()
+    worker._xfer = BlockTransfer(worker._xfer.k, worker._xfer.v, worker.ratio, streams=sx)
+    objs = drv.Objects()
+    a = objs.request("A", list(range(1, 40)))
+    drv.admit(sched, objs, a, 0, [0, 1, 2])
+    worker.bind_connector_metadata(sched.build_connector_meta(objs.output([(a, [0, 1, 2], 0, 39)])))
+    worker.start_load_kv(None)
+    sx.run(sx.compute, lambda: [k[1].fill_(2.0) for k, _ in worker._layers])   # the forward writes block 1
+    worker.wait_for_save()
+    assert worker.flush(30)
+    store = tv._EMBEDDED[embedded_url]
+    ns = worker.namespace("")
+    (block,) = store.get(ns, ns.block_keys(list(range(1, 40)))[:1])
+    t = torch.from_numpy(block).view(torch.float16).view(ns.block_shape)
+    assert bool((t[:, 0, 16:] == 2.0).all())                 # the write queued before the copy
+    assert torch.equal(t[0, 1, :16], worker._layers[0][1][0])
+    worker.shutdown()
+    sched.shutdown()
+
+
+def test_hbm_tier_copies_on_the_engines_device_are_loaded_device_to_device(tmp_path):
+    url = f"embedded://?host=16MiB&gpu=1MiB&gpu_slab=256KiB&gpu_device=cpu&gpu_admit_hits=0&disk={tmp_path}/d"
+    try:
+        sched, worker = pair(url, "2BNHD", load_async=False)
+        drv.run_roundtrip(sched, worker, drv.Objects(), tv._EMBEDDED[url])
+        assert worker.stats["hbm_hit_blocks"] > 0
+        assert tv._EMBEDDED[url].stats()["tiers"]["gpu"]["blocks"] > 0
+        worker.shutdown()
+        sched.shutdown()
+    finally:
+        store = tv._EMBEDDED.pop(url, None)
+        if store is not None:
+            store.close()

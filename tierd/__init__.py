@@ -24,6 +24,8 @@ _URL_PARAMS = {
     "disk_slab": "disk_slab_bytes", "disk_file": "disk_file_bytes", "codec": "disk_codec",
     "policy": "eviction_policy", "admit_min_hits": "disk_admit_min_hits",
     "direct_io": "disk_direct_io", "remote": "remote_url",
+    "gpu": "gpu_bytes", "gpu_bytes": "gpu_bytes", "gpu_slab": "gpu_slab_bytes", "gpu_device": "gpu_device",
+    "gpu_admit_hits": "gpu_admit_hits",
 }
 
 
@@ -31,7 +33,8 @@ def connect(url: str = "embedded://"):
     """A Store for `url`.
 
     `embedded://?host=8GiB&disk=/var/cache/tierd&disk_bytes=100GiB&policy=s3fifo&codec=zstd`
-    opens a TieredStore in this process; `unix:///run/tierd/tierd.sock?timeout_s=2` connects to a
+    opens a TieredStore in this process (`gpu=2GiB&gpu_device=cuda:0` adds an HBM tier, whose
+    copies connectors on that device read device-to-device); `unix:///run/tierd/tierd.sock?timeout_s=2` connects to a
     daemon (`tierd.client.Client`; `timeout_s` bounds each request, 60 s by default;
     `connect_timeout_s` the connection, 5 s; `retries` how often a read-only request is retried
     on a new connection, 1; `spin_us` how long a request busy-polls for its reply before
@@ -47,7 +50,7 @@ def connect(url: str = "embedded://"):
             if k not in _URL_PARAMS:
                 raise ConfigError(f"{url}: unknown parameter {k!r}; known: {', '.join(sorted(_URL_PARAMS))}")
             field = _URL_PARAMS[k]
-            if field == "disk_admit_min_hits":
+            if field in ("disk_admit_min_hits", "gpu_admit_hits"):
                 v = int(v)
             elif field == "disk_direct_io":
                 v = v.lower() not in ("0", "false", "no", "off")
