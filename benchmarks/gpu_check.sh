@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# One script for a GPU machine (H100/H200): the gpu tests, each op's self-check, then the kernel
-# and transfer figures. Needs Python with a CUDA build of torch, CuPy and tierd's dependencies
-# (set PYTHON to choose the interpreter; zstandard is optional here). Writes gpu_check.log,
-# gpu_tests.xml and gpu_kernels.json under benchmarks/results (or $OUT when set). About 8 minutes.
+# One script for a GPU machine (H100/H200): the gpu tests (kernels, the HBM tier's IPC with a
+# second process, the engine on CUDA against transformers on every parity config, both
+# connectors on CUDA caches), each op's self-check, then the figures: kernels and transfers
+# (gpu_kernels) and TTFT of a ~1B model (gpu_ttft). Needs Python with a CUDA build of torch, CuPy
+# and tierd's dependencies (set PYTHON to choose the interpreter). Writes gpu_check.log,
+# gpu_tests.xml, gpu_kernels.json and gpu_ttft.json under benchmarks/results (or $OUT when
+# set). At most 8 minutes: each part has its own time limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SRC=$(pwd)
@@ -30,7 +33,9 @@ print("torch", torch.__version__, "cuda", torch.version.cuda,
 print("kernels available (CUDA and CuPy):", K.available())
 PY
     echo "== gpu tests"
-    timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider --junitxml="$RES/gpu_tests.xml" tests/test_kernels.py tests/test_gpu_tier.py tests/test_engine.py
+    timeout 240 $PY -m pytest -q -m gpu -p no:cacheprovider --junitxml="$RES/gpu_tests.xml" \
+        tests/test_kernels.py tests/test_gpu_tier.py tests/test_engine.py tests/test_connector.py \
+        tests/test_vllm_connector.py
     echo "pytest exit: $?"
     echo "== self-checks (kernel or reference, per op)"
     $PY -c "
@@ -39,7 +44,9 @@ for op in K.OPS:
     op.use_kernel(torch.device('cuda')) if K.available() else None
     print(f'{op.name:24s}', op.status(torch.device('cuda')))"
     echo "== figures"
-    timeout 150 $PY -m benchmarks.gpu_kernels --json "$RES/gpu_kernels.json"
+    timeout 90 $PY -m benchmarks.gpu_kernels --json "$RES/gpu_kernels.json"
     echo "gpu_kernels exit: $?"
+    timeout 120 $PY -m benchmarks.gpu_ttft --json "$RES/gpu_ttft.json"
+    echo "gpu_ttft exit: $?"
 } 2>&1 | tee "$LOG"
 rm -rf "$WORK"

@@ -1,10 +1,13 @@
 """GPU figures of the kernels and the transfer path, each beside its same-run floor or peer:
 
 - store / load of tier blocks through `BlockTransfer` (gather + D2H into a registered host
-  buffer; H2D + scatter) beside a plain pinned torch copy of the same bytes;
-- gather / scatter kernels (many blocks, all layers, one launch) beside one device-to-device
-  copy of the same bytes;
-- paged decode attention (v1 and v2) beside the torch reference on the same inputs.
+  buffer; H2D + scatter, whole and layer by layer) beside cudaMemcpyAsync of the same bytes
+  from / to pinned memory (torch's non-blocking copy);
+- gather / scatter kernels (many blocks, all layers, one launch; per-layer caches and one
+  head-major tensor per layer as vLLM's HND caches) beside one device-to-device copy of the
+  same bytes;
+- paged decode attention (v1 and v2) beside torch's fused SDPA over the same KV already
+  gathered into dense tensors (what an engine without paging runs), and the torch reference.
 
 Needs CUDA and CuPy (run by benchmarks/gpu_check.sh on a GPU machine); elsewhere it says so and
 exits 0.
@@ -75,6 +78,14 @@ def main() -> int:
     t_h2d = cuda_time(lambda: dsrc.copy_(pinned, non_blocking=True))
     results.append(Result("load (H2D + scatter)", params, total / t_load / 1e9, "GB/s",
                           "pinned H2D copy", total / t_h2d / 1e9))
+
+    def load_layered():
+        job = tr.load_layers(ids, bufs, layered=True)
+        job.wait_all()
+        job.synchronize()
+    t_layered = cuda_time(load_layered)
+    results.append(Result("load layer by layer (H2D + scatter per layer)", params, total / t_layered / 1e9,
+                          "GB/s", "pinned H2D copy", total / t_h2d / 1e9))
     # check the round trip while we are here
     ks2 = [torch.zeros_like(k) for k in ks]
     vs2 = [torch.zeros_like(v) for v in vs]
@@ -86,21 +97,46 @@ def main() -> int:
     staging = torch.empty((n_tier, tr.block_bytes), dtype=torch.uint8, device=dev)
     dst = torch.empty_like(staging)
     t_d2d = cuda_time(lambda: dst.copy_(staging))
-    t_g = cuda_time(lambda: K.ops.gather_blocks(ks, vs, ids, list(staging)))
-    t_s = cuda_time(lambda: K.ops.scatter_blocks(ks, vs, ids, list(staging)))
-    for name, t in (("gather_blocks kernel", t_g), ("scatter_blocks kernel", t_s)):
-        results.append(Result(name, params, total / t / 1e9, "GB/s", "device-to-device copy", total / t_d2d / 1e9))
+    hnd = [cases.cache_views("b2hnd", num_blocks, bs, kvh, hd,
+                             lambda shape: torch.randn(shape, device=dev, dtype=torch.float16)) for _ in range(layers)]
+    hk, hv = [m[1] for m in hnd], [m[2] for m in hnd]
+    for layout, (kk, vv) in (("per-layer K and V", (ks, vs)), ("(B, 2, H, N, D) per layer", (hk, hv))):
+        t_g = cuda_time(lambda: K.ops.gather_blocks(kk, vv, ids, list(staging)))
+        t_s = cuda_time(lambda: K.ops.scatter_blocks(kk, vv, ids, list(staging)))
+        for name, t in (("gather_blocks kernel", t_g), ("scatter_blocks kernel", t_s)):
+            results.append(Result(name, {**params, "layout": layout}, total / t / 1e9, "GB/s",
+                                  "device-to-device copy", total / t_d2d / 1e9))
 
-    # -- paged decode: kernel vs torch reference --
+    # -- paged decode: kernel vs fused SDPA on the same KV made dense, and vs the torch reference --
+    import torch.nn.functional as F
     for heads, kv, ctx, version in ((32, 8, 2048, "v1"), (32, 8, 16384, "v2"), (64, 8, 4096, "v1")):
         if args.quick and ctx > 4096:
             continue
-        a = cases.decode_inputs(dev, batch=16, heads=heads, kv_heads=kv, head_dim=128, block_size=16,
-                                num_blocks=16 * ctx // 16 + 64, max_len=ctx, dtype=torch.float16)
-        t_k = cuda_time(lambda: K.ops.paged_attention_decode(**a, version=version), repeats=5)
-        t_r = cuda_time(lambda: reference.paged_attention_decode(**a), repeats=3)
-        results.append(Result(f"paged decode {version}", dict(batch=16, heads=heads, kv_heads=kv, max_ctx=ctx),
-                              t_k * 1e3, "ms", "torch reference", t_r * 1e3, higher_is_better=False))
+        batch = 16
+        a = cases.decode_inputs(dev, batch=batch, heads=heads, kv_heads=kv, head_dim=128, block_size=16,
+                                num_blocks=batch * ctx // 16 + 64, max_len=ctx, dtype=torch.float16)
+        t_k = cuda_time(lambda: K.ops.paged_attention_decode(**a, version=version, max_seq_len=ctx), repeats=5)
+        # dense K/V (B, kv, ctx, d) of the same tokens, NaN padding masked out as SDPA's mask
+        lens = a["seq_lens"].long()
+        per = (ctx + 15) // 16
+        kd = a["k_cache"][a["block_tables"].long()].reshape(batch, per * 16, kv, 128)[:, :ctx].transpose(1, 2)
+        vd = a["v_cache"][a["block_tables"].long()].reshape(batch, per * 16, kv, 128)[:, :ctx].transpose(1, 2)
+        mask = (torch.arange(ctx, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        kd, vd = kd.nan_to_num(0.0).contiguous(), vd.nan_to_num(0.0).contiguous()
+        q = a["q"].unsqueeze(2)
+
+        def sdpa():
+            return F.scaled_dot_product_attention(q, kd, vd, attn_mask=mask, scale=a["scale"], enable_gqa=True)
+        got = K.ops.paged_attention_decode(**a, version=version, max_seq_len=ctx)
+        diff = (sdpa().squeeze(2).float() - got.float()).abs().max().item()
+        t_sdpa = cuda_time(sdpa, repeats=5)
+        p = dict(batch=batch, heads=heads, kv_heads=kv, max_ctx=ctx, max_abs_diff_vs_sdpa=round(diff, 5))
+        results.append(Result(f"paged decode {version}", p, t_k * 1e3, "ms", "fused SDPA on dense KV",
+                              t_sdpa * 1e3, higher_is_better=False))
+        if ctx <= 4096:
+            t_r = cuda_time(lambda: reference.paged_attention_decode(**a), repeats=3)
+            results.append(Result(f"paged decode {version}", p, t_k * 1e3, "ms", "torch reference (paged)",
+                                  t_r * 1e3, higher_is_better=False))
     tr.close()
     report("gpu_kernels", results, args.json)
     return 0

@@ -15,12 +15,14 @@ import time
 
 import torch
 
+import numpy as np
+
 from tierd.errors import TierdError
-from tierd.kernels.transfer import host_tensor
+from tierd.kernels.transfer import BlockTransfer
 from tierd.keys import extend_keys
 from tierd.namespace import Namespace
 
-from .link import STORE_ERRORS, StoreLink
+from .link import STORE_ERRORS, PendingBytes, StoreLink, acquire_for
 
 
 class EngineConnector:
@@ -37,12 +39,11 @@ class EngineConnector:
         self.engine_block_size = engine_block_size
         self.link = StoreLink(store, max_pending_blocks=max_pending_blocks, retry_after_s=retry_after_s)
         self.stats = self.link.stats
-        # byte views of the caches: (num_blocks, bytes per engine block) per layer, K and V, on
-        # the engine's device (host copies of tier blocks go to and from it)
-        self._k = [k.view(torch.uint8).reshape(k.shape[0], -1) for k, _ in kv_caches]
-        self._v = [v.view(torch.uint8).reshape(v.shape[0], -1) for _, v in kv_caches]
-        self._per_block = self._k[0].shape[1]
-        self.device = self._k[0].device
+        # copies between the caches and tier slots: gather/scatter kernels and their own streams
+        # on a GPU (loads also from HBM-tier copies on this device), the references on CPU
+        self.xfer = BlockTransfer([k for k, _ in kv_caches], [v for _, v in kv_caches], self.ratio)
+        self.device = kv_caches[0][0].device
+        self.stats.setdefault("hbm_hit_blocks", 0)
 
     @property
     def store(self):
@@ -69,7 +70,7 @@ class EngineConnector:
         self.stats["lookups"] += 1
         t0 = time.perf_counter()
         try:
-            lease = store.acquire(self.ns, keys)
+            lease = acquire_for(store, self.ns, keys, self.device)
         except STORE_ERRORS as e:
             self.stats["load_failures"] += 1
             self.link.failed(e, "load")
@@ -83,19 +84,18 @@ class EngineConnector:
                 return 0
             have = len(seq.block_table)                        # engine blocks already in place
             block_manager.allocate(seq, (first + n) * self.block_tokens - seq.num_computed)
+            ids = torch.full((n, self.ratio), -1, dtype=torch.long)
             for j in range(n):
-                # one copy of the tier block to the engine's device; the lease ends after the loop
-                tb = host_tensor(lease.buffers[j]).view(len(self._k), 2, self.ratio, self._per_block).to(self.device)
                 base = (first + j) * self.ratio
-                e0 = max(0, have - base)                        # engine blocks still to fill
-                bids = seq.block_table[base + e0:base + self.ratio]
-                if bids and bids[-1] - bids[0] == len(bids) - 1 and bids == list(range(bids[0], bids[-1] + 1)):
-                    rows = slice(bids[0], bids[-1] + 1)         # contiguous: plain memcpy per layer
-                else:
-                    rows = bids
-                for layer in range(len(self._k)):
-                    self._k[layer][rows] = tb[layer, 0, e0:]
-                    self._v[layer][rows] = tb[layer, 1, e0:]
+                e0 = max(0, have - base)                        # parts the engine already holds
+                ids[j, e0:] = torch.tensor(seq.block_table[base + e0:base + self.ratio], dtype=torch.long)
+            self.xfer.attach(store)
+            gpu = list(getattr(lease, "gpu_buffers", None) or ())[:n] or None
+            if gpu is not None:
+                self.stats["hbm_hit_blocks"] += sum(b is not None and b.device == self.device for b in gpu)
+            job = self.xfer.load_layers(ids, lease.buffers[:n], gpu, layered=False)
+            job.wait_all()        # the prefill that follows reads them
+            job.synchronize()     # the lease ends below
             upto = min((first + n) * self.block_tokens, seq.num_tokens - 1)
             loaded = upto - seq.num_computed
             seq.num_computed = upto
@@ -122,16 +122,22 @@ class EngineConnector:
             seq.tier_saved = max(seq.tier_saved, full)
             return
         keys = self.tier_keys(seq, full)
+        todo = []
         for i in range(start, full):
             bids = seq.block_table[i * self.ratio:(i + 1) * self.ratio]
             if len(bids) < self.ratio or min(bids) < 0:        # sliding window freed part of it
                 continue
-            idx = torch.tensor(bids, device=self.device)
-            block = torch.stack([torch.stack((self._k[layer][idx], self._v[layer][idx]))
-                                 for layer in range(len(self._k))])     # (layers, 2, ratio, bytes)
+            todo.append((i, bids))
+        if todo:
+            ids = torch.tensor([b for _, b in todo], dtype=torch.long)
+            pin = self.device.type == "cuda"
+            host = [torch.empty(self.xfer.block_bytes, dtype=torch.uint8, pin_memory=pin) for _ in todo]
+            ready = self.xfer.save_async(ids, [h.numpy() for h in host])
             bt = self.block_tokens
-            self.link.submit(self.ns, keys[i], keys[i - 1] if i else None, block.reshape(-1).cpu().numpy(),
-                             seq.token_ids[i * bt:(i + 1) * bt])
+            for (i, _), h in zip(todo, host):
+                block = h.numpy() if ready is None else PendingBytes(h.numpy(), ready, self.xfer.streams)
+                self.link.submit(self.ns, keys[i], keys[i - 1] if i else None, block,
+                                 seq.token_ids[i * bt:(i + 1) * bt])
         seq.tier_saved = full
 
     def flush(self, timeout_s: float = 30.0) -> None:

@@ -53,6 +53,22 @@ def holding(store, held):
         yield
 
 
+class PendingBytes:
+    """A block's bytes still being copied out of a device: `result()` waits for the copy's event
+    (on the store thread, never the engine's) and returns them."""
+
+    __slots__ = ("array", "event", "streams")
+
+    def __init__(self, array, event, streams):
+        self.array, self.event, self.streams = array, event, streams
+
+    def result(self):
+        if self.event is not None:
+            self.streams.synchronize(self.event)
+            self.event = None
+        return self.array
+
+
 def acquire_for(store, ns, keys: Sequence[bytes], device):
     """`store.acquire(ns, keys)` for a reader on `device`: an embedded store whose HBM tier is on
     that device is asked for its HBM copies too (`lease.gpu_buffers`), which the reader copies
@@ -226,8 +242,8 @@ class StoreLink:
             if all(it[4] is not None for it in run):
                 tokens = [int(t) for it in run for t in it[4]]
             try:
-                store.put(run[0][0], [it[1] for it in run], [it[3] for it in run], parent=run[0][2],
-                          token_ids=tokens)
+                blocks = [it[3].result() if isinstance(it[3], PendingBytes) else it[3] for it in run]
+                store.put(run[0][0], [it[1] for it in run], blocks, parent=run[0][2], token_ids=tokens)
                 self.stats["stored_blocks"] += len(run)
                 self.ok()
             except STORE_ERRORS as e:

@@ -60,6 +60,9 @@ def scatter_blocks(k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Te
 
 
 def _copy_blocks(k_caches, v_caches, block_ids, slots, *, to_slots: bool) -> None:
+    if k_caches[0].element_size() == 1 and k_caches[0].dtype != torch.uint8:   # fp8: copy as bytes
+        k_caches = [c.view(torch.uint8) for c in k_caches]
+        v_caches = [c.view(torch.uint8) for c in v_caches]
     layers, ratio = len(k_caches), block_ids.shape[1]
     unit = k_caches[0].shape[1:]
     device = k_caches[0].device

@@ -5,8 +5,9 @@ HBM tier), on their own CUDA streams.
 
 - `save_async(block_ids, buffers)`: on a dedicated stream that first waits for the compute
   stream (the forward wrote the blocks), gather every layer of the blocks into device staging
-  in one launch and copy it into the (page-locked) host slots; returns the CUDA event after
-  which the slots hold the bytes: commit only after it (`event.synchronize()`).
+  in one launch and copy it into the (page-locked) host slots; the compute stream waits for the
+  gather only (later work may reuse the blocks once they are gathered), not for the host copy;
+  returns the CUDA event after which the slots hold the bytes: commit only after it.
 - `load_layers(block_ids, buffers, device_buffers=, layered=)`: on a load stream that first
   waits for the compute stream (its work may still read or write the blocks), copy the slots
   up and scatter them; with `layered`, layer by layer with one event each, so the compute
@@ -182,20 +183,28 @@ class BlockTransfer:
     # -- the two directions -----------------------------------------------------------------------
     def save_async(self, block_ids: torch.Tensor, buffers: Sequence[np.ndarray]):
         """Start copying engine blocks into host buffers (one per tier block). Returns the event
-        after which they hold the bytes (None on CPU: they already do)."""
+        after which they hold the bytes (None on CPU: they already do). The compute stream waits
+        for the gather (a device-to-device copy) only, not for the copy to the host: work queued
+        later may reuse the blocks."""
         host = [host_tensor(b) for b in buffers]
         sx = self.streams
         if sx is None:
             gather_blocks(self.k, self.v, block_ids, host)
             return None
         sx.wait(self.d2h, sx.record(sx.current()))      # the forward wrote the blocks
+        staging: list = []
 
-        def work():
-            staging = torch.empty((len(host), self.block_bytes), dtype=torch.uint8, device=self.device)
-            gather_blocks(self.k, self.v, block_ids, list(staging))
+        def gather():
+            buf = torch.empty((len(host), self.block_bytes), dtype=torch.uint8, device=self.device)
+            gather_blocks(self.k, self.v, block_ids, list(buf))
+            staging[:] = [buf]
+
+        def copy_down():
             for i, h in enumerate(host):
-                h.copy_(staging[i], non_blocking=True)
-        sx.run(self.d2h, work)
+                h.copy_(staging[0][i], non_blocking=True)
+        sx.run(self.d2h, gather)
+        sx.wait(sx.current(), sx.record(self.d2h))      # freed blocks may be reused by later work
+        sx.run(self.d2h, copy_down)
         return sx.record(self.d2h)
 
     def gather_into(self, block_ids: torch.Tensor, buffers: Sequence[np.ndarray]) -> None:

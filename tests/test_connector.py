@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -63,6 +64,21 @@ def test_embedded_hits_from_host_and_from_disk_match_the_cold_run(model_dir, col
         disk, _ = run(model_dir, store)
         assert disk.num_cached_tokens == 192 and disk.metrics["tier_sources"] == ["disk"]
         assert_same(disk, cold)
+    finally:
+        store.close()
+
+
+def test_hbm_tier_hits_on_the_engines_device_load_device_to_device_and_match(model_dir, cold):
+    """An HBM tier on the engine's device ("cpu" here, the same code as on CUDA): its copies are
+    read instead of the host copies, and the outputs equal the cold run."""
+    store = TieredStore(host_bytes="64MiB", gpu_bytes="8MiB", gpu_slab_bytes="2MiB", gpu_device="cpu",
+                        gpu_admit_hits=0)
+    try:
+        run(model_dir, store)
+        out, st = run(model_dir, store)
+        assert out.num_cached_tokens == 192 and st["hbm_hit_blocks"] == 3
+        assert_same(out, cold)
+        assert store.stats()["tiers"]["gpu"]["blocks"] == 3
     finally:
         store.close()
 
@@ -181,5 +197,26 @@ def test_a_lossy_tier_codec_serves_close_kv_from_disk_and_host_hits_stay_exact(m
         assert 0 < abs(lps(disk)[0] - lps(cold)[0]) < 0.2
         exact, _ = run(model_dir, store)            # the exact namespace has none of these blocks
         assert exact.num_cached_tokens == 0
+    finally:
+        store.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("hbm", [False, True])
+def test_gpu_engine_hits_on_cuda_match_the_cold_run(model_dir, hbm):
+    """The engine on CUDA: a prefix loaded from host RAM (H2D on the load stream) or from the HBM
+    tier (device to device) gives the outputs of recomputing it."""
+    kw = dict(device="cuda", dtype="float16")
+    cold_gpu = LLM(model_dir, kv_cache_bytes="8MiB", enable_prefix_caching=False, **kw).generate(
+        prompt_token_ids=PROMPT, sampling_params=G)[0]
+    extra = dict(gpu_bytes="8MiB", gpu_slab_bytes="2MiB", gpu_device="cuda", gpu_admit_hits=0) if hbm else {}
+    store = TieredStore(host_bytes="64MiB", **extra)
+    try:
+        run(model_dir, store, **kw)
+        out, st = run(model_dir, store, **kw)
+        assert out.num_cached_tokens == 192 and st["hbm_hit_blocks"] == (3 if hbm else 0)
+        assert out.outputs[0].token_ids == cold_gpu.outputs[0].token_ids
+        assert max(abs(x - y) for x, y in zip(lps(out), lps(cold_gpu))) < 1e-2
     finally:
         store.close()

@@ -389,7 +389,7 @@ def test_the_device_path_runs_the_kernel_ops_on_cpu_with_the_same_outputs(model_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "mistral-window"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_gpu_engine_on_cuda_matches_transformers_in_fp16(tmp_path, name):
     d = write_random_model(tmp_path / name, seed=1, **CONFIGS[name])
     prompt = list(range(3, 43))

@@ -491,6 +491,18 @@ def test_a_save_copies_what_the_forward_wrote_and_its_bytes_are_there_only_after
     assert bool((got[1, 0, 1] == 7.0).all()) and same_bytes(got[0, 1, 0], tr.v[0][2])
 
 
+def test_work_queued_after_a_save_may_reuse_its_blocks_once_they_are_gathered():
+    tr, sx = _lazy_transfer()
+    buf = np.zeros(tr.block_bytes, dtype=np.uint8)
+    want = tr.k[2][5].clone()
+    ev = tr.save_async(torch.tensor([[5, 6]]), [buf])
+    sx.run(sx.compute, lambda: tr.k[2][5].fill_(-1.0))           # block 5 freed and written again
+    sx.settle()
+    sx.synchronize(ev)
+    got = torch.from_numpy(buf).view(torch.float16).view(tr.layers, 2, 2, 16, 2, 32)
+    assert same_bytes(got[2, 0, 0], want)
+
+
 def test_hbm_copies_on_the_engines_device_are_scattered_from_there():
     """A tier block whose HBM copy is on the engine's device is copied from it (device to
     device), not from its host copy; others come from the host."""
@@ -506,3 +518,40 @@ def test_hbm_copies_on_the_engines_device_are_scattered_from_there():
     second = torch.from_numpy(host[1]).view(torch.float16).view(tr.layers, 2, 2, 16, 2, 32)
     for layer in range(tr.layers):
         assert same_bytes(tr.k[layer][1], first[layer, 0, 0]) and same_bytes(tr.v[layer][7], second[layer, 1, 1])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("layout", ["contiguous", "b2hnd"])
+def test_gpu_layered_load_and_async_save_with_real_streams(layout):
+    """On CUDA: a save while the compute stream is busy copies what the forward wrote; a layered
+    load, each layer waited for by the compute stream, puts the exact bytes in place."""
+    from tierd.kernels.transfer import BlockTransfer
+    layers, ratio, bs, h, d, nb = 4, 4, 16, 8, 128, 64
+    g = torch.Generator().manual_seed(9)
+    made = [cases.cache_views(layout, nb, bs, h, d, lambda s: torch.randn(s, generator=g).half().cuda())
+            for _ in range(layers)]
+    tr = BlockTransfer([m[1] for m in made], [m[2] for m in made], ratio)
+    ids = torch.randperm(nb, generator=g)[:3 * ratio].view(3, ratio)
+    host = [torch.zeros(tr.block_bytes, dtype=torch.uint8).pin_memory() for _ in range(3)]
+    busy = torch.randn((4096, 4096), device="cuda")
+    _ = busy @ busy                                          # keep the compute stream busy
+    for k in tr.k:
+        k[ids[0, 0]].fill_(5.0)                              # the forward's last write
+    ev = tr.save_async(ids, [x.numpy() for x in host])
+    ev.synchronize()
+    want = [torch.zeros(tr.block_bytes, dtype=torch.uint8) for _ in range(3)]
+    reference.gather_blocks([k.cpu() for k in tr.k], [v.cpu() for v in tr.v], ids, want)
+    assert all(same_bytes(a, b) for a, b in zip(host, want))
+    made2 = [cases.cache_views(layout, nb, bs, h, d, lambda s: torch.zeros(s).half().cuda()) for _ in range(layers)]
+    dst = BlockTransfer([m[1] for m in made2], [m[2] for m in made2], ratio)
+    _ = busy @ busy
+    job = dst.load_layers(ids, [x.numpy() for x in host], layered=True)
+    got = []
+    for layer in range(layers):
+        job.wait_layer(layer)
+        got.append((dst.k[layer][ids.flatten().cuda()].clone(), dst.v[layer][ids.flatten().cuda()].clone()))
+    job.synchronize()
+    for layer in range(layers):
+        assert same_bytes(got[layer][0], tr.k[layer][ids.flatten().cuda()])
+        assert same_bytes(got[layer][1], tr.v[layer][ids.flatten().cuda()])

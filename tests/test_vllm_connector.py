@@ -522,3 +522,19 @@ def test_hbm_tier_copies_on_the_engines_device_are_loaded_device_to_device(tmp_p
         store = tv._EMBEDDED.pop(url, None)
         if store is not None:
             store.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("layout", ["2BNHD", "B2NHD", "2BHND", "BHN2D"])
+def test_gpu_roundtrip_on_cuda_caches(embedded_url, layout):
+    """vLLM's GPU cache layouts on a CUDA device: saves through the save stream, layer-by-layer
+    loads through the load stream; the bytes loaded equal the bytes stored."""
+    sched = tv.TierdConnector(config(embedded_url, load_async=False), tv.KVConnectorRole.SCHEDULER, None)
+    worker = tv.TierdConnector(config(embedded_url, load_async=False), tv.KVConnectorRole.WORKER, None)
+    worker.register_kv_caches({n: t.cuda() for n, t in drv.paged_caches(layout).items()})
+    assert not worker.disabled and worker._device.type == "cuda"
+    drv.run_roundtrip(sched, worker, drv.Objects(), tv._EMBEDDED[embedded_url])
+    assert worker.stats["loads_unordered"] == 0
+    worker.shutdown()
+    sched.shutdown()

@@ -19,9 +19,11 @@ BENCH_MODEL = dict(architecture="llama", vocab_size=32000, hidden_size=1024, int
 
 
 def write_random_model(path: str | Path, *, architecture: str = "llama", seed: int = 0,
-                       weight_std: float = 0.08, max_shard_size: str | None = None, **config) -> Path:
+                       weight_std: float = 0.08, max_shard_size: str | None = None, dtype: str = "float32",
+                       **config) -> Path:
     """Write a random-weight checkpoint (config.json + *.safetensors) to `path`;
-    `max_shard_size` (e.g. "200KB") splits the weights over several files."""
+    `max_shard_size` (e.g. "200KB") splits the weights over several files; `dtype` is the
+    weights' type on disk."""
     import torch
     import transformers
 
@@ -42,6 +44,7 @@ def write_random_model(path: str | Path, *, architecture: str = "llama", seed: i
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, weight_std)
+    model = model.to(getattr(torch, dtype))
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), safe_serialization=True, **kw)
     return path

@@ -1,0 +1,111 @@
+"""TTFT on a GPU: the bundled engine on CUDA (fp16) with a ~1B random-weight Llama, a prefix
+served from tierd's host tier (H2D on the load stream + scatter) or its HBM tier (device to
+device), each beside recomputing the same prompt in the same run; and the load part of a host
+hit beside its floor, the loaded bytes over a pinned host-to-device copy measured here.
+
+Needs CUDA (run by benchmarks/gpu_check.sh on a GPU machine); elsewhere it says so and exits 0.
+The model (16 layers, hidden 2048, 32 heads, 8 KV heads, 1.1B parameters, fp16 on disk) is
+written under $TIERD_CACHE_DIR (or a temporary directory) on first use.
+
+    python -m benchmarks.gpu_ttft [--json PATH] [--quick]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .common import Result, parse_args, report
+
+MODEL_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=32000, max_position_embeddings=16384)
+TIER_TOKENS = 256
+
+
+def model_dir(base: Path) -> Path:
+    from tierd.engine.random_model import write_random_model
+    d = base / "llama-1b-fp16"
+    if not (d / "config.json").exists():
+        write_random_model(d, seed=7, weight_std=0.02, dtype="float16", **MODEL_1B)
+    return d
+
+
+def h2d_gbps(nbytes: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) / 1e3)
+    return nbytes / best / 1e9
+
+
+def main() -> int:
+    args = parse_args(__doc__.splitlines()[0])
+    if not torch.cuda.is_available():
+        print("gpu_ttft: CUDA is needed; nothing measured")
+        return 0
+    from tierd import TieredStore
+    from tierd.engine import LLM, SamplingParams
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    cache = os.environ.get("TIERD_CACHE_DIR")
+    tmp = tempfile.TemporaryDirectory(prefix="tierd-gpu-ttft-")
+    model = model_dir(Path(cache) if cache else Path(tmp.name))
+    dev = dict(device="cuda", dtype="float16", kv_cache_bytes="4GiB", max_num_batched_tokens=2048,
+               kv_block_tokens=TIER_TOKENS)
+
+    def ttft(prompt, store=None):
+        llm = LLM(model, kv_store=store, **dev)
+        try:
+            out = llm.generate(prompt_token_ids=prompt, sampling_params=one)[0]
+            stats = llm.kv_connector_stats() if store is not None else {}
+            if store is not None:
+                llm.connector.flush()
+            return out.metrics["time_to_first_token"], {"cached": out.num_cached_tokens, **stats}
+        finally:
+            llm.close()
+            torch.cuda.empty_cache()
+
+    rng = np.random.default_rng(0)
+    ttft(rng.integers(100, 32000, 600).tolist())          # warm-up: kernels compiled and checked
+    results: list[Result] = []
+    lengths = (2048,) if args.quick else (2048, 8192)
+    for hbm in (False, True):
+        extra = dict(gpu_bytes="4GiB", gpu_slab_bytes="256MiB", gpu_device="cuda", gpu_admit_hits=0) if hbm else {}
+        store = TieredStore(host_bytes="8GiB", host_slab_bytes="256MiB", **extra)
+        try:
+            for n in lengths:
+                prompt = rng.integers(100, 32000, n).tolist()
+                t_re, _ = ttft(prompt)                   # recompute, no tierd
+                ttft(prompt, store)                      # fills tierd
+                t_hit, st = ttft(prompt, store)          # a fresh engine: the prefix from tierd
+                p = {"prompt_tokens": n, "cached_tokens": st["cached"], "tier_block_tokens": TIER_TOKENS,
+                     "hbm_hit_blocks": st.get("hbm_hit_blocks", 0)}
+                name = "TTFT HBM-tier hit" if hbm else "TTFT host hit"
+                results.append(Result(name, p, t_hit * 1e3, "ms", "recompute TTFT ms", t_re * 1e3,
+                                      higher_is_better=False))
+                if not hbm:
+                    loaded = st["loaded_bytes"]
+                    floor_s = loaded / (h2d_gbps(max(loaded, 1 << 20)) * 1e9)
+                    results.append(Result("load part of host hit", {**p, "bytes": loaded}, st["load_s"] * 1e3, "ms",
+                                          "floor ms (bytes / pinned H2D)", floor_s * 1e3, higher_is_better=False))
+        finally:
+            store.close()
+    report("gpu_ttft", results, args.json)
+    tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
