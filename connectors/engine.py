@@ -44,6 +44,7 @@ class EngineConnector:
         self.xfer = BlockTransfer([k for k, _ in kv_caches], [v for _, v in kv_caches], self.ratio)
         self.device = kv_caches[0][0].device
         self.stats.setdefault("hbm_hit_blocks", 0)
+        self._loading: list = []     # (lease, job) of loads whose copies may still run this step
 
     @property
     def store(self):
@@ -76,6 +77,7 @@ class EngineConnector:
             self.link.failed(e, "load")
             return 0
         self.link.ok()
+        handed = False
         try:
             n = len(lease)
             while n and not block_manager.can_allocate(seq, (first + n) * self.block_tokens - seq.num_computed):
@@ -93,9 +95,10 @@ class EngineConnector:
             gpu = list(getattr(lease, "gpu_buffers", None) or ())[:n] or None
             if gpu is not None:
                 self.stats["hbm_hit_blocks"] += sum(b is not None and b.device == self.device for b in gpu)
-            job = self.xfer.load_layers(ids, lease.buffers[:n], gpu, layered=False)
-            job.wait_all()        # the prefill that follows reads them
-            job.synchronize()     # the lease ends below
+            job = self.xfer.load_layers(ids, lease.buffers[:n], gpu, layered=True)
+            if job.events:            # copying: the forward waits per layer, the lease ends after it
+                self._loading.append((lease, job))
+                handed = True
             upto = min((first + n) * self.block_tokens, seq.num_tokens - 1)
             loaded = upto - seq.num_computed
             seq.num_computed = upto
@@ -107,10 +110,35 @@ class EngineConnector:
             self.stats["load_s"] += time.perf_counter() - t0
             return loaded
         finally:
+            if not handed:
+                self._end_lease(lease)
+
+    @property
+    def loading(self) -> bool:
+        """Whether loads are copying: the step's forward must call `wait_layer` per layer."""
+        return bool(self._loading)
+
+    def wait_layer(self, layer: int) -> None:
+        """Before layer `layer` reads or writes the cache: wait for that layer's loaded blocks
+        (on a device, the compute stream waits; later layers keep loading meanwhile)."""
+        for _, job in self._loading:
+            job.wait_layer(layer)
+
+    def finish_loads(self) -> None:
+        """After the step's forward: wait for the loads' copies, then end their leases."""
+        loading, self._loading = self._loading, []
+        for lease, job in loading:
             try:
-                lease.__exit__(None, None, None)
-            except STORE_ERRORS:
-                pass
+                job.wait_all()
+                job.synchronize()
+            finally:
+                self._end_lease(lease)
+
+    def _end_lease(self, lease) -> None:
+        try:
+            lease.__exit__(None, None, None)
+        except STORE_ERRORS:
+            pass
 
     # -- store after each step ----------------------------------------------------------------------
     def save(self, seq) -> None:

@@ -52,13 +52,16 @@ class LazyStreams:
     a stream runs only when something waits for it -- an event synchronized on the host, or
     another stream waiting on an event when that wait itself runs -- so a wait the transfer
     forgets shows as bytes missing, and a wait it adds in the wrong place shows as bytes early.
-    `compute` is the engine's stream; `settle()` runs everything queued on it."""
+    `compute` is the engine's stream; `settle()` runs everything queued on it. With
+    `eager_compute` the compute stream is the host itself (the bundled engine on CPU computes as
+    it goes): its waits run at once."""
 
     class Stream:
         def __init__(self, name: str):
             self.name, self.ops, self.done = name, [], 0
 
-    def __init__(self):
+    def __init__(self, eager_compute: bool = False):
+        self.eager_compute = eager_compute
         self.compute = self.Stream("compute")
         self.streams = [self.compute]
         self.waits: list[tuple[str, str]] = []       # (waiting stream, stream waited for), as queued
@@ -72,6 +75,9 @@ class LazyStreams:
         return self.compute
 
     def run(self, stream, fn) -> None:
+        if self.eager_compute and stream is self.compute:
+            fn()
+            return
         stream.ops.append(fn)
 
     def record(self, stream):
@@ -80,6 +86,9 @@ class LazyStreams:
     def wait(self, stream, event) -> None:
         src, n = event
         self.waits.append((stream.name, src.name))
+        if self.eager_compute and stream is self.compute:
+            self._flush(src, n)
+            return
         stream.ops.append(lambda: self._flush(src, n))
 
     def synchronize(self, event) -> None:

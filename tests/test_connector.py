@@ -83,6 +83,37 @@ def test_hbm_tier_hits_on_the_engines_device_load_device_to_device_and_match(mod
         store.close()
 
 
+def test_a_hit_loads_layer_by_layer_while_the_forward_runs(model_dir, cold):
+    """The engine's forward waits for each layer's loaded blocks just before that layer (a
+    stand-in for CUDA streams that copies only when waited for): layer 1's copy has not run when
+    layer 0 computes, and the outputs equal the cold run."""
+    from tierd.kernels.transfer import BlockTransfer
+
+    from .helpers import LazyStreams
+    store = TieredStore(host_bytes="64MiB")
+    try:
+        run(model_dir, store)
+        llm = LLM(model_dir, kv_cache_bytes="8MiB", kv_store=store, kv_block_tokens=64)
+        conn = llm.connector
+        sx = LazyStreams(eager_compute=True)
+        conn.xfer = BlockTransfer(conn.xfer.k, conn.xfer.v, conn.ratio, streams=sx)
+        copies_run = []
+        wait = conn.wait_layer
+
+        def watched(layer):
+            wait(layer)
+            copies_run.append(sum(s.done for s in sx.streams[1:]))
+        conn.wait_layer = watched
+        out = llm.generate(prompt_token_ids=PROMPT, sampling_params=G)[0]
+        assert out.num_cached_tokens == 192
+        assert_same(out, cold)
+        assert len(copies_run) == 2 and copies_run[0] < copies_run[1]     # layer 1 loaded after layer 0
+        assert store.stats()["leases"] == 0                               # ended after the forward
+        llm.close()
+    finally:
+        store.close()
+
+
 def test_no_hit_after_a_weight_change_or_with_another_cache_salt(model_dir, tmp_path):
     store = TieredStore(host_bytes="64MiB")
     try:

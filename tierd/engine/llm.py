@@ -308,6 +308,8 @@ class LLM:
         """Run one scheduled batch; returns the requests that finished in it."""
         batch = self.scheduler.schedule()
         if not batch:
+            if self.connector is not None:
+                self.connector.finish_loads()
             return []
         bs = self.block_size
         tokens, positions, slots, seqs, logits_rows, sampled = [], [], [], [], [], []
@@ -329,11 +331,17 @@ class LLM:
                 logits_rows.append(q0 - 1)
                 sampled.append(seq)
         dev = self.device
-        logits = self.model.forward(torch.tensor(tokens).to(dev, non_blocking=True),
-                                    torch.tensor(positions).to(dev, non_blocking=True),
-                                    torch.tensor(slots).to(dev, non_blocking=True),
-                                    seqs, self.kv_caches, torch.tensor(logits_rows, dtype=torch.long).to(dev),
-                                    self.kv_scales, streaming=self.streaming, mass=mass)
+        conn = self.connector
+        try:
+            logits = self.model.forward(torch.tensor(tokens).to(dev, non_blocking=True),
+                                        torch.tensor(positions).to(dev, non_blocking=True),
+                                        torch.tensor(slots).to(dev, non_blocking=True),
+                                        seqs, self.kv_caches, torch.tensor(logits_rows, dtype=torch.long).to(dev),
+                                        self.kv_scales, streaming=self.streaming, mass=mass,
+                                        before_layer=conn.wait_layer if conn is not None and conn.loading else None)
+        finally:
+            if conn is not None:
+                conn.finish_loads()  # the loaded blocks' copies have run: their leases end
         logits = logits.cpu()        # sampling runs on the host: the step's one wait for the device
         window = self.config.uniform_window    # a full-attention layer keeps every block
         for seq, n in batch:

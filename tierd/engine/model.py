@@ -102,13 +102,14 @@ class LlamaModel:
                 seqs: list, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 logits_index: torch.Tensor, kv_scales: list[tuple[float, float]] | None = None,
                 observe=None, streaming: tuple[int, int] | None = None,
-                mass: list | None = None) -> torch.Tensor:
+                mass: list | None = None, before_layer=None) -> torch.Tensor:
         """tokens, positions, slot_mapping: (T,). seqs: see paged_attention. kv_scales: per
         layer (k_scale, v_scale) of an fp8 cache (None: 1.0). observe(layer, k, v), if given,
         sees each layer's new keys and values before they are cached (calibration).
         streaming: (attention sinks, window) for StreamingLLM attention. mass: per sequence, a
         tensor per block-table entry that gains each held block's attention mass (block
-        eviction: attention reads only held blocks). Returns
+        eviction: attention reads only held blocks). before_layer(i), if given, runs before layer
+        i touches its cache (blocks still loading into it: the connector's per-layer wait). Returns
         logits (len(logits_index), vocab) in float32 for the rows in logits_index."""
         c, w = self.cfg, self.w
         T = tokens.shape[0]
@@ -130,6 +131,8 @@ class LlamaModel:
             if observe is not None:
                 observe(i, k, v)
             window = c.layer_windows[i] if c.layer_windows else c.sliding_window
+            if before_layer is not None:
+                before_layer(i)
             if isinstance(kv_caches[i], Int4LayerCache):
                 kv_caches[i].write(k, v, slot_mapping)
                 a = paged_attention_int4(q, kv_caches[i], meta, self.scale, sliding_window=window)
