@@ -71,8 +71,12 @@ def _copy_blocks(k_caches, v_caches, block_ids, slots, *, to_slots: bool) -> Non
         if not parts:
             continue
         s = _slot_view(slots[t], layers, ratio, unit, k_caches[0].dtype)
-        idx = torch.tensor([row[r] for r in parts], dtype=torch.long, device=device)
         whole = len(parts) == ratio
+        ids = [row[r] for r in parts]
+        if whole and ids == list(range(ids[0], ids[0] + ratio)):
+            idx = slice(ids[0], ids[0] + ratio)        # consecutive blocks: plain copies
+        else:
+            idx = torch.tensor(ids, dtype=torch.long, device=device)
         for layer in range(layers):
             for kv, caches in ((0, k_caches), (1, v_caches)):
                 cache = caches[layer]
@@ -80,8 +84,10 @@ def _copy_blocks(k_caches, v_caches, block_ids, slots, *, to_slots: bool) -> Non
                     s[layer, kv].copy_(cache[idx])
                 elif to_slots:
                     s[layer, kv, parts] = cache[idx].to(s.device)
+                elif whole:
+                    cache[idx] = s[layer, kv].to(device)
                 else:
-                    cache[idx] = (s[layer, kv] if whole else s[layer, kv, parts]).to(device)
+                    cache[idx] = s[layer, kv, parts].to(device)
 
 
 def _slot_view(slot: torch.Tensor, layers: int, ratio: int, unit: torch.Size, dtype: torch.dtype) -> torch.Tensor:
