@@ -97,6 +97,7 @@ class DaemonUnderTest:
                  toml: str = ""):
         import subprocess
         import sys
+        self.workdir = workdir
         self.socket = os.path.join(workdir, "tierd.sock")
         cfg = os.path.join(workdir, "tierd.toml")
         with open(cfg, "w") as f:

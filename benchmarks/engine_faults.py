@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 import socket
 import struct
+import shutil
 import sys
 import tempfile
 import threading
@@ -115,7 +116,10 @@ def main() -> int:
     workdir = tempfile.mkdtemp(prefix="tierd-faults-")
     model_dir = write_random_model(Path(workdir) / "llama", seed=0)
     n = 4 if args.quick else 12
-    res = run(model_dir, n, workdir)
+    try:
+        res = run(model_dir, n, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     base_lat, base_out, _ = res["baseline"]
     results = []
     for cond in ("down", "erroring", "stalled"):

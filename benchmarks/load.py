@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import shutil
 import tempfile
 import threading
 import time
@@ -40,6 +41,7 @@ def run_clients(sock: str, processes: int, threads: int, seconds: float) -> dict
 
 def run(seconds: float, clients: int = 32, workdir: str | None = None) -> dict:
     """Start a daemon, measure one client then `clients`, return the figures."""
+    own = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="tierd-load-")
     d = DaemonUnderTest(workdir, host_bytes=f"{HOST_BYTES >> 20}MiB", disk_path=os.path.join(workdir, "disk"),
                         disk_bytes="256MiB", toml="[limits]\nmax_clients = 256\n")
@@ -74,6 +76,8 @@ def run(seconds: float, clients: int = 32, workdir: str | None = None) -> dict:
                 time.sleep(0.1)
     finally:
         d.stop()
+        if own:
+            shutil.rmtree(workdir, ignore_errors=True)
     pct = lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else float("nan")  # noqa: E731
     return {
         "seconds": seconds, "clients": clients,

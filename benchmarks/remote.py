@@ -19,6 +19,7 @@ adds: headers, checksums, verification, the copy into host RAM and the store's b
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 
@@ -108,6 +109,8 @@ def bench(url: str, block_bytes: int, n_blocks: int, repeats: int) -> list[Resul
     c.close()
     d.stop()
     dc.stop()
+    for daemon in (d, dc):
+        shutil.rmtree(daemon.workdir, ignore_errors=True)
     g = lambda s: total / s / 1e9  # noqa: E731
     p = {"block": format_size(block_bytes), "blocks": n_blocks, "batch": batch}
     return [Result("remote write (host RAM -> server)", p, g(best["p"]), "GB/s", "redis-py pipelined SET GB/s", g(best["rw"])),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -140,6 +141,7 @@ def main() -> None:
                            singles("f", hit_prompts) + singles("h", hit_prompts, warmup=False), offload=peer)
     finally:
         daemon.stop()
+        shutil.rmtree(work / "disk", ignore_errors=True)
 
     ref = statistics.median(ttfts(base, "h"))
     expected = tokens(base, "h")
@@ -177,6 +179,7 @@ def main() -> None:
         if got < most:
             print(f"warning: {name} loaded {got:.0f} of {most} cacheable tokens per prompt")
     report("vllm_ttft", results, args.json)
+    shutil.rmtree(work, ignore_errors=True)   # kept after a failure: the engines' logs are there
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -9,8 +11,10 @@ from .helpers import make_ns, small_config
 
 
 # Weight digests the tests compute are remembered in a file of this run, not the user's cache.
-os.environ.setdefault("TIERD_DIGEST_CACHE", os.path.join(tempfile.mkdtemp(prefix="tierd-digests-"),
-                                                         "digests.json"))
+if "TIERD_DIGEST_CACHE" not in os.environ:
+    _digests = tempfile.mkdtemp(prefix="tierd-digests-")
+    os.environ["TIERD_DIGEST_CACHE"] = os.path.join(_digests, "digests.json")
+    atexit.register(shutil.rmtree, _digests, ignore_errors=True)
 
 
 @pytest.fixture
