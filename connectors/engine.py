@@ -11,6 +11,7 @@ waits for the store.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -23,6 +24,8 @@ from tierd.keys import extend_keys
 from tierd.namespace import Namespace
 
 from .link import STORE_ERRORS, PendingBytes, StoreLink, acquire_for
+
+log = logging.getLogger("tierd.connectors.engine")
 
 
 class EngineConnector:
@@ -109,9 +112,24 @@ class EngineConnector:
             self.stats["loaded_bytes"] += n * self.ns.block_bytes
             self.stats["load_s"] += time.perf_counter() - t0
             return loaded
+        except Exception:  # noqa: BLE001 - a failed copy never fails the request: it recomputes
+            log.exception("tierd: loading a cached prefix failed; recomputing it")
+            self.stats["load_failures"] += 1
+            self._drain_load_stream()
+            return 0
         finally:
             if not handed:
                 self._end_lease(lease)
+
+    def _drain_load_stream(self) -> None:
+        """Wait until whatever a failed load queued has run, so nothing lands in blocks the
+        engine recomputes; a device error here is only logged."""
+        sx = self.xfer.streams
+        if sx is not None:
+            try:
+                sx.synchronize(sx.record(self.xfer.h2d))
+            except Exception:  # noqa: BLE001
+                log.exception("tierd: waiting for the load stream failed")
 
     @property
     def loading(self) -> bool:

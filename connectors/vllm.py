@@ -689,6 +689,11 @@ class TierdConnector(KVConnectorBase_V1):
                 self.stats["lost_leases"] += 1
                 log.warning("tierd lease lost before a load (%s); the blocks are recomputed", e)
                 loaded = 0
+            except Exception:  # noqa: BLE001 - a failed copy must not reach vLLM: recompute
+                log.exception("tierd: starting a load's copies failed; the blocks are recomputed")
+                self._drain_load_stream()
+                hold.close()
+                loaded = 0
         if lease is not None:
             self._release_quietly(store, lease)
         self.stats["load_s"] += time.perf_counter() - t0
@@ -706,6 +711,9 @@ class TierdConnector(KVConnectorBase_V1):
         except STORE_ERRORS as e:
             self.stats["lost_leases"] += 1
             log.warning("tierd lease lost during a load (%s); the blocks are recomputed", e)
+            loaded = 0
+        except Exception:  # noqa: BLE001 - a failed copy must not reach vLLM: recompute
+            log.exception("tierd: a load's copies failed; the blocks are recomputed")
             loaded = 0
         finally:
             ld.hold.close()
@@ -726,6 +734,17 @@ class TierdConnector(KVConnectorBase_V1):
         if missing:
             self.stats["load_failures"] += 1
         return missing
+
+    def _drain_load_stream(self) -> None:
+        """Wait until whatever a failed load queued has run (so nothing lands in blocks that are
+        recomputed later); errors here are the device's and are only logged."""
+        sx = self._xfer.streams if self._xfer is not None else None
+        if sx is None:
+            return
+        try:
+            sx.synchronize(sx.record(self._xfer.h2d))
+        except Exception:  # noqa: BLE001
+            log.exception("tierd: waiting for the load stream failed")
 
     def _release_quietly(self, store, lease) -> None:
         try:

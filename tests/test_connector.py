@@ -114,6 +114,24 @@ def test_a_hit_loads_layer_by_layer_while_the_forward_runs(model_dir, cold):
         store.close()
 
 
+def test_a_device_error_while_loading_means_recompute_not_a_failed_request(model_dir, cold):
+    store = TieredStore(host_bytes="64MiB")
+    try:
+        run(model_dir, store)
+        llm = LLM(model_dir, kv_cache_bytes="8MiB", kv_store=store, kv_block_tokens=64)
+
+        def device_error(*a, **k):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        llm.connector.xfer.load_layers = device_error          # what a broken device would do
+        out = llm.generate(prompt_token_ids=PROMPT, sampling_params=G)[0]
+        assert out.num_cached_tokens == 0 and llm.kv_connector_stats()["load_failures"] == 1
+        assert_same(out, cold)
+        assert store.stats()["leases"] == 0
+        llm.close()
+    finally:
+        store.close()
+
+
 def test_no_hit_after_a_weight_change_or_with_another_cache_salt(model_dir, tmp_path):
     store = TieredStore(host_bytes="64MiB")
     try:

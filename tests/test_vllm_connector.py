@@ -538,3 +538,19 @@ def test_gpu_roundtrip_on_cuda_caches(embedded_url, layout):
     assert worker.stats["loads_unordered"] == 0
     worker.shutdown()
     sched.shutdown()
+
+
+def test_a_device_error_while_loading_is_reported_for_recompute_not_raised(embedded_url):
+    sched, worker, objs, sx, stored, prompt = _stored_then_lazy(embedded_url)
+
+    def device_error(*a, **k):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    worker._xfer.load_layers = device_error
+    b = objs.request("B", prompt)
+    blocks = list(range(10, 15))
+    drv.admit(sched, objs, b, 0, blocks)
+    drv.step(sched, worker, objs, objs.output([(b, blocks, 64, 6)]))       # no exception reaches vLLM
+    assert objs.take_errors() == set(blocks[:4])
+    assert tv._EMBEDDED[embedded_url].stats()["leases"] == 0
+    worker.shutdown()
+    sched.shutdown()
