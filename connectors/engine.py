@@ -178,7 +178,13 @@ class EngineConnector:
             ids = torch.tensor([b for _, b in todo], dtype=torch.long)
             pin = self.device.type == "cuda"
             host = [torch.empty(self.xfer.block_bytes, dtype=torch.uint8, pin_memory=pin) for _ in todo]
-            ready = self.xfer.save_async(ids, [h.numpy() for h in host])
+            try:
+                ready = self.xfer.save_async(ids, [h.numpy() for h in host])
+            except Exception:  # noqa: BLE001 - a failed copy never fails the request: not stored
+                log.exception("tierd: copying blocks out of the cache failed; they are not stored")
+                self.stats["store_failures"] += len(todo)
+                seq.tier_saved = full
+                return
             bt = self.block_tokens
             for (i, _), h in zip(todo, host):
                 block = h.numpy() if ready is None else PendingBytes(h.numpy(), ready, self.xfer.streams)

@@ -114,7 +114,7 @@ def test_a_hit_loads_layer_by_layer_while_the_forward_runs(model_dir, cold):
         store.close()
 
 
-def test_a_device_error_while_loading_means_recompute_not_a_failed_request(model_dir, cold):
+def test_a_device_error_while_loading_or_saving_means_recompute_not_a_failed_request(model_dir, cold):
     store = TieredStore(host_bytes="64MiB")
     try:
         run(model_dir, store)
@@ -123,8 +123,10 @@ def test_a_device_error_while_loading_means_recompute_not_a_failed_request(model
         def device_error(*a, **k):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         llm.connector.xfer.load_layers = device_error          # what a broken device would do
+        llm.connector.xfer.save_async = device_error
         out = llm.generate(prompt_token_ids=PROMPT, sampling_params=G)[0]
-        assert out.num_cached_tokens == 0 and llm.kv_connector_stats()["load_failures"] == 1
+        st = llm.kv_connector_stats()
+        assert out.num_cached_tokens == 0 and st["load_failures"] == 1 and st["store_failures"] == 3
         assert_same(out, cold)
         assert store.stats()["leases"] == 0
         llm.close()
