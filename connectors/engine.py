@@ -11,6 +11,7 @@ waits for the store.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -23,7 +24,7 @@ from tierd.kernels.transfer import BlockTransfer
 from tierd.keys import extend_keys
 from tierd.namespace import Namespace
 
-from .link import STORE_ERRORS, PendingBytes, StoreLink, acquire_for
+from .link import STORE_ERRORS, PendingBytes, StoreLink, acquire_for, holding
 
 log = logging.getLogger("tierd.connectors.engine")
 
@@ -47,7 +48,8 @@ class EngineConnector:
         self.xfer = BlockTransfer([k for k, _ in kv_caches], [v for _, v in kv_caches], self.ratio)
         self.device = kv_caches[0][0].device
         self.stats.setdefault("hbm_hit_blocks", 0)
-        self._loading: list = []     # (lease, job) of loads whose copies may still run this step
+        self._loading: list = []     # (seq, lease, job, hold) of loads whose copies may still run
+        self.stats.setdefault("lost_leases", 0)
 
     @property
     def store(self):
@@ -81,12 +83,16 @@ class EngineConnector:
             return 0
         self.link.ok()
         handed = False
+        hold = contextlib.ExitStack()
         try:
             n = len(lease)
             while n and not block_manager.can_allocate(seq, (first + n) * self.block_tokens - seq.num_computed):
                 n -= 1
             if n == 0:
                 return 0
+            # the bytes count only if the lease holds from before the copy until its end: a
+            # daemon connection lost meanwhile may have handed the slots to another writer
+            hold.enter_context(holding(store, lease))
             have = len(seq.block_table)                        # engine blocks already in place
             block_manager.allocate(seq, (first + n) * self.block_tokens - seq.num_computed)
             ids = torch.full((n, self.ratio), -1, dtype=torch.long)
@@ -96,12 +102,14 @@ class EngineConnector:
                 ids[j, e0:] = torch.tensor(seq.block_table[base + e0:base + self.ratio], dtype=torch.long)
             self.xfer.attach(store)
             gpu = list(getattr(lease, "gpu_buffers", None) or ())[:n] or None
-            if gpu is not None:
-                self.stats["hbm_hit_blocks"] += sum(b is not None and b.device == self.device for b in gpu)
             job = self.xfer.load_layers(ids, lease.buffers[:n], gpu, layered=True)
             if job.events:            # copying: the forward waits per layer, the lease ends after it
-                self._loading.append((lease, job))
+                self._loading.append((seq, lease, job, hold))
                 handed = True
+            else:                     # copied: confirm the lease held throughout
+                self._confirm(store, lease)
+            if gpu is not None:
+                self.stats["hbm_hit_blocks"] += sum(b is not None and b.device == self.device for b in gpu)
             upto = min((first + n) * self.block_tokens, seq.num_tokens - 1)
             loaded = upto - seq.num_computed
             seq.num_computed = upto
@@ -112,6 +120,11 @@ class EngineConnector:
             self.stats["loaded_bytes"] += n * self.ns.block_bytes
             self.stats["load_s"] += time.perf_counter() - t0
             return loaded
+        except STORE_ERRORS as e:     # the lease was lost: what was copied is not used
+            self.stats["lost_leases"] += 1
+            self.stats["load_failures"] += 1
+            log.warning("tierd lease lost during a load (%s); the prefix is recomputed", e)
+            return 0
         except Exception:  # noqa: BLE001 - a failed copy never fails the request: it recomputes
             log.exception("tierd: loading a cached prefix failed; recomputing it")
             self.stats["load_failures"] += 1
@@ -119,7 +132,16 @@ class EngineConnector:
             return 0
         finally:
             if not handed:
+                hold.close()
                 self._end_lease(lease)
+
+    def _confirm(self, store, lease) -> None:
+        """End `lease`, raising LeaseError if it was lost before now (a daemon's lease; an
+        embedded store's cannot be lost)."""
+        if hasattr(store, "hold"):
+            store.release(lease, confirm=True)
+        else:
+            lease.__exit__(None, None, None)
 
     def _drain_load_stream(self) -> None:
         """Wait until whatever a failed load queued has run, so nothing lands in blocks the
@@ -139,20 +161,38 @@ class EngineConnector:
     def wait_layer(self, layer: int) -> None:
         """Before layer `layer` reads or writes the cache: wait for that layer's loaded blocks
         (on a device, the compute stream waits; later layers keep loading meanwhile)."""
-        for _, job in self._loading:
+        for _, _, job, _ in self._loading:
             job.wait_layer(layer)
 
-    def finish_loads(self) -> None:
-        """After the step's forward: wait for the loads' copies, then end their leases."""
+    def finish_loads(self) -> list:
+        """After the step's forward: wait for the loads' copies and confirm their leases. Returns
+        the sequences whose lease was lost meanwhile: the forward may have read overwritten
+        bytes, so the engine discards their step and recomputes them."""
         loading, self._loading = self._loading, []
-        for lease, job in loading:
+        lost = []
+        for seq, lease, job, hold in loading:
             try:
                 job.wait_all()
                 job.synchronize()
+                self._confirm(self.link.store, lease)
+            except STORE_ERRORS as e:
+                self.stats["lost_leases"] += 1
+                self.stats["load_failures"] += 1
+                log.warning("tierd lease lost during a load (%s); the sequence is recomputed", e)
+                lost.append(seq)
+            except Exception:  # noqa: BLE001 - a device error: recompute, never fail the request
+                log.exception("tierd: a load's copies failed; the sequence is recomputed")
+                self.stats["load_failures"] += 1
+                lost.append(seq)
             finally:
+                hold.close()
                 self._end_lease(lease)
+        return lost
 
     def _end_lease(self, lease) -> None:
+        """End a lease if it is still open (no confirmation)."""
+        if getattr(lease, "_open", True) is False:
+            return
         try:
             lease.__exit__(None, None, None)
         except STORE_ERRORS:

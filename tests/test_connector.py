@@ -175,6 +175,48 @@ def test_through_the_daemon_across_engine_and_daemon_restarts(model_dir, cold, t
             assert d.stop() == 0
 
 
+def test_a_lease_lost_while_the_forward_reads_loaded_blocks_discards_that_step_and_recomputes(
+        model_dir, cold, tmp_path):
+    """The daemon restarts while a hit's copies are in flight (a stand-in for streams that
+    copies only when the forward waits) and its old slots are overwritten: the lease is not
+    confirmed, so the engine throws that step away and recomputes; the outputs equal the cold
+    run. Using what was copied would have given other outputs."""
+    import ctypes
+
+    import numpy as np
+
+    from tierd.kernels.transfer import BlockTransfer
+
+    from .helpers import LazyStreams
+    d = DaemonProc(tmp_path).start()
+    try:
+        run(model_dir, d.url)
+        llm = LLM(model_dir, kv_cache_bytes="8MiB", kv_store=d.url, kv_block_tokens=64)
+        conn = llm.connector
+        conn.xfer = BlockTransfer(conn.xfer.k, conn.xfer.v, conn.ratio, streams=LazyStreams(eager_compute=True))
+        wait = conn.wait_layer
+        overwritten = []
+
+        def restart_and_overwrite(layer):
+            if not overwritten:
+                d.kill()
+                d.start()
+                for _, lease, _, _ in conn._loading:          # another writer takes the old slots
+                    for buf in lease.buffers:
+                        ctypes.memset(buf.ctypes.data, 0x3C, buf.nbytes)
+                        overwritten.append(bool((np.asarray(buf) == 0x3C).all()))
+            wait(layer)
+        conn.wait_layer = restart_and_overwrite
+        out = llm.generate(prompt_token_ids=PROMPT, sampling_params=G)[0]
+        st = llm.kv_connector_stats()
+        assert overwritten and all(overwritten) and st["lost_leases"] == 1
+        assert_same(out, cold)
+        llm.close()
+    finally:
+        if d.alive():
+            d.stop()
+
+
 def test_daemon_killed_mid_generation_requests_finish_by_recomputing(model_dir, tmp_path):
     d = DaemonProc(tmp_path).start()
     prompts = [list(range(i, i + 150)) for i in range(1, 6)]

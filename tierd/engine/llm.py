@@ -309,7 +309,7 @@ class LLM:
         batch = self.scheduler.schedule()
         if not batch:
             if self.connector is not None:
-                self.connector.finish_loads()
+                self._recompute(self.connector.finish_loads())
             return []
         bs = self.block_size
         tokens, positions, slots, seqs, logits_rows, sampled = [], [], [], [], [], []
@@ -340,9 +340,19 @@ class LLM:
                                         self.kv_scales, streaming=self.streaming, mass=mass,
                                         before_layer=conn.wait_layer if conn is not None and conn.loading else None)
         finally:
-            if conn is not None:
-                conn.finish_loads()  # the loaded blocks' copies have run: their leases end
+            # the loaded blocks' copies have run and their leases end; a sequence whose lease was
+            # lost meanwhile may have read overwritten bytes: its step is discarded, recomputed
+            lost = conn.finish_loads() if conn is not None else []
         logits = logits.cpu()        # sampling runs on the host: the step's one wait for the device
+        if lost:
+            gone = {id(s) for s in lost}
+            kept = [i for i, (seq, _) in enumerate(batch) if id(seq) not in gone]
+            mass = None if mass is None else [mass[i] for i in kept]
+            batch = [batch[i] for i in kept]
+            rows = [(r, s) for r, s in enumerate(sampled) if id(s) not in gone]
+            self._recompute(lost)
+        else:
+            rows = list(enumerate(sampled))
         window = self.config.uniform_window    # a full-attention layer keeps every block
         for seq, n in batch:
             seq.num_computed += n
@@ -360,7 +370,7 @@ class LLM:
                 self._evict(seq, n, m)
         finished = []
         now = time.time()
-        for row, seq in enumerate(sampled):
+        for row, seq in rows:
             p = seq.params
             n_out = len(seq.output_token_ids)
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.config.eos_token_ids))
@@ -386,6 +396,15 @@ class LLM:
                 finished.append(self._output(seq))
                 del self._seqs[seq.request_id]
         return finished
+
+    def _recompute(self, seqs: list) -> None:
+        """Sequences whose loaded prefix cannot be trusted: their blocks go, they start again."""
+        for seq in seqs:
+            if seq in self.scheduler.running:
+                self.scheduler.preempt(seq)
+            elif seq.block_table:
+                self.block_manager.free_seq(seq)
+                seq.num_computed = seq.tier_loaded = 0
 
     def _logprobs(self, logprobs: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
         out = {}

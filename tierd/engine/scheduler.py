@@ -31,6 +31,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks; it waits at the front and is recomputed."""
+        self._preempt(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free_seq(seq)
