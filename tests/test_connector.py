@@ -30,6 +30,15 @@ def cold(model_dir):
         prompt_token_ids=PROMPT, sampling_params=G)[0]
 
 
+@pytest.fixture
+def filled(model_dir):
+    """An embedded store holding PROMPT's blocks, stored by an engine that has since closed."""
+    store = TieredStore(host_bytes="64MiB")
+    run(model_dir, store)
+    yield store
+    store.close()
+
+
 def lps(out):
     c = out.outputs[0]
     return [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
@@ -83,55 +92,45 @@ def test_hbm_tier_hits_on_the_engines_device_load_device_to_device_and_match(mod
         store.close()
 
 
-def test_a_hit_loads_layer_by_layer_while_the_forward_runs(model_dir, cold):
+def test_a_hit_loads_layer_by_layer_while_the_forward_runs(model_dir, cold, filled):
     """The engine's forward waits for each layer's loaded blocks just before that layer (a
     stand-in for CUDA streams that copies only when waited for): layer 1's copy has not run when
     layer 0 computes, and the outputs equal the cold run."""
     from tierd.kernels.transfer import BlockTransfer
 
     from .helpers import LazyStreams
-    store = TieredStore(host_bytes="64MiB")
-    try:
-        run(model_dir, store)
-        llm = LLM(model_dir, kv_cache_bytes="8MiB", kv_store=store, kv_block_tokens=64)
-        conn = llm.connector
-        sx = LazyStreams(eager_compute=True)
-        conn.xfer = BlockTransfer(conn.xfer.k, conn.xfer.v, conn.ratio, streams=sx)
-        copies_run = []
-        wait = conn.wait_layer
+    llm = LLM(model_dir, kv_cache_bytes="8MiB", kv_store=filled, kv_block_tokens=64)
+    conn = llm.connector
+    sx = LazyStreams(eager_compute=True)
+    conn.xfer = BlockTransfer(conn.xfer.k, conn.xfer.v, conn.ratio, streams=sx)
+    copies_run = []
+    wait = conn.wait_layer
 
-        def watched(layer):
-            wait(layer)
-            copies_run.append(sum(s.done for s in sx.streams[1:]))
-        conn.wait_layer = watched
-        out = llm.generate(prompt_token_ids=PROMPT, sampling_params=G)[0]
-        assert out.num_cached_tokens == 192
-        assert_same(out, cold)
-        assert len(copies_run) == 2 and copies_run[0] < copies_run[1]     # layer 1 loaded after layer 0
-        assert store.stats()["leases"] == 0                               # ended after the forward
-        llm.close()
-    finally:
-        store.close()
+    def watched(layer):
+        wait(layer)
+        copies_run.append(sum(s.done for s in sx.streams[1:]))
+    conn.wait_layer = watched
+    out = llm.generate(prompt_token_ids=PROMPT, sampling_params=G)[0]
+    assert out.num_cached_tokens == 192
+    assert_same(out, cold)
+    assert len(copies_run) == 2 and copies_run[0] < copies_run[1]     # layer 1 loaded after layer 0
+    assert filled.stats()["leases"] == 0                              # ended after the forward
+    llm.close()
 
 
-def test_a_device_error_while_loading_or_saving_means_recompute_not_a_failed_request(model_dir, cold):
-    store = TieredStore(host_bytes="64MiB")
-    try:
-        run(model_dir, store)
-        llm = LLM(model_dir, kv_cache_bytes="8MiB", kv_store=store, kv_block_tokens=64)
+def test_a_device_error_while_loading_or_saving_means_recompute_not_a_failed_request(model_dir, cold, filled):
+    llm = LLM(model_dir, kv_cache_bytes="8MiB", kv_store=filled, kv_block_tokens=64)
 
-        def device_error(*a, **k):
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        llm.connector.xfer.load_layers = device_error          # what a broken device would do
-        llm.connector.xfer.save_async = device_error
-        out = llm.generate(prompt_token_ids=PROMPT, sampling_params=G)[0]
-        st = llm.kv_connector_stats()
-        assert out.num_cached_tokens == 0 and st["load_failures"] == 1 and st["store_failures"] == 3
-        assert_same(out, cold)
-        assert store.stats()["leases"] == 0
-        llm.close()
-    finally:
-        store.close()
+    def device_error(*a, **k):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    llm.connector.xfer.load_layers = device_error          # what a broken device would do
+    llm.connector.xfer.save_async = device_error
+    out = llm.generate(prompt_token_ids=PROMPT, sampling_params=G)[0]
+    st = llm.kv_connector_stats()
+    assert out.num_cached_tokens == 0 and st["load_failures"] == 1 and st["store_failures"] == 3
+    assert_same(out, cold)
+    assert filled.stats()["leases"] == 0
+    llm.close()
 
 
 def test_no_hit_after_a_weight_change_or_with_another_cache_salt(model_dir, tmp_path):
