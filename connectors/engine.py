@@ -237,4 +237,6 @@ class EngineConnector:
         self.link.flush(timeout_s)
 
     def close(self) -> None:
+        self.finish_loads()
         self.link.close()
+        self.xfer.close()              # unpin the arena mapping

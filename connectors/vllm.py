@@ -982,6 +982,8 @@ class TierdConnector(KVConnectorBase_V1):
                     t.join(5)
             if self.save_link is not self.link:
                 self.save_link.close()
+            if self._xfer is not None:
+                self._xfer.close()         # unpin the arena mapping
         self.link.close()
 
 

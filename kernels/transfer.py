@@ -31,6 +31,7 @@ head_dim contiguous (contiguous per layer, or views of one tensor in another lay
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 from collections.abc import Sequence
 
@@ -131,6 +132,7 @@ class BlockTransfer:
         self.pinning = pinning if pinning is not None else (CudaHostPinning() if self.cuda else None)
         self._pinned: dict[int, int] = {}              # registered host ranges: ptr -> size
         self._mapping: dict[int, tuple[int, int, int]] = {}  # id(store) -> arena range, generation
+        self._pin_lock = threading.Lock()              # loads and saves attach from several threads
         # streams: CUDA's on a CUDA device; none on CPU (copies run at once), or a test's stand-in
         self.streams = streams if streams is not None else (CudaStreams(self.device) if self.cuda else None)
         if self.streams is not None:
@@ -161,6 +163,10 @@ class BlockTransfer:
         array = getattr(store, "host_array", lambda: None)()
         if array is None:
             return False
+        with self._pin_lock:
+            return self._attach(store, array)
+
+    def _attach(self, store, array: np.ndarray) -> bool:
         # a mapping is its range and its generation: a re-mapped arena may come back at the
         # same address with other pages behind it
         now = (array.ctypes.data, array.nbytes, getattr(store, "arena_generation", 0))
@@ -175,10 +181,11 @@ class BlockTransfer:
         return self.register_host(array)
 
     def close(self) -> None:
-        for ptr in list(self._pinned):
-            self.pinning.unregister(ptr)
-        self._pinned.clear()
-        self._mapping.clear()
+        with self._pin_lock:
+            for ptr in list(self._pinned):
+                self.pinning.unregister(ptr)
+            self._pinned.clear()
+            self._mapping.clear()
 
     # -- the two directions -----------------------------------------------------------------------
     def save_async(self, block_ids: torch.Tensor, buffers: Sequence[np.ndarray]):
