@@ -33,7 +33,7 @@ print("torch", torch.__version__, "cuda", torch.version.cuda,
 print("kernels available (CUDA and CuPy):", K.available())
 PY
     echo "== gpu tests"
-    timeout 240 $PY -m pytest -q -m gpu -p no:cacheprovider --junitxml="$RES/gpu_tests.xml" \
+    timeout 210 $PY -m pytest -q -m gpu -p no:cacheprovider --junitxml="$RES/gpu_tests.xml" \
         tests/test_kernels.py tests/test_gpu_tier.py tests/test_engine.py tests/test_connector.py \
         tests/test_vllm_connector.py
     echo "pytest exit: $?"
@@ -46,7 +46,7 @@ for op in K.OPS:
     echo "== figures"
     timeout 90 $PY -m benchmarks.gpu_kernels --json "$RES/gpu_kernels.json"
     echo "gpu_kernels exit: $?"
-    timeout 120 $PY -m benchmarks.gpu_ttft --json "$RES/gpu_ttft.json"
+    timeout 150 $PY -m benchmarks.gpu_ttft --json "$RES/gpu_ttft.json"
     echo "gpu_ttft exit: $?"
 } 2>&1 | tee "$LOG"
 rm -rf "$WORK"
