@@ -510,7 +510,7 @@ def test_a_save_commits_only_after_its_copy_has_run(embedded_url):
 
 
 def test_hbm_tier_copies_on_the_engines_device_are_loaded_device_to_device(tmp_path):
-    url = f"embedded://?host=16MiB&gpu=1MiB&gpu_slab=256KiB&gpu_device=cpu&gpu_admit_hits=0&disk={tmp_path}/d"
+    url = f"embedded://?host=16MiB&gpu=1MiB&gpu_slab=256KiB&gpu_device=cpu&gpu_admit_hits=0&disk={tmp_path}/d&disk_bytes=64MiB"
     try:
         sched, worker = pair(url, "2BNHD", load_async=False)
         drv.run_roundtrip(sched, worker, drv.Objects(), tv._EMBEDDED[url])
