@@ -175,13 +175,21 @@ class BlockTransfer:
             return self._pinned.get(now[0]) == now[1]
         if old is not None and self._pinned.get(old[0]) == old[1] and \
                 old[:2] not in (m[:2] for k, m in self._mapping.items() if k != id(store)):
+            self._drain()            # no copy queued from the old range may still be running
             self.pinning.unregister(old[0])
             del self._pinned[old[0]]
         self._mapping[id(store)] = now
         return self.register_host(array)
 
+    def _drain(self) -> None:
+        """Wait on the host for every copy queued on this transfer's streams."""
+        if self.streams is not None:
+            for stream in (self.d2h, self.h2d):
+                self.streams.synchronize(self.streams.record(stream))
+
     def close(self) -> None:
         with self._pin_lock:
+            self._drain()
             for ptr in list(self._pinned):
                 self.pinning.unregister(ptr)
             self._pinned.clear()
@@ -198,7 +206,6 @@ class BlockTransfer:
         if sx is None:
             gather_blocks(self.k, self.v, block_ids, host)
             return None
-        sx.wait(self.d2h, sx.record(sx.current()))      # the forward wrote the blocks
         staging: list = []
 
         def gather():
@@ -209,10 +216,12 @@ class BlockTransfer:
         def copy_down():
             for i, h in enumerate(host):
                 h.copy_(staging[0][i], non_blocking=True)
-        sx.run(self.d2h, gather)
-        sx.wait(sx.current(), sx.record(self.d2h))      # freed blocks may be reused by later work
-        sx.run(self.d2h, copy_down)
-        return sx.record(self.d2h)
+        with self._pin_lock:         # queued whole: an arena re-mapped meanwhile waits for it
+            sx.wait(self.d2h, sx.record(sx.current()))  # the forward wrote the blocks
+            sx.run(self.d2h, gather)
+            sx.wait(sx.current(), sx.record(self.d2h))  # freed blocks may be reused by later work
+            sx.run(self.d2h, copy_down)
+            return sx.record(self.d2h)
 
     def gather_into(self, block_ids: torch.Tensor, buffers: Sequence[np.ndarray]) -> None:
         """Copy engine blocks into host buffers; returns when they are there."""
@@ -236,7 +245,6 @@ class BlockTransfer:
             scatter_blocks(self.k, self.v, block_ids, srcs)
             return LoadJob()
         up = [i for i, src in enumerate(srcs) if src.device != self.device]   # host blocks to copy up
-        sx.wait(self.h2d, sx.record(sx.current()))       # queued compute may still use these blocks
         staging: list = []
         events = []
 
@@ -263,17 +271,19 @@ class BlockTransfer:
                 scatter_blocks(ks, vs, block_ids, slots)
             return work
 
-        if not layered:
-            if up:
-                sx.run(self.h2d, copy_up(0, self.block_bytes))
-            sx.run(self.h2d, scatter(None))
-            events.append(sx.record(self.h2d))
-        else:
-            for layer in range(self.layers):
+        with self._pin_lock:         # queued whole: an arena re-mapped meanwhile waits for it
+            sx.wait(self.h2d, sx.record(sx.current()))   # queued compute may still use these blocks
+            if not layered:
                 if up:
-                    sx.run(self.h2d, copy_up(layer * self.layer_bytes, self.layer_bytes))
-                sx.run(self.h2d, scatter(layer))
+                    sx.run(self.h2d, copy_up(0, self.block_bytes))
+                sx.run(self.h2d, scatter(None))
                 events.append(sx.record(self.h2d))
+            else:
+                for layer in range(self.layers):
+                    if up:
+                        sx.run(self.h2d, copy_up(layer * self.layer_bytes, self.layer_bytes))
+                    sx.run(self.h2d, scatter(layer))
+                    events.append(sx.record(self.h2d))
         return LoadJob(sx, events, layered)
 
     def scatter_from(self, block_ids: torch.Tensor, buffers: Sequence[np.ndarray]):

@@ -436,6 +436,43 @@ def test_transfer_pins_each_arena_mapping_once_and_never_keeps_stale_pages(daemo
     assert cpu.pinning is None and not cpu.attach(object())
 
 
+def test_a_re_mapped_arena_is_unpinned_only_after_every_copy_queued_from_it_has_run(daemon):
+    """A copy queued from the old mapping (here: not yet run, on a stand-in for streams) must
+    have run before the old range is unpinned; it then read the old mapping's intact bytes."""
+    import tierd
+    from tierd import Namespace
+    from tierd.kernels.transfer import BlockTransfer
+
+    from .helpers import LazyStreams
+    pin, sx = RecordingPinning(), LazyStreams()
+    g = torch.Generator().manual_seed(2)
+    ks = [torch.randn((8, 16, 2, 32), generator=g).half() for _ in range(2)]
+    vs = [torch.randn((8, 16, 2, 32), generator=g).half() for _ in range(2)]
+    tr = BlockTransfer(ks, vs, 1, pinning=pin, streams=sx)
+    ns = Namespace("unpin-test", "float16", 2, 2, 32, block_tokens=16)
+    keys = ns.block_keys(list(range(16)))
+    pending_at_unpin = []
+    unregister = pin.unregister
+
+    def watched(ptr):
+        pending_at_unpin.append(sum(len(st.ops) - st.done for st in sx.streams[1:]))
+        unregister(ptr)
+    pin.unregister = watched
+    with tierd.connect(daemon.url) as c:
+        assert tr.store(c, ns, keys, torch.tensor([[2]])) == 1
+        lease = c.acquire(ns, keys)
+        tr.load_layers(torch.tensor([[5]]), lease.buffers, layered=True)      # queued, not run
+        daemon.kill()
+        daemon.start()
+        c.stats()                                         # a read: reconnects and re-maps the arena
+        tr.store(c, ns, keys, torch.tensor([[3]]))        # reconnects, re-maps, re-pins
+        assert pending_at_unpin == [0]
+        for layer in range(2):
+            assert same_bytes(ks[layer][5], ks[layer][2]) and same_bytes(vs[layer][5], vs[layer][2])
+    tr.close()
+    assert pin.pinned == {}
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_transfer_store_and_load(host_store):
