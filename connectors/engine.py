@@ -17,14 +17,12 @@ import time
 
 import torch
 
-import numpy as np
-
 from tierd.errors import TierdError
 from tierd.kernels.transfer import BlockTransfer
 from tierd.keys import extend_keys
 from tierd.namespace import Namespace
 
-from .link import STORE_ERRORS, PendingBytes, StoreLink, acquire_for, holding
+from .link import STORE_ERRORS, PendingBytes, StoreLink, acquire_for, drain_quietly, holding
 
 log = logging.getLogger("tierd.connectors.engine")
 
@@ -103,13 +101,12 @@ class EngineConnector:
             self.xfer.attach(store)
             gpu = list(getattr(lease, "gpu_buffers", None) or ())[:n] or None
             job = self.xfer.load_layers(ids, lease.buffers[:n], gpu, layered=True)
+            self.stats["hbm_hit_blocks"] += job.device_blocks
             if job.events:            # copying: the forward waits per layer, the lease ends after it
                 self._loading.append((seq, lease, job, hold))
                 handed = True
             else:                     # copied: confirm the lease held throughout
                 self._confirm(store, lease)
-            if gpu is not None:
-                self.stats["hbm_hit_blocks"] += sum(b is not None and b.device == self.device for b in gpu)
             upto = min((first + n) * self.block_tokens, seq.num_tokens - 1)
             loaded = upto - seq.num_computed
             seq.num_computed = upto
@@ -128,7 +125,7 @@ class EngineConnector:
         except Exception:  # noqa: BLE001 - a failed copy never fails the request: it recomputes
             log.exception("tierd: loading a cached prefix failed; recomputing it")
             self.stats["load_failures"] += 1
-            self._drain_load_stream()
+            drain_quietly(self.xfer)
             return 0
         finally:
             if not handed:
@@ -142,16 +139,6 @@ class EngineConnector:
             store.release(lease, confirm=True)
         else:
             lease.__exit__(None, None, None)
-
-    def _drain_load_stream(self) -> None:
-        """Wait until whatever a failed load queued has run, so nothing lands in blocks the
-        engine recomputes; a device error here is only logged."""
-        sx = self.xfer.streams
-        if sx is not None:
-            try:
-                sx.synchronize(sx.record(self.xfer.h2d))
-            except Exception:  # noqa: BLE001
-                log.exception("tierd: waiting for the load stream failed")
 
     @property
     def loading(self) -> bool:
@@ -191,8 +178,6 @@ class EngineConnector:
 
     def _end_lease(self, lease) -> None:
         """End a lease if it is still open (no confirmation)."""
-        if getattr(lease, "_open", True) is False:
-            return
         try:
             lease.__exit__(None, None, None)
         except STORE_ERRORS:

@@ -69,6 +69,15 @@ class PendingBytes:
         return self.array
 
 
+def drain_quietly(xfer) -> None:
+    """After a failed load: wait until whatever it queued on `xfer`'s streams has run, so nothing
+    lands later in blocks that are recomputed; a device error here is only logged."""
+    try:
+        xfer.drain()
+    except Exception:  # noqa: BLE001
+        log.exception("tierd: waiting for the transfer streams failed")
+
+
 def acquire_for(store, ns, keys: Sequence[bytes], device):
     """`store.acquire(ns, keys)` for a reader on `device`: an embedded store whose HBM tier is on
     that device is asked for its HBM copies too (`lease.gpu_buffers`), which the reader copies

@@ -80,7 +80,7 @@ from tierd.kernels.transfer import BlockTransfer, LoadJob
 from tierd.namespace import DEFAULT_BLOCK_TOKENS, Namespace, canonical_dtype, model_fingerprint
 
 from . import vllm_layout
-from .link import STORE_ERRORS, StoreLink, acquire_for, holding
+from .link import STORE_ERRORS, StoreLink, acquire_for, drain_quietly, holding
 from .vllm_keys import block_extra
 try:  # vLLM is optional: the real base class where it is installed
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -580,7 +580,6 @@ class TierdConnector(KVConnectorBase_V1):
             if any(s != (1.0, 1.0) for s in scales):
                 return self._decline("fp8 KV scales other than 1.0 that the namespace does not record")
         self._layers = layers
-        self._dtype = k0.dtype
         self._device = k0.device
         # copies between these views and tier slots: gather/scatter kernels on a GPU (on their own
         # streams, loads layer by layer), their references on CPU
@@ -680,9 +679,8 @@ class TierdConnector(KVConnectorBase_V1):
                 self._xfer.attach(store)
                 ids = self._load_ids(spec, loaded)
                 gpu = list(getattr(lease, "gpu_buffers", None) or ())[:loaded] or None
-                if gpu is not None:
-                    self.stats["hbm_hit_blocks"] += sum(b is not None and b.device == self._device for b in gpu)
                 job = self._xfer.load_layers(ids, lease.buffers[:loaded], gpu, layered=True)
+                self.stats["hbm_hit_blocks"] += job.device_blocks
                 return _Loading(spec, store, lease, loaded, job, hold, t0)
             except STORE_ERRORS as e:
                 hold.close()
@@ -691,7 +689,7 @@ class TierdConnector(KVConnectorBase_V1):
                 loaded = 0
             except Exception:  # noqa: BLE001 - a failed copy must not reach vLLM: recompute
                 log.exception("tierd: starting a load's copies failed; the blocks are recomputed")
-                self._drain_load_stream()
+                drain_quietly(self._xfer)
                 hold.close()
                 loaded = 0
         if lease is not None:
@@ -734,17 +732,6 @@ class TierdConnector(KVConnectorBase_V1):
         if missing:
             self.stats["load_failures"] += 1
         return missing
-
-    def _drain_load_stream(self) -> None:
-        """Wait until whatever a failed load queued has run (so nothing lands in blocks that are
-        recomputed later); errors here are the device's and are only logged."""
-        sx = self._xfer.streams if self._xfer is not None else None
-        if sx is None:
-            return
-        try:
-            sx.synchronize(sx.record(self._xfer.h2d))
-        except Exception:  # noqa: BLE001
-            log.exception("tierd: waiting for the load stream failed")
 
     def _release_quietly(self, store, lease) -> None:
         try:

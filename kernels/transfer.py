@@ -100,8 +100,10 @@ class LoadJob:
     stream wait for layer i; `wait_all()` for every layer; `synchronize()` waits on the host
     until every copy has run (then the leased buffers may go). On CPU everything is already done."""
 
-    def __init__(self, streams=None, events: Sequence | None = None, layered: bool = False):
+    def __init__(self, streams=None, events: Sequence | None = None, layered: bool = False,
+                 device_blocks: int = 0):
         self.streams, self.events, self.layered = streams, list(events or ()), layered
+        self.device_blocks = device_blocks     # tier blocks copied device-to-device (HBM tier)
 
     def wait_layer(self, layer: int) -> None:
         if self.events:
@@ -175,21 +177,22 @@ class BlockTransfer:
             return self._pinned.get(now[0]) == now[1]
         if old is not None and self._pinned.get(old[0]) == old[1] and \
                 old[:2] not in (m[:2] for k, m in self._mapping.items() if k != id(store)):
-            self._drain()            # no copy queued from the old range may still be running
+            self.drain()             # no copy queued from the old range may still be running
             self.pinning.unregister(old[0])
             del self._pinned[old[0]]
         self._mapping[id(store)] = now
         return self.register_host(array)
 
-    def _drain(self) -> None:
-        """Wait on the host for every copy queued on this transfer's streams."""
+    def drain(self) -> None:
+        """Wait on the host for every copy queued on this transfer's streams (after a failed
+        load: nothing it queued lands later in blocks that are recomputed)."""
         if self.streams is not None:
             for stream in (self.d2h, self.h2d):
                 self.streams.synchronize(self.streams.record(stream))
 
     def close(self) -> None:
         with self._pin_lock:
-            self._drain()
+            self.drain()
             for ptr in list(self._pinned):
                 self.pinning.unregister(ptr)
             self._pinned.clear()
@@ -240,11 +243,11 @@ class BlockTransfer:
         for t in range(n):
             d = device_buffers[t] if device_buffers is not None and t < len(device_buffers) else None
             srcs.append(d.reshape(-1) if d is not None and d.device == self.device else host_tensor(buffers[t]))
+        up = [i for i, src in enumerate(srcs) if src.device != self.device]   # host blocks to copy up
         sx = self.streams
         if sx is None:
             scatter_blocks(self.k, self.v, block_ids, srcs)
-            return LoadJob()
-        up = [i for i, src in enumerate(srcs) if src.device != self.device]   # host blocks to copy up
+            return LoadJob(device_blocks=n - len(up))
         staging: list = []
         events = []
 
@@ -284,7 +287,7 @@ class BlockTransfer:
                         sx.run(self.h2d, copy_up(layer * self.layer_bytes, self.layer_bytes))
                     sx.run(self.h2d, scatter(layer))
                     events.append(sx.record(self.h2d))
-        return LoadJob(sx, events, layered)
+        return LoadJob(sx, events, layered, device_blocks=n - len(up))
 
     def scatter_from(self, block_ids: torch.Tensor, buffers: Sequence[np.ndarray]):
         """Copy host buffers into engine blocks, all layers at once. On a device the compute

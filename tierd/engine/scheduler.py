@@ -33,9 +33,6 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks; it waits at the front and is recomputed."""
-        self._preempt(seq)
-
-    def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free_seq(seq)
         seq.reset_for_recompute()
@@ -53,7 +50,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed, budget)
             while not self.bm.can_allocate(seq, n):
                 victim = self.running[-1]
-                self._preempt(victim)
+                self.preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
