@@ -19,6 +19,7 @@ import numpy as np
 
 from .config import ALIGN, align_up
 from .errors import CapacityError, ConfigError
+from .instance import same_file
 
 _SLOT_BITS = 24  # slot id = slab << 24 | index within slab
 
@@ -244,6 +245,12 @@ class SharedArena:
                     f"filesystem more room (e.g. a larger /dev/shm: docker run --shm-size)") from None
             raise CapacityError(f"host tier: cannot reserve the shared-memory arena in {where}: {e.strerror}") from None
 
+    def identity(self) -> tuple[int, int]:
+        """(st_dev, st_ino) of the arena's file: a client that maps it by path checks it is
+        this file, not one another daemon put at the same path."""
+        st = os.fstat(self.fd)
+        return st.st_dev, st.st_ino
+
     def view(self, offset: int, length: int) -> np.ndarray:
         """A writable (length,) uint8 view of the arena at `offset`."""
         return self.array[offset:offset + length]
@@ -256,13 +263,15 @@ class SharedArena:
             self._mmap.close()
         except BufferError:
             pass  # a caller still holds a view; the mapping goes when the last view does
+        if self.path is not None:
+            # only our own file: a path that names another file now is not ours to remove
+            if same_file(self.fd, self.path):
+                try:
+                    os.unlink(self.path)
+                except FileNotFoundError:
+                    pass
         os.close(self.fd)
         self.fd = -1
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
 
 
 def filesystem_type(path: str) -> str | None:

@@ -50,13 +50,35 @@ def _raise_remote(err: dict) -> None:
     raise P.RemoteError(code, message)
 
 
-class ClientReservation:
-    """Slots in the daemon's arena to write into; `commit` makes them visible."""
+class _Link:
+    """One connection to the daemon and the holds on it. The daemon reclaims a connection's
+    reservations and leases when its socket closes, so the socket is closed only once no hold
+    is left: a link given up (a timeout on one thread) while another thread still copies through
+    its slots stays open, unused, until that copy is done (`dead` and `holds > 0`)."""
 
-    def __init__(self, rid, ns, keys, status, buffers, generation):
+    __slots__ = ("sock", "holds", "dead")
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self.holds, self.dead = sock, 0, False
+
+    def intact(self) -> bool:
+        """The daemon has not closed this connection (so it still honours its slots)."""
+        if self.sock.fileno() < 0:
+            return False
+        p = select.poll()
+        p.register(self.sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        return not p.poll(0)
+
+
+class ClientReservation:
+    """Slots in the daemon's arena to write into; `commit` makes them visible. It holds its
+    connection open until committed or aborted (see `Client.acquire`)."""
+
+    def __init__(self, rid, ns, keys, status, buffers, generation, link=None):
         self.id, self.namespace, self.keys = rid, ns, keys
         self.status, self.buffers = status, buffers
         self._generation = generation
+        self._link = link   # the held connection (None: nothing reserved, nothing held)
 
     @property
     def num_reserved(self) -> int:
@@ -66,12 +88,13 @@ class ClientReservation:
 class ClientLease:
     """Read-only views of leased slots in the daemon's arena, valid until `release`."""
 
-    def __init__(self, lid, ns, keys, buffers, tiers, client, generation):
+    def __init__(self, lid, ns, keys, buffers, tiers, client, generation, link=None):
         self.id, self.namespace, self.keys = lid, ns, keys
         self.buffers, self.tiers = buffers, tiers
         self.gpu_offsets: list[int] = []     # per block: offset in the daemon's HBM tier, or -1
         self.gpu_buffers: list = []          # per block: (block_bytes,) CUDA view, or None
         self._client, self._generation, self._open = client, generation, True
+        self._link = link   # the held connection (None: nothing leased, nothing held)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -115,8 +138,7 @@ class Client:
         self.use_index = use_index
         self._hbm = hbm              # reads HBM copies: None = when it maps the daemon's HBM tier
         self._hold_lock = threading.Lock()
-        self._holds = 0
-        self._zombies: list[socket.socket] = []
+        self._link: _Link | None = None
         self.reconnects = 0
         with self._lock:
             self._connect()
@@ -133,18 +155,25 @@ class Client:
                 f"cannot reach the tierd daemon at {self.path}: {e.strerror or e}; is `tierd serve` running?") from None
         s.setblocking(False)
         self._sock = s
+        self._link = _Link(s)
         self._poller = select.poll()
         self._poller.register(s, select.POLLIN)
         self._rbuf = bytearray()
         self._generation += 1
-        reply = self._roundtrip({"op": "hello", "version": P.PROTOCOL_VERSION, "client": self.name,
-                                 "namespaces": [ns.to_dict() for ns in self._namespaces.values()]})
-        self.server_version = reply.get("server")
-        self.events = bool(reply.get("events"))   # the daemon publishes KV events: send token ids
-        self.limits = reply.get("limits", {})
-        self._map_arena(reply["arenas"][0])
-        self._map_index(reply.get("index"))
-        self._map_gpu([a for a in reply["arenas"][1:] if a.get("tier") == "gpu"])
+        # A connection is either greeted and mapped, or closed: never left half-open (every
+        # later call would then fail with "send hello first").
+        try:
+            reply = self._roundtrip({"op": "hello", "version": P.PROTOCOL_VERSION, "client": self.name,
+                                     "namespaces": [ns.to_dict() for ns in self._namespaces.values()]})
+            self.server_version = reply.get("server")
+            self.events = bool(reply.get("events"))   # the daemon publishes KV events: send token ids
+            self.limits = reply.get("limits", {})
+            self._map_arena(reply["arenas"][0])
+            self._map_index(reply.get("index"))
+            self._map_gpu([a for a in reply["arenas"][1:] if a.get("tier") == "gpu"])
+        except BaseException:
+            self._disconnect()
+            raise
 
     def _map_gpu(self, descs: list[dict]) -> None:
         """Map the daemon's HBM tier once per export: a reconnect to the same daemon keeps the
@@ -174,6 +203,12 @@ class Client:
         except OSError as e:
             raise DaemonUnavailableError(f"cannot map the daemon's host arena {desc['path']}: {e.strerror}") from None
         try:
+            st = os.fstat(fd)
+            if "ino" in desc and (st.st_dev, st.st_ino) != (desc["dev"], desc["ino"]):
+                # another process put a file at the daemon's path: its bytes are not the cache
+                raise DaemonUnavailableError(
+                    f"the host arena at {desc['path']} is not the one the daemon at {self.path} serves "
+                    "(was a second `tierd serve` started on this socket?); restart the daemon")
             self._arena_mmap = mmap.mmap(fd, desc["capacity_bytes"], mmap.MAP_SHARED,
                                          mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
@@ -217,35 +252,50 @@ class Client:
         self._deferred_commits = 0
 
     def _disconnect(self) -> None:
+        """Give up the connection for new requests (lock held). Its socket closes now, or —
+        when threads still hold its slots — when the last of them lets go."""
         self._deferred = []
         self._deferred_commits = 0
         self._rbuf = bytearray()
         if self._sock is not None:
-            sock, self._sock = self._sock, None
+            link, self._sock, self._link = self._link, None, None
             with self._hold_lock:
-                if self._holds:          # someone still copies through this connection's slots:
-                    self._zombies.append(sock)   # close it (and let the daemon reclaim) after them
+                link.dead = True
+                if link.holds:
                     return
-            sock.close()
+            link.sock.close()
+
+    def _pin(self) -> _Link | None:
+        """(Lock held.) Hold the current connection open: its slots stay this client's."""
+        link = self._link
+        if link is not None:
+            with self._hold_lock:
+                link.holds += 1
+        return link
+
+    def _unpin(self, link: _Link | None) -> None:
+        if link is None:
+            return
+        with self._hold_lock:
+            link.holds -= 1
+            close = link.dead and not link.holds
+        if close:
+            link.sock.close()   # the daemon reclaims what it held now, after every copy
 
     @contextlib.contextmanager
     def hold(self):
         """Keep this connection's reservations and leases alive while the caller copies into or
         out of their slots from another thread: a request that fails meanwhile (a timeout on
         another thread) drops the connection for new requests, but its socket is closed — and
-        the daemon reclaims the slots — only once every holder is done."""
-        with self._hold_lock:
-            self._holds += 1
+        the daemon reclaims the slots — only once every holder is done. (Every open lease and
+        reservation holds its connection this way by itself; this is for callers that copy
+        through slots they track on their own.)"""
+        with self._lock:
+            link = self._pin()
         try:
             yield
         finally:
-            with self._hold_lock:
-                self._holds -= 1
-                zombies = self._zombies if not self._holds else []
-                if not self._holds:
-                    self._zombies = []
-            for z in zombies:
-                z.close()
+            self._unpin(link)
 
     def reconnect(self) -> None:
         """Connect again if the connection was lost (for callers that reconnect off their hot path)."""
@@ -444,7 +494,8 @@ class Client:
     def reserve(self, ns, keys: Sequence[bytes], *, parent: bytes | None = None,
                 token_ids: Sequence[int] | None = None) -> ClientReservation:
         """Slots to write `keys` into. `token_ids` (optional, `block_tokens` per key) go to the
-        daemon only where it publishes KV events, for indexers that compute their own keys."""
+        daemon only where it publishes KV events, for indexers that compute their own keys.
+        The reservation holds its connection open until `commit` or `abort` (see `acquire`)."""
         nsobj = self._namespace(ns)
         keys = check_keys(keys)
         fields = {"ns": nsobj.name, "keys": keys}
@@ -458,27 +509,46 @@ class Client:
             status = [P.SLOT_STATUS_NAMES[s] for s, _ in r["slots"]]
             buffers = [self._view(off, nsobj.block_bytes, True) if s == P.SLOT_RESERVED else None
                        for s, off in r["slots"]]
-        return ClientReservation(r["res"], nsobj, keys, status, buffers, gen)
+            link = self._pin() if r["res"] else None
+        return ClientReservation(r["res"], nsobj, keys, status, buffers, gen, link)
 
     def commit(self, res: ClientReservation) -> int:
+        """Make the reserved blocks visible. Raises LeaseError, committing nothing, when the
+        reservation's connection was lost (a daemon restart, or a timeout on another thread):
+        what was copied into its slots is then discarded."""
         if res.id == 0:
             return 0   # nothing was reserved: the daemon keeps no reservation
-        with self._lock:
-            if res._generation != self._generation:
-                raise E.LeaseError("the daemon restarted since this reservation was made; it is lost")
-            return self._call("commit", res=res.id)["n"]
+        link, res._link = res._link, None
+        try:
+            with self._lock:
+                self._check_held(res, link, "reservation")
+                return self._call("commit", res=res.id)["n"]
+        finally:
+            self._unpin(link)
+
+    def _check_held(self, held, link: _Link | None, what: str) -> None:
+        """(Lock held.) LeaseError unless `held` was made on the current, live connection."""
+        if link is None or link is not self._link or link.dead or held._generation != self._generation:
+            raise E.LeaseError(f"this {what} ({held.id}) was lost with its connection to the daemon "
+                               "(the daemon restarted, or a request on another thread timed out)")
 
     def abort(self, res: ClientReservation) -> None:
         if res.id == 0:
             return
-        with self._lock:
-            if res._generation == self._generation and self._sock is not None:
-                self._call("abort", res=res.id)
+        link, res._link = res._link, None
+        try:
+            with self._lock:
+                if link is not None and link is self._link and not link.dead:
+                    self._call("abort", res=res.id)
+        finally:
+            self._unpin(link)
 
     def put(self, ns, keys: Sequence[bytes], blocks: Sequence, *, parent: bytes | None = None,
             token_ids: Sequence[int] | None = None) -> int:
         """Store blocks (reserve, copy into the arena, commit); returns how many were newly
-        reserved and committed."""
+        reserved and committed. The copy runs while the reservation holds its connection, so
+        no other thread's timeout can hand its slots to someone else mid-copy; a reservation
+        lost meanwhile raises LeaseError and commits nothing."""
         nsobj = self._namespace(ns)
         keys = check_keys(keys)
         if len(blocks) != len(keys):
@@ -486,19 +556,31 @@ class Client:
         views = [as_u8(b, nsobj.block_bytes, nsobj.kv_dtype) for b in blocks]
         res = self.reserve(nsobj, keys, parent=parent, token_ids=token_ids)
         fill_reservation(self, res, views)
-        with self._lock:
-            if res._generation != self._generation:
-                raise E.LeaseError("the daemon restarted during this put; the blocks were not stored")
-            if not res.num_reserved:
-                return 0
-            # The daemon serves a connection's requests in order, so everything this client asks
-            # next already sees the blocks; the commit's reply is read with the next reply.
-            if not self._send_deferred({"op": "commit", "res": res.id}):
-                raise DaemonUnavailableError(f"lost the tierd daemon at {self.path} during put")
-            self._deferred_commits += 1
-            return res.num_reserved
+        if not res.num_reserved:
+            return 0
+        link, res._link = res._link, None
+        try:
+            with self._lock:
+                self._check_held(res, link, "reservation")
+                # The daemon serves a connection's requests in order, so everything this client
+                # asks next already sees the blocks; the commit's reply is read with the next
+                # reply.
+                if not self._send_deferred({"op": "commit", "res": res.id}):
+                    raise DaemonUnavailableError(f"lost the tierd daemon at {self.path} during put")
+                self._deferred_commits += 1
+                return res.num_reserved
+        finally:
+            self._unpin(link)
 
     def acquire(self, ns, keys: Sequence[bytes]) -> ClientLease:
+        """Lease the longest present prefix of `keys`; read `lease.buffers`, then `release`.
+
+        Threads: a client may be shared by threads. A lease (and a reservation) holds its
+        connection open until released, so a request that times out on another thread — which
+        gives the connection up — cannot make the daemon reclaim these slots while they are
+        read. Bytes are trustworthy only if the lease still stands after they were read:
+        `release(lease, confirm=True)` checks that (`get` does it for you, without a round
+        trip)."""
         nsobj = self._namespace(ns)
         keys = check_keys(keys)
         with self._lock:
@@ -506,7 +588,8 @@ class Client:
             r = self._call("acquire", ns=nsobj.name, keys=keys, **({"gpu": True} if hbm else {}))
             views = [self._view(off, nsobj.block_bytes, False) for off in r["offsets"]]
             gen = self._generation
-            lease = ClientLease(r["lease"], nsobj, keys[:len(views)], views, r["tiers"], self, gen)
+            link = self._pin() if r["lease"] else None
+            lease = ClientLease(r["lease"], nsobj, keys[:len(views)], views, r["tiers"], self, gen, link)
             offs = r.get("gpu_offsets")
             if offs and self._gpu_arena is not None:
                 lease.gpu_offsets = list(offs)
@@ -514,35 +597,43 @@ class Client:
         return lease
 
     def release(self, lease: ClientLease, *, confirm: bool = False) -> None:
-        """End a lease. With `confirm`, wait for the daemon's answer and raise LeaseError if the
-        lease was lost before now (the connection dropped, the daemon restarted): then the bytes
-        read under it may have been overwritten, and the reader must not use them."""
-        with self._lock:
-            if not lease._open:
-                raise E.LeaseError(f"lease {lease.id} is already released")
-            lease._open = False
-            if lease.id == 0:
-                return   # nothing was leased
-            if confirm:
-                if lease._generation != self._generation or self._sock is None:
-                    raise E.LeaseError(f"lease {lease.id} was lost with its connection to the daemon")
-                try:
-                    self._roundtrip({"op": "release", "lease": lease.id})
-                except DaemonUnavailableError as e:
-                    raise E.LeaseError(f"lease {lease.id} could not be confirmed: {e}") from None
-                return
-            if lease._generation == self._generation and self._sock is not None:
-                # The reply is read before the next request's, not waited for now: a release
-                # cannot fail for a lease this client holds, and it saves a round trip per get.
-                self._send_deferred({"op": "release", "lease": lease.id})
+        """End a lease. With `confirm`, raise LeaseError if the lease was lost before now (the
+        daemon closed the connection: it restarted, or reclaimed the slots): then the bytes
+        read under it may have been overwritten, and the reader must not use them. The check
+        costs no round trip: the lease held its connection open, so the slots stayed this
+        client's for as long as the daemon's end of it is still open."""
+        if not lease._open:
+            raise E.LeaseError(f"lease {lease.id} is already released")
+        lease._open = False
+        if lease.id == 0:
+            return   # nothing was leased
+        link, lease._link = lease._link, None
+        try:
+            if confirm and (link is None or not link.intact()):
+                raise E.LeaseError(f"lease {lease.id} was lost with its connection to the daemon")
+            with self._lock:
+                if link is not None and link is self._link and not link.dead:
+                    # The reply is read before the next request's, not waited for now: a release
+                    # cannot fail for a lease this client holds, and it saves a round trip per get.
+                    self._send_deferred({"op": "release", "lease": lease.id})
+        finally:
+            self._unpin(link)
 
     def get(self, ns, keys: Sequence[bytes], out: Sequence | None = None) -> list:
+        """The blocks of the longest present prefix of `keys`, copied out of leased slots.
+        Raises LeaseError, returning nothing, if the lease was lost before the copy ended."""
         nsobj = self._namespace(ns)
         if out is not None and len(out) < len(keys):
             raise E.TierdError(f"get: {len(keys)} keys but only {len(out)} output buffers")
         dsts = None if out is None else [as_u8(o, nsobj.block_bytes, nsobj.kv_dtype) for o in out]
-        with self.acquire(nsobj, keys) as lease:
-            return copy_out(lease, dsts, out)
+        lease = self.acquire(nsobj, keys)
+        try:
+            got = copy_out(lease, dsts, out)
+        except BaseException:
+            self.release(lease)
+            raise
+        self.release(lease, confirm=True)
+        return got
 
     def flush(self, tier: str = "all", namespace=None) -> int:
         if isinstance(namespace, Namespace):

@@ -87,3 +87,9 @@ class StoreClosedError(TierdError, RuntimeError):
     """The store was closed."""
 
     code = "closed"
+
+
+class InstanceLockedError(TierdError, RuntimeError):
+    """Another daemon holds the instance lock of this socket (and so its arena and index)."""
+
+    code = "locked"

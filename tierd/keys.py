@@ -121,12 +121,25 @@ def well_formed(keys: Sequence) -> bool:
 
 
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:
-    """Validate a list of keys (16 bytes each) and return them as `bytes`."""
+    """Validate a list of keys (16 bytes each, none repeated) and return them as `bytes`."""
     if well_formed(keys):   # the common case, checked in C loops
-        return list(keys)
-    out = []
-    for k in keys:
-        if not isinstance(k, (bytes, bytearray, memoryview)) or len(k) != KEY_BYTES:
-            raise KeyFormatError(f"a key must be {KEY_BYTES} bytes, got {k!r:.60}")
-        out.append(bytes(k))
+        out = list(keys)
+    else:
+        out = []
+        for k in keys:
+            if not isinstance(k, (bytes, bytearray, memoryview)) or len(k) != KEY_BYTES:
+                raise KeyFormatError(f"a key must be {KEY_BYTES} bytes, got {k!r:.60}")
+            out.append(bytes(k))
+    if len(set(out)) != len(out):
+        raise KeyFormatError(repeated_keys_message(out))
     return out
+
+
+def repeated_keys_message(keys: Sequence[bytes]) -> str:
+    seen = set()
+    for i, k in enumerate(keys):
+        if k in seen:
+            return (f"key {k.hex()} appears twice (again at position {i}); a prefix chain never repeats "
+                    "a key (each one hashes the one before), so a request may name each key once")
+        seen.add(k)
+    return "keys repeat"

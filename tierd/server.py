@@ -16,6 +16,8 @@ import signal
 import socket
 import stat
 import struct
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -27,8 +29,9 @@ from . import __version__
 from . import protocol as P
 from .arena import filesystem_type
 from .config import RELOADABLE, SERVE_KEYS, ServeConfig, load_serve_config, setting_value
-from .errors import ConfigError, TierdError
+from .errors import ConfigError, InstanceLockedError, TierdError
 from .index import BEAT_S, SharedIndex
+from .instance import InstanceLock
 from .metrics import Metrics
 from .namespace import Namespace
 from .sdnotify import notify, watchdog_interval_s
@@ -62,6 +65,7 @@ class _Conn(asyncio.Protocol):
         self.greeted = False
         self.name = ""
         self.namespaces: set[str] = set()
+        self.held: set[tuple[str, int]] = set()   # open ("res"|"lease", id): never idle-closed
         self.ops = 0
         self.transport: asyncio.Transport | None = None
         self._buf = bytearray()
@@ -247,7 +251,9 @@ class _Conn(asyncio.Protocol):
             self._write(P.error_reply(None, "timeout", "frame incomplete"))
             self._close()
             return
-        if cfg.idle_timeout_s and not self._busy and now - self._last > cfg.idle_timeout_s:
+        if cfg.idle_timeout_s and not self._busy and not self.held and now - self._last > cfg.idle_timeout_s:
+            # (a connection with open leases or reservations is never idle: its client may be
+            # copying through their slots right now, and closing it would reclaim them)
             self._write(P.error_reply(None, "timeout", "connection idle"))
             self._close()
             return
@@ -273,14 +279,33 @@ def check_socket_dir(path: str) -> None:
 
 
 class Daemon:
+    """The daemon: one store served on one socket. Construction takes the instance lock first
+    (tierd.instance) and touches no path before it holds it; `close` gives back everything it
+    made, whatever stage construction or `run` reached."""
+
     def __init__(self, cfg: ServeConfig, flags: dict[str, Any] | None = None):
         self.cfg = cfg
         self.flags = flags or {}
+        self.store = self.index = self.events = self.executor = self.metrics = None
+        self._closed = False
         check_socket_dir(cfg.socket)
+        self.lock = InstanceLock(cfg.socket + ".lock", cfg.socket)
+        try:
+            if os.path.exists(cfg.socket) and _socket_alive(cfg.socket):
+                # a daemon that predates the instance lock, or one on another lock path
+                raise InstanceLockedError(f"another daemon is serving {cfg.socket}; stop it or choose "
+                                          "another --socket")
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
+        cfg = self.cfg
         tag = hashlib.blake2b(os.path.abspath(cfg.socket).encode(), digest_size=6).hexdigest()
         self.arena_path = os.path.join(cfg.arena_dir, f"tierd-{os.geteuid()}-{tag}.host")
         try:
-            os.unlink(self.arena_path)  # left by a daemon that died: nobody may map it now
+            os.unlink(self.arena_path)  # left by a daemon that died (we hold its lock now)
         except FileNotFoundError:
             pass
         fs = filesystem_type(cfg.arena_dir)
@@ -307,16 +332,9 @@ class Daemon:
             self.store.attach_index(self.index)
             # with a remote tier, a miss in this node's table is not the answer: clients ask
             self.index.set_misses_final(self.store.remote is None)
-        self.events = None
         if cfg.events_addr:
             from .events import EventPublisher
-            try:
-                self.events = EventPublisher(cfg.events_addr)
-            except BaseException:
-                self.store.close()
-                if self.index is not None:
-                    self.index.close()
-                raise
+            self.events = EventPublisher(cfg.events_addr)
             self.store.attach_events(self.events)
         self.gpu_descriptor = None
         if self.store.gpu is not None:
@@ -347,14 +365,26 @@ class Daemon:
         return st
 
     # -- lifecycle ----------------------------------------------------------------------------
+    STOP_REQUESTS_S = 20.0   # how long a stop waits for requests still running
+    SYNC_ON_STOP_S = 60.0    # how long a stop waits for sync_on_stop (a hung disk: not longer)
+
     async def run(self) -> None:
+        """Serve until SIGTERM/SIGINT, then stop. Whatever happens, `close` runs: the socket,
+        arena and index are removed and the lock is given back."""
+        try:
+            await self._serve()
+        finally:
+            await self._stop_serving()
+            await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+    async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         path = self.cfg.socket
-        if os.path.exists(path):
-            if _socket_alive(path):
-                raise ConfigError(f"another daemon is serving {path}; stop it or choose another --socket")
-            os.unlink(path)
+        try:
+            os.unlink(path)   # a dead daemon's (this daemon holds the socket's lock)
+        except FileNotFoundError:
+            pass
         self._server = await loop.create_unix_server(self._connection, path=path)
         os.chmod(path, self.cfg.socket_mode)
         metrics_at = None
@@ -366,43 +396,77 @@ class Daemon:
         if self.index is not None:
             def beat():
                 self.index.beat()
-                self.store.refresh_health()   # the store lock only: never held over I/O
+                self.store.refresh_health()   # lock-free: reads the disk's calls in flight only
                 self._beat_handle = loop.call_later(BEAT_S, beat)
             beat()
         wd = watchdog_interval_s()
-        wd_task = asyncio.create_task(self._watchdog(wd)) if wd else None
+        self._wd_task = asyncio.create_task(self._watchdog(wd)) if wd else None
         status = f"serving {path}" + (f", metrics on {metrics_at[0]}:{metrics_at[1]}" if metrics_at else "") \
             + (f", events on {self.events.addr}" if self.events is not None else "")
         log.info("tierd %s %s (pid %d)", __version__, status, os.getpid())
         print(f"tierd: {status}", flush=True)
         notify(f"READY=1\nSTATUS={status}\nMAINPID={os.getpid()}")
         await self._stop.wait()
+
+    async def _stop_serving(self) -> None:
+        """No new connections; requests still running finish (or fail: the store refuses new
+        work once closing) before the store closes; sync_on_stop is tried, and its failure
+        logged, never a reason to skip the rest."""
+        loop = asyncio.get_running_loop()
         notify("STOPPING=1\nSTATUS=stopping")
         log.info("stopping: no new connections; finishing %d requests", self._inflight)
-        self._server.close()
-        if self.index is not None:
+        if self._server is not None:
+            self._server.close()
+        if getattr(self, "_beat_handle", None) is not None:
             self._beat_handle.cancel()
-        deadline = time.monotonic() + 20
+        if getattr(self, "_wd_task", None) is not None:
+            self._wd_task.cancel()
+        deadline = time.monotonic() + self.STOP_REQUESTS_S
         while self._inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
+        if self._inflight:
+            log.warning("stopping with %d requests still running (a hung disk?); they will fail",
+                        self._inflight)
         for c in list(self.conns.values()):
             c._close()
-        if wd_task:
-            wd_task.cancel()
         if self.cfg.sync_on_stop and self.store.disk is not None:
-            n = await loop.run_in_executor(self.executor, self.store.sync)
-            log.info("sync_on_stop: wrote %d blocks to disk", n)
-        await loop.run_in_executor(self.executor, self.store.close)
-        if self.index is not None:
-            self.index.close()
-        if self.events is not None:
-            self.events.close()
-        self.executor.shutdown(wait=False)
-        self.metrics.close()
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+            try:
+                n = await asyncio.wait_for(loop.run_in_executor(self.executor, self.store.sync),
+                                           self.SYNC_ON_STOP_S)
+                log.info("sync_on_stop: wrote %d blocks to disk", n)
+            except asyncio.TimeoutError:
+                log.error("sync_on_stop: the disk did not finish within %.0fs; stopping without it",
+                          self.SYNC_ON_STOP_S)
+            except Exception as e:  # noqa: BLE001 -- a failed sync must not skip the shutdown
+                log.error("sync_on_stop failed (%s); host-only blocks are lost, disk blocks stay", e)
+
+    def close(self) -> None:
+        """Close the store (checkpoint, or without one when the disk hangs), the index, the
+        events and metrics, remove the socket, arena and index files, and give back the
+        instance lock. Idempotent; safe at any stage of construction."""
+        if self._closed:
+            return
+        self._closed = True
+        steps = [("store", lambda: self.store.close()),
+                 ("index", lambda: self.index.close()),
+                 ("events", lambda: self.events.close()),
+                 ("metrics", lambda: self.metrics.close()),
+                 ("executor", lambda: self.executor.shutdown(wait=False))]
+        for what, step in steps:
+            if getattr(self, what) is None:
+                continue
+            try:
+                step()
+            except Exception:  # noqa: BLE001 -- every other step still runs
+                log.exception("stopping: closing the %s failed", what)
+        if self.lock.held:
+            for path in (self.cfg.socket, getattr(self, "index_path", None)):
+                if path is not None:
+                    try:
+                        os.unlink(path)
+                    except FileNotFoundError:
+                        pass
+            self.lock.release()
         log.info("stopped")
 
     async def _watchdog(self, interval: float) -> None:
@@ -518,6 +582,8 @@ class Daemon:
     def _undo_late(self, reply: dict) -> None:
         """A request answered with a timeout finished later: give back what it took."""
         obj = reply.get("_obj")
+        for c in self.conns.values():
+            c.held.discard(("lease" if isinstance(obj, Lease) else "res", getattr(obj, "id", 0)))
         try:
             if isinstance(obj, Lease):
                 self.store.release(obj)
@@ -557,7 +623,9 @@ class Daemon:
         names = self._register(conn, msg.get("namespaces", []))
         conn.greeted = True
         host = self.store.host
-        arenas = [{"tier": "host", "path": self.arena_path, "capacity_bytes": host.capacity_bytes}]
+        dev, ino = host.arena.identity()
+        arenas = [{"tier": "host", "path": self.arena_path, "capacity_bytes": host.capacity_bytes,
+                   "dev": dev, "ino": ino}]
         if self.gpu_descriptor is not None:
             arenas.append(self.gpu_descriptor)
         index = {"path": self.index_path, "instance": self.instance} if self.index is not None else None
@@ -606,6 +674,8 @@ class Daemon:
                                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
             raise P.ProtocolError(f"tokens must be {ns.block_tokens} integers per key")
         res = self.store.reserve(ns, keys, parent=parent, owner=conn.id, token_ids=tokens)
+        if res.id:
+            conn.held.add(("res", res.id))
         slots = [[P.SLOT_STATUS[s], off] for s, off in zip(res.status, res.offsets)]
         return {"res": res.id, "slots": slots, "_obj": res}
 
@@ -613,19 +683,24 @@ class Daemon:
         rid = P.field(msg, "res", int)
         if rid == 0:
             return {"n": 0}   # a reservation of nothing (every block present or no room)
-        return {"n": self.store.commit(self.store.find_reservation(rid, conn.id))}
+        n = self.store.commit(self.store.find_reservation(rid, conn.id))
+        conn.held.discard(("res", rid))
+        return {"n": n}
 
     def _op_abort(self, conn: _Conn, msg: dict) -> dict:
         rid = P.field(msg, "res", int)
         res = self.store.find_reservation(rid, conn.id, missing_ok=True) if rid else None
         if res is not None:   # aborting twice is harmless; another client's, an error
             self.store.abort(res)
+        conn.held.discard(("res", rid))
         return {}
 
     def _op_acquire(self, conn: _Conn, msg: dict) -> dict:
         ns = self._ns(conn, msg)
         gpu = P.field(msg, "gpu", bool, default=False)     # the client reads HBM copies
         lease = self.store.acquire(ns, P.keys_field(msg, self.cfg.max_keys_per_request), owner=conn.id, gpu=gpu)
+        if lease.id:
+            conn.held.add(("lease", lease.id))
         reply = {"lease": lease.id, "offsets": lease.offsets, "tiers": lease.tiers, "_obj": lease}
         if any(o >= 0 for o in lease.gpu_offsets):
             reply["gpu_offsets"] = lease.gpu_offsets
@@ -635,6 +710,7 @@ class Daemon:
         lid = P.field(msg, "lease", int)
         if lid:   # 0: a lease of nothing, never held
             self.store.release(self.store.find_lease(lid, conn.id))
+            conn.held.discard(("lease", lid))
         return {}
 
     def _op_flush(self, conn: _Conn, msg: dict) -> dict:
@@ -685,7 +761,24 @@ def serve(config_path: str | None = None, flags: dict[str, Any] | None = None) -
     run = _loop_runner(cfg.event_loop)
     daemon = Daemon(cfg, flags)
     run(daemon.run())
+    _exit_past_stuck_threads()
     return 0
+
+
+def _exit_past_stuck_threads(grace_s: float = 2.0) -> None:
+    """A thread still stuck in a disk call (a hung disk) would keep the interpreter from
+    exiting; the daemon has closed and removed everything by now, so leave at once."""
+    deadline = time.monotonic() + grace_s
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon
+             and t.is_alive()]
+    if stuck:
+        log.warning("exiting with %d threads stuck in I/O (%s)", len(stuck), ", ".join(stuck[:4]))
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
 
 
 def _loop_runner(choice: str):

@@ -865,9 +865,13 @@ class TieredStore:
 
     def refresh_health(self) -> None:
         """Notice a stalled disk now (the daemon calls this with its heartbeat, so the shared
-        index stops counting a hung disk's blocks even while nobody asks the daemon)."""
-        with self._cond:
-            self._note_stall()
+        index stops counting a hung disk's blocks even while nobody asks the daemon).
+        Lock-free: the heartbeat runs on the daemon's event loop, which never waits for the
+        store lock; it reads only the disk's calls in flight and sets the index's flag."""
+        disk, index = self.disk, self._index
+        if index is not None:
+            io = disk.oldest_io() if disk is not None else None
+            index.set_disk_ok(io is None or io[1] < self.config.disk_stall_s)
 
     def _publish(self, b: _Block) -> None:
         if self._index is not None:
@@ -1151,6 +1155,9 @@ class TieredStore:
                     self._disk_error("write", entry)  # the block stays in host RAM only
                 failed += 1
                 continue
+            if disk.fenced(entry.ns_id, entry.seq):
+                disk.free_slot(slot)   # a flush came while it was written: that copy is dead
+                continue
             b.disk = entry
             self._rd.owner[slot] = b
             self._rd.policy.insert(b.ikey)
@@ -1364,53 +1371,29 @@ class TieredStore:
         """Lease the longest present prefix of `keys`, promoting disk blocks to host RAM.
 
         `gpu`: the caller reads HBM copies (`lease.gpu_buffers`); only then are blocks copied
-        into the HBM tier and its copies leased. Without a reader the tier costs nothing."""
+        into the HBM tier and its copies leased. Without a reader the tier costs nothing.
+
+        Plan → execute → settle: the plan pins blocks and marks promotions LOADING under the
+        lock; the reads run outside it; the settle returns every planned block to a stable
+        state (READY and leased, or its slot given back) and drops the plan's pins — on every
+        exit, an unexpected exception or a store closing under a wait included."""
         keys = check_keys(keys)
+        plan: list[tuple[_Block, DiskEntry | str | None]] = []
         with self._cond:
             self._check_open()
             st = self._ns(ns)
-            plan: list[tuple[_Block, DiskEntry | None]] = []
-            for k in keys:
-                ikey = st.ns_id + k
-                b = self._blocks.get(ikey)
-                while b is not None and b.host_state == LOADING:
-                    if self._note_stall():   # its read hangs on a stalled disk: a miss
-                        b = None
-                        break
-                    self._cond.wait(0.05)
-                    b = self._blocks.get(ikey)
-                if b is None:
-                    break
-                if b.host_state == READY:
-                    b.host_pins += 1
-                    plan.append((b, None))
-                    continue
-                if b.disk is None or self._note_stall():   # a stalled disk: a miss, not a wait
-                    break
-                b.disk_pins += 1  # making room may evict from disk: not this block
-                slot = self._host_alloc(st)
-                b.disk_pins -= 1
-                b = self._blocks.get(ikey)
-                if b is not None and b.host_state == READY:  # promoted meanwhile
-                    if slot is not None:
-                        self.host.free_slot(slot)
-                    b.host_pins += 1
-                    plan.append((b, None))
-                    continue
-                if b is None or b.disk is None or b.host_state != ABSENT or slot is None:
-                    if slot is not None:
-                        self.host.free_slot(slot)
-                    break
-                b.host_slot, b.host_state = slot, LOADING
-                self._rh.owner[slot] = b
-                self._publish(b)
-                b.host_pins += 1
-                b.disk_pins += 1
-                plan.append((b, b.disk))
-            if self.remote is not None and len(plan) < len(keys) and self._remote_ok():
-                self._plan_remote(st, keys, plan)
-        errors = self._load_from_disk([(b, e) for b, e in plan if e is not None and e is not REMOTE])
-        errors.update(self._load_from_remote([b for b, e in plan if e is REMOTE]))
+            try:
+                self._plan_acquire(st, keys, plan)
+            except BaseException:
+                self._settle_failed(st, plan)
+                raise
+        try:
+            errors = self._load_from_disk([(b, e) for b, e in plan if e is not None and e is not REMOTE])
+            errors.update(self._load_from_remote([b for b, e in plan if e is REMOTE]))
+        except BaseException:
+            with self._cond:
+                self._settle_failed(st, plan)
+            raise
         discard: list[int] = []
         with self._cond:
             disk = self.disk
@@ -1478,6 +1461,69 @@ class TieredStore:
             lease.gpu_buffers = [self.gpu.buffer[o:o + st.block_bytes] if o >= 0 else None
                                  for o in lease.gpu_offsets]
         return lease
+
+    def _plan_acquire(self, st: _NsState, keys: Sequence[bytes], plan: list) -> None:
+        """(Lock held; may wait on it.) Pin the leading present blocks of `keys` into `plan`:
+        (block, None) for a READY host block, (block, DiskEntry) for a promotion from disk into
+        a new LOADING host slot, (block, REMOTE) for a fetch from the remote tier."""
+        for k in keys:
+            ikey = st.ns_id + k
+            b = self._blocks.get(ikey)
+            while b is not None and b.host_state == LOADING:
+                # another request's promotion (its settle always ends it); a stalled disk or
+                # a store closing ends the wait
+                if self._note_stall():
+                    b = None
+                    break
+                self._cond.wait(0.05)
+                self._check_open()
+                b = self._blocks.get(ikey)
+            if b is None:
+                break
+            if b.host_state == READY:
+                b.host_pins += 1
+                plan.append((b, None))
+                continue
+            if b.disk is None or self._note_stall():   # a stalled disk: a miss, not a wait
+                break
+            b.disk_pins += 1  # making room may evict from disk: not this block
+            try:
+                slot = self._host_alloc(st)
+            finally:
+                b.disk_pins -= 1
+            b = self._blocks.get(ikey)
+            if b is not None and b.host_state == READY:  # promoted meanwhile
+                if slot is not None:
+                    self.host.free_slot(slot)
+                b.host_pins += 1
+                plan.append((b, None))
+                continue
+            if b is None or b.disk is None or b.host_state != ABSENT or slot is None:
+                if slot is not None:
+                    self.host.free_slot(slot)
+                break
+            b.host_slot, b.host_state = slot, LOADING
+            self._rh.owner[slot] = b
+            self._publish(b)
+            b.host_pins += 1
+            b.disk_pins += 1
+            plan.append((b, b.disk))
+        if self.remote is not None and len(plan) < len(keys) and self._remote_ok():
+            self._plan_remote(st, keys, plan)
+
+    def _settle_failed(self, st: _NsState, plan: list) -> None:
+        """(Lock held.) Undo an acquire's plan that will not be served: every pin it took is
+        dropped and every slot it filled is given back, so nothing waits for it."""
+        for b, e in plan:
+            b.host_pins -= 1
+            if e is None:
+                continue
+            if e is not REMOTE:
+                b.disk_pins -= 1
+            if b.host_state == LOADING:
+                self._drop_host(b, evicted=False)
+        plan.clear()
+        self._cond.notify_all()
 
     def _gpu_fill(self, lease: Lease, fills: list[int]) -> None:
         """Copy newly admitted blocks of `lease` into their HBM slots (no lock; the slots and the
@@ -1639,7 +1685,12 @@ class TieredStore:
             self._check_open()
             ns_id = None if namespace is None else self._ns_for_flush(namespace)
             dropped = 0
-            disk, erase = self.disk, []
+            disk = self.disk
+            fence = tier in ("disk", "all") and disk is not None and not disk.closed
+            if fence:
+                # every copy written before now is dead, indexed or not (copies evicted earlier
+                # left valid headers behind): recovery and write settles check the fence
+                disk.set_fence(ns_id)
             for b in list(self._blocks.values()):
                 if ns_id is not None and b.st.ns_id != ns_id:
                     continue
@@ -1652,13 +1703,18 @@ class TieredStore:
                     hit = True
                 if tier in ("disk", "all") and disk is not None and b.disk is not None \
                         and b.disk_pins == 0:
-                    erase.append(self._unindex_disk(b))
+                    self._drop_disk(b, evicted=False)   # its slot may be reused at once
                     hit = True
                 dropped += hit
-        # Gone from the index now; erased on disk (tombstones, fdatasync) outside the lock.
-        if erase and (err := self._tombstone(disk, erase, durable=True)) is not None:
-            raise DiskDegradedError(f"flush: {len(erase)} blocks were dropped but could not be erased on "
-                                    f"disk ({err}); they may come back after a restart")
+        # Gone from the index now; the fence is made durable outside the lock.
+        if fence:
+            try:
+                disk.save_fences()
+            except OSError as e:
+                with self._cond:
+                    self._disk_error("flush record", e)
+                raise DiskDegradedError(f"flush: {dropped} blocks were dropped but the flush could not be "
+                                        f"recorded on disk ({e}); they may come back after a restart") from None
         return dropped
 
     def _flush_remote(self, namespace) -> int:
@@ -1912,9 +1968,12 @@ class TieredStore:
         if self._closed:
             raise StoreClosedError("the store is closed")
 
+    CLOSE_WAIT_S = 10.0   # how long close waits for disk writes in flight (never for a hung disk)
+
     def close(self, *, sync: bool = False) -> None:
         """Stop background work, flush the disk tier and write its checkpoint. Host-only blocks
-        are lost unless `sync=True` (or `sync()` was called)."""
+        are lost unless `sync=True` (or `sync()` was called). Always completes: a disk that
+        hangs or fails is left without a checkpoint (the next open scans its headers)."""
         if sync and not self._closed:
             self.sync()
         with self._cond:
@@ -1922,21 +1981,33 @@ class TieredStore:
                 return
             self._closed = True
             self._cond.notify_all()
-        self._maintainer.join()
+        deadline = time.monotonic() + self.CLOSE_WAIT_S
+        self._maintainer.join(max(0.1, deadline - time.monotonic()))
         if self.remote is not None:
             self._remote_wake.set()
             for t in self._remote_threads:
                 t.join(10 + 2 * self.config.remote_timeout_s)
             self.remote.close()
         with self._cond:
-            while self._writes_in_flight:
-                self._cond.wait()
+            while self._writes_in_flight and time.monotonic() < deadline and not self._note_stall():
+                self._cond.wait(0.05)
+            stuck = self._writes_in_flight or self._batch_writing or self._maintainer.is_alive()
             for r in list(self._reservations.values()):
                 self._abort_locked(r)
             self._reservations.clear()
             entries = [b.disk for b in self._blocks.values() if b.disk is not None]
-        if self.disk is not None:
-            self.disk.close(entries)
+        disk = self.disk
+        if disk is not None:
+            if stuck or (disk.oldest_io() is not None):
+                log.error("disk tier: I/O still in flight at close (a hung disk?); closing without a "
+                          "checkpoint, the next start scans the slot headers")
+                disk.mark_closed()
+            else:
+                try:
+                    disk.close(entries)
+                except Exception as e:  # noqa: BLE001 -- the next open scans instead
+                    log.error("disk tier: closing failed (%s); no checkpoint written, the next start "
+                              "scans the slot headers", e)
         if self.gpu is not None:
             self.gpu.close()
         self.host.close()

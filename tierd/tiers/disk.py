@@ -56,6 +56,8 @@ _CSUM = struct.Struct("<Q")
 LOCK_NAME = "LOCK"
 CHECKPOINT_NAME = "index.ckpt"
 NAMESPACES_NAME = "namespaces.msgpack"
+FENCES_NAME = "flushed.msgpack"
+ALL_NAMESPACES = b""   # the fence key of a flush of every namespace
 
 
 class CorruptBlockError(TierdError):
@@ -227,6 +229,8 @@ class DiskTier(Tier):
             st = os.stat(self.path)
             self._dir_id = (st.st_dev, st.st_ino)
             self.namespaces = self._load_namespaces()
+            self._fence_lock = threading.Lock()
+            self.fences = self._load_fences()
             self._recover(io_threads)
             self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tierd-disk")
         except BaseException:
@@ -649,6 +653,49 @@ class DiskTier(Tier):
             os.rename(tmp, self.path / name)
             self._fsync_dir()
 
+    # -- flush fences --------------------------------------------------------------------------
+    # A flush drops blocks from the index at once, but copies evicted earlier left valid headers
+    # behind, and any header could outlive the flush in a crash. So a flush records a fence:
+    # every copy of the namespace (or of all, key ALL_NAMESPACES) written with a sequence
+    # number below it is dead — at recovery and in the settle of writes in flight. Fences only
+    # grow, and sequence numbers continue above every fence after a restart.
+    def _load_fences(self) -> dict[bytes, int]:
+        p = self.path / FENCES_NAME
+        try:
+            raw = p.read_bytes()
+        except FileNotFoundError:
+            return {}
+        try:
+            body, (csum,) = raw[:-8], _CSUM.unpack(raw[-8:])
+            if _csum(body) != csum:
+                raise ValueError("checksum mismatch")
+            return {bytes(k): int(v) for k, v in msgpack.unpackb(body, raw=False, strict_map_key=False).items()}
+        except Exception as e:
+            # without its fences, flushed blocks could be served again: trust no copy at all
+            log.error("disk tier: %s (the record of flushes) is damaged (%s); every block on disk is "
+                      "dropped", p, e)
+            return {ALL_NAMESPACES: 1 << 62}
+
+    def set_fence(self, ns_id: bytes | None) -> int:
+        """(Store lock held; memory only.) Every copy of `ns_id` (None: of every namespace)
+        written before now is dead from now on. Returns the fence; `save_fences` makes it
+        durable."""
+        seq = self.next_seq()
+        key = ALL_NAMESPACES if ns_id is None else ns_id
+        self.fences = {**self.fences, key: max(self.fences.get(key, 0), seq)}
+        return seq
+
+    def save_fences(self) -> None:
+        """(No lock.) Write the fences durably (atomic replace, fsync)."""
+        with self._fence_lock:    # one writer of the file at a time; the newest fences win
+            body = msgpack.packb(self.fences, use_bin_type=True)
+            self._atomic_write(FENCES_NAME, body + _CSUM.pack(_csum(body)))
+
+    def fenced(self, ns_id: bytes, seq: int) -> bool:
+        """A copy of `ns_id` written with `seq` is below a flush's fence: never serve it."""
+        f = self.fences
+        return bool(f) and seq < max(f.get(ns_id, 0), f.get(ALL_NAMESPACES, 0))
+
     # -- recovery ----------------------------------------------------------------------------
     def _recover(self, io_threads: int) -> None:
         ckpt = self.path / CHECKPOINT_NAME
@@ -665,13 +712,18 @@ class DiskTier(Tier):
             self.recovered_from = "checkpoint"
         best: dict[bytes, DiskEntry] = {}
         for e in entries:
+            if self.fenced(e.ns_id, e.seq):
+                continue    # flushed: its slot is free for reuse
             k = e.ns_id + e.key
             old = best.get(k)
             if old is None or e.seq > old.seq:
                 best[k] = e
         self.alloc.take_many(e.slot for e in best.values())
         self.recovered = list(best.values())
-        top = max([0, *(e.seq for e in entries), *self.slab_gen])
+        if self.fences.get(ALL_NAMESPACES) == 1 << 62:   # damaged record: one real fence above all
+            self.fences = {ALL_NAMESPACES: max([0, *(e.seq for e in entries), *self.slab_gen]) + 1}
+            self.save_fences()
+        top = max([0, *(e.seq for e in entries), *self.slab_gen, *self.fences.values()])
         self._seq = itertools.count(top + 1)
 
     def _load_checkpoint(self, ckpt: Path) -> list[DiskEntry] | None:

@@ -1,0 +1,123 @@
+"""A flush lasts: after `tierd flush` (all, one tier, one namespace) and a kill -9, no block
+it dropped is ever served again — copies evicted from disk before the flush included (their
+headers were still valid on disk) — while what it did not drop survives as synced."""
+
+import numpy as np
+import pytest
+
+from tierd import TieredStore
+from tierd.client import Client
+
+from .daemon import DaemonProc
+from .helpers import block_for, chain, make_ns, small_config
+
+
+def fill_disk_past_capacity(c, ns, n_prompts):
+    """Put and sync prompt after prompt into a disk that holds fewer: the disk evicts."""
+    keys = []
+    for i in range(n_prompts):
+        ks = chain(ns, 1000 + i, 20)
+        c.put(ns, ks, [block_for(ns, k) for k in ks])
+        c.sync()
+        keys += ks
+    return keys
+
+
+def served(c, ns, keys):
+    return sum(c.lookup(ns, [k]) for k in keys)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["all", "disk", "namespace"])
+def test_flushed_blocks_never_come_back_after_kill_9(tmp_path, how):
+    d = DaemonProc(tmp_path, host_bytes="4MiB", disk_bytes="12MiB").start()
+    a, b = make_ns(model="flushed"), make_ns(model="kept")
+    try:
+        with Client(d.socket) as c:
+            flushed = fill_disk_past_capacity(c, a, 40)          # 800 blocks, the disk holds ~500
+            st = c.stats()["tiers"]["disk"]
+            assert st["evictions"] > 0, "the disk evicted nothing: the test exercises nothing"
+            kept = chain(b, 7, 10) if how == "namespace" else []
+            if kept:
+                c.put(b, kept, [block_for(b, k) for k in kept])
+                c.sync()
+            if how == "namespace":
+                c.flush(tier="all", namespace=a)
+            else:
+                c.flush(tier=how)
+                if how == "disk":
+                    c.flush(tier="host")   # host copies are not what this flush dropped
+            assert served(c, a, flushed) == 0
+        d.kill()
+        d.start()
+        with Client(d.socket) as c:
+            assert served(c, a, flushed) == 0, "flushed blocks came back after kill -9"
+            if kept:
+                got = c.get(b, kept)
+                assert len(got) == len(kept)
+                assert all(np.array_equal(g, block_for(b, k)) for g, k in zip(got, kept))
+            # the cache works as before: new puts of flushed keys are served and survive
+            again = flushed[:20]
+            c.put(a, again, [block_for(a, k) for k in again])
+            c.sync()
+        d.kill()
+        d.start()
+        with Client(d.socket) as c:
+            got = c.get(a, again)
+            assert len(got) == 20 and all(np.array_equal(g, block_for(a, k)) for g, k in zip(got, again))
+    finally:
+        if d.alive():
+            assert d.stop() == 0
+
+
+def test_a_write_in_flight_during_a_flush_is_not_kept_on_disk(tmp_path):
+    """A copy whose write began before a flush of its namespace is dead: it never enters the
+    index, and a restart does not bring it back."""
+    faults = tmp_path / "faults"
+    store = TieredStore(small_config(tmp_path, disk_fault_file=str(faults)))
+    ns = make_ns()
+    (warm,) = chain(ns, 4, 1)   # its slab header and namespace record are on disk first
+    store.put(ns, [warm], [block_for(ns, warm)])
+    store.sync()
+    keys = chain(ns, 3, 4)
+    store.put(ns, keys, [block_for(ns, k) for k in keys])
+    import threading
+    faults.write_text("write=hang:5")
+    t = threading.Thread(target=store.sync)
+    t.start()
+    import time
+    time.sleep(0.3)                       # the writes have their sequence numbers and hang
+    store.flush(tier="disk", namespace=ns)
+    faults.write_text("")
+    t.join(10)
+    assert "disk" not in "".join(store.where(ns, keys))
+    store.close()
+    again = TieredStore(small_config(tmp_path))
+    try:
+        assert again.lookup(ns, keys) == 0
+    finally:
+        again.close()
+
+
+def test_a_damaged_flush_record_drops_every_disk_block(tmp_path):
+    store = TieredStore(small_config(tmp_path))
+    ns = make_ns()
+    keys = chain(ns, 5, 4)
+    store.put(ns, keys, [block_for(ns, k) for k in keys])
+    store.flush(tier="disk", namespace=make_ns(model="other"))   # writes a flush record
+    store.sync()
+    store.close()
+    rec = tmp_path / "disk" / "flushed.msgpack"
+    rec.write_bytes(b"\x00" + rec.read_bytes()[1:])
+    again = TieredStore(small_config(tmp_path))
+    try:
+        assert again.lookup(ns, keys) == 0
+        again.put(ns, keys, [block_for(ns, k) for k in keys])
+        again.sync()
+    finally:
+        again.close()
+    third = TieredStore(small_config(tmp_path))
+    try:
+        assert third.lookup(ns, keys) == 4   # the fence replaced the record: new copies live
+    finally:
+        third.close()
