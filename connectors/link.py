@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 import tierd
-from tierd.errors import LeaseError, TierdError
+from tierd.errors import LeaseError, NamespaceLimitError, TierdError
 
 log = logging.getLogger("tierd.connectors")
 
@@ -35,7 +35,9 @@ STORE_ERRORS = (TierdError, OSError, ConnectionError)
 DEFAULT_TIMEOUT_S = 10.0  # per request to a daemon, for connectors (the Client's own default is 60 s);
 # long enough for a large prefix promoted from disk in one acquire, short enough to bound a stall
 STAT_KEYS = ("lookups", "hit_blocks", "loaded_tokens", "load_failures", "stored_blocks", "store_failures",
-             "stores_dropped", "unavailable", "load_s", "loaded_bytes")
+             "stores_dropped", "unavailable", "refused", "load_s", "loaded_bytes")
+# failures of one request, not of the link: a miss for that request, no back-off
+REQUEST_ERRORS = (NamespaceLimitError,)
 
 
 @contextlib.contextmanager
@@ -184,6 +186,15 @@ class StoreLink:
         return done, True
 
     def failed(self, e: Exception, what: str) -> None:
+        """A store call failed: back off — unless the failure concerns only that request (a
+        namespace the daemon refused): then that request is a miss, and the link stays up for
+        every other namespace."""
+        if isinstance(e, REQUEST_ERRORS):
+            with self._lock:
+                self.stats["refused"] += 1
+            if self.stats["refused"] & (self.stats["refused"] - 1) == 0:   # 1st, 2nd, 4th, ...: not every time
+                log.warning("tierd refused a request during %s (%s); that request is a miss", what, e)
+            return
         with self._lock:
             self.stats["unavailable"] += 1
             self._down_until = time.monotonic() + self._backoff
@@ -255,6 +266,9 @@ class StoreLink:
                 store.put(run[0][0], [it[1] for it in run], blocks, parent=run[0][2], token_ids=tokens)
                 self.stats["stored_blocks"] += len(run)
                 self.ok()
+            except REQUEST_ERRORS as e:
+                self.stats["store_failures"] += len(run)   # this run only: the others go on
+                self.failed(e, "store")
             except STORE_ERRORS as e:
                 self.stats["store_failures"] += sum(len(r) for r in runs[i:])
                 self.failed(e, "store")

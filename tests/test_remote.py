@@ -161,7 +161,53 @@ def test_foreign_truncated_and_corrupt_values_are_never_served(server):
         assert served_exact(b, ns, keys[5:6]) == 0
         st = remote_stats(b)
         assert st["corrupt_dropped"] == 4 and st["hits"] == 2
-        wait_for(lambda: not any(r.exists(rk[i]) for i in (1, 3, 4, 5)), what="damaged values deleted")
+    # never deleted: the tier is shared, and a value one node cannot verify is not its to remove
+    assert all(r.exists(rk[i]) for i in (1, 3, 4, 5))
+
+
+def test_a_value_claiming_a_huge_payload_costs_no_more_memory_than_a_block(server):
+    """On b90e890 a self-consistent value whose header claimed 256 MiB made the reader
+    allocate 256 MiB to read a 16 KiB block."""
+    import tracemalloc
+    from tierd.tiers.disk import _csum, pack_slot_header
+    ns = make_ns()
+    (k,) = chain(ns, 9, 1)
+    big = b"\0" * (64 << 20)
+    header = pack_slot_header(0, ns.dtype_bytes, ns.id, k, b"", len(big), ns.block_bytes, 0, 0, _csum(big))
+    r = redis.Redis.from_url(server.url)
+    r.hset(RemoteTier.rkey(ns.id, k), mapping={b"h": header, b"p": big})
+    del big
+    for direct in (True, False):
+        with node(server.url) as b:
+            b.remote.direct_reads = direct
+            tracemalloc.start()
+            try:
+                assert b.get(ns, [k]) == []
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            assert peak < 8 * ns.block_bytes + (1 << 20), f"{peak} bytes to refuse one value"
+            assert remote_stats(b)["corrupt_dropped"] == 1
+
+
+def test_server_errors_degrade_the_tier_and_never_delete_a_value(server):
+    """-NOPERM (and -LOADING, -BUSY, -MASTERDOWN: the server's state, not the value's) was
+    counted as a corrupt value on b90e890, and the keys were deleted from the shared tier."""
+    ns = make_ns()
+    keys = chain(ns, 8, 4)
+    with node(server.url) as a:
+        put(a, ns, keys)
+        wait_for(lambda: remote_stats(a)["writes"] == 4)
+    r = redis.Redis.from_url(server.url)
+    r.execute_command("ACL", "SETUSER", "noread", "on", ">pw", "~*", "+@all", "-hmget", "-hstrlen")
+    limited = server.url.replace("redis://", "redis://noread:pw@")
+    with node(limited) as b:
+        assert b.get(ns, keys) == []
+        st = remote_stats(b)
+        assert st["corrupt_dropped"] == 0 and st["errors"] >= 1 and st["degraded"]
+    assert all(r.exists(RemoteTier.rkey(ns.id, k)) for k in keys)
+    with node(server.url) as c:                    # the values are intact for everyone else
+        assert served_exact(c, ns, keys) == 4
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct-reads", "redis-py-reads"])

@@ -32,7 +32,8 @@ log = logging.getLogger("tierd.client")
 
 _ERRORS = {cls.code: cls for cls in (
     E.ConfigError, E.NamespaceError, E.UnknownNamespaceError, E.BlockError, E.KeyFormatError,
-    E.CapacityError, E.DiskTierError, E.DiskDegradedError, E.LeaseError, E.StoreClosedError)}
+    E.CapacityError, E.DiskTierError, E.DiskDegradedError, E.LeaseError, E.StoreClosedError,
+    E.NamespaceLimitError)}
 
 
 class DaemonUnavailableError(E.TierdError, ConnectionError):
@@ -111,6 +112,7 @@ class Client:
     """A connection to `tierd serve` with the same interface as `TieredStore`."""
 
     RETRY_OPS = {"lookup", "lookup_all", "where", "acquire", "stats", "ping", "flush", "sync", "register"}
+    NS_PER_REQUEST = 64   # namespaces per hello or register request (the daemon's limit)
 
     def __init__(self, path: str, *, timeout_s: float = 60.0, name: str | None = None,
                  connect_timeout_s: float = 5.0, retries: int = 1, spin_us: float = 100.0,
@@ -163,8 +165,16 @@ class Client:
         # A connection is either greeted and mapped, or closed: never left half-open (every
         # later call would then fail with "send hello first").
         try:
+            # this client's namespaces again (a restarted daemon knows none of them), in requests
+            # of at most NS_PER_REQUEST
+            known = [ns.to_dict() for ns in self._namespaces.values()]
             reply = self._roundtrip({"op": "hello", "version": P.PROTOCOL_VERSION, "client": self.name,
-                                     "namespaces": [ns.to_dict() for ns in self._namespaces.values()]})
+                                     "namespaces": known[:self.NS_PER_REQUEST]})
+            for i in range(self.NS_PER_REQUEST, len(known), self.NS_PER_REQUEST):
+                try:
+                    self._roundtrip({"op": "register", "namespaces": known[i:i + self.NS_PER_REQUEST]})
+                except E.NamespaceLimitError:
+                    break   # registered again when next used (and refused then, as a miss)
             self.server_version = reply.get("server")
             self.events = bool(reply.get("events"))   # the daemon publishes KV events: send token ids
             self.limits = reply.get("limits", {})
@@ -415,11 +425,26 @@ class Client:
                     self.reconnects += 1
                 try:
                     return self._roundtrip({"op": op, **fields})
+                except E.UnknownNamespaceError:
+                    # the daemon forgot an unused namespace of ours (its table is bounded):
+                    # register it again, once, and ask again
+                    if not self._register_again(fields):
+                        raise
+                    return self._roundtrip({"op": op, **fields})
                 except DaemonUnavailableError:
                     if attempt == self.retries or op not in self.RETRY_OPS:
                         raise
                     time.sleep(0.05)
             raise AssertionError("unreachable")
+
+    def _register_again(self, fields: dict) -> bool:
+        names = [fields.get("ns")] + [q.get("ns") for q in fields.get("queries", ()) if isinstance(q, dict)]
+        known = [self._namespaces[n].to_dict() for n in dict.fromkeys(names) if n in self._namespaces]
+        if not known:
+            return False
+        for i in range(0, len(known), self.NS_PER_REQUEST):
+            self._roundtrip({"op": "register", "namespaces": known[i:i + self.NS_PER_REQUEST]})
+        return True
 
     def _ns_name(self, ns) -> str:
         if isinstance(ns, Namespace):

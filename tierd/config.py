@@ -257,6 +257,7 @@ SERVE_KEYS: dict[str, tuple[str, str, Any]] = {
     "limits.frame_timeout_s": ("serve", "frame_timeout_s", float),
     "limits.request_timeout_s": ("serve", "request_timeout_s", float),
     "limits.max_clients": ("serve", "max_clients", int),
+    "limits.max_namespaces_per_uid": ("serve", "max_namespaces_per_uid", int),
 }
 # settings SIGHUP may change in a running daemon
 RELOADABLE = {"host.high_watermark", "host.low_watermark", "disk.high_watermark",
@@ -282,6 +283,7 @@ class ServeConfig:
     frame_timeout_s: float = 10.0      # a started frame must be complete within this
     request_timeout_s: float = 60.0
     max_clients: int = 1024
+    max_namespaces_per_uid: int = 4096   # with blocks or in use; unused ones are forgotten first
     store: StoreConfig = field(default_factory=lambda: StoreConfig(
         host_bytes="10%", disk_path=os.path.join(default_state_dir(), "disk"), disk_bytes="4GiB"))
     sources: dict[str, str] = field(default_factory=dict)

@@ -93,3 +93,10 @@ class InstanceLockedError(TierdError, RuntimeError):
     """Another daemon holds the instance lock of this socket (and so its arena and index)."""
 
     code = "locked"
+
+
+class NamespaceLimitError(TierdError):
+    """The daemon refused a new namespace: this uid registered as many as it may, and none of
+    them is unused. A refused namespace is a miss for that request, not a failed daemon."""
+
+    code = "namespace_limit"

@@ -29,7 +29,7 @@ from . import __version__
 from . import protocol as P
 from .arena import filesystem_type
 from .config import RELOADABLE, SERVE_KEYS, ServeConfig, load_serve_config, setting_value
-from .errors import ConfigError, InstanceLockedError, TierdError
+from .errors import ConfigError, InstanceLockedError, NamespaceLimitError, TierdError
 from .index import BEAT_S, SharedIndex
 from .instance import InstanceLock
 from .metrics import Metrics
@@ -38,7 +38,10 @@ from .sdnotify import notify, watchdog_interval_s
 from .store import Lease, Reservation, TieredStore
 
 log = logging.getLogger("tierd.server")
-MAX_NAMESPACES = 4096  # layouts one daemon will track: a bound on what clients can make it hold
+# Namespaces (layouts) one uid may have registered at a time are bounded by the setting
+# limits.max_namespaces_per_uid: what clients can make the daemon hold. When a uid reaches it,
+# its namespaces without blocks are forgotten first.
+NAMESPACES_PER_REQUEST = 64
 
 # ops that never wait on disk I/O (only briefly on the store lock): served on the event loop
 # thread, saving a thread hop; the others (acquire may read disk, reserve may wait for room,
@@ -345,6 +348,7 @@ class Daemon:
         self.executor = ThreadPoolExecutor(32, thread_name_prefix="tierd-op")
         self.metrics = Metrics(self.stats)
         self.conns: dict[int, _Conn] = {}
+        self.uid_namespaces: dict[int, set[str]] = {}   # what each uid registered (see _register)
         self._next_conn = 0
         self._inflight = 0
         self._server: asyncio.AbstractServer | None = None
@@ -601,15 +605,23 @@ class Daemon:
         if not isinstance(descs, list):
             raise P.ProtocolError("namespaces must be a list of namespace descriptions")
         names = []
-        if len(descs) > 64:
-            raise P.ProtocolError("at most 64 namespaces per request")
+        if len(descs) > NAMESPACES_PER_REQUEST:
+            raise P.ProtocolError(f"at most {NAMESPACES_PER_REQUEST} namespaces per request")
         for d in descs:
             if not isinstance(d, dict):
                 raise P.ProtocolError("a namespace description must be a map")
-            if self.store.namespace_count() >= MAX_NAMESPACES:
-                raise P.ProtocolError(f"the daemon holds {MAX_NAMESPACES} namespaces already")
+        for d in descs:
             ns = Namespace.from_dict(d)
+            mine = self.uid_namespaces.setdefault(conn.uid, set())
+            limit = self.cfg.max_namespaces_per_uid
+            if ns.name not in mine and len(mine) >= limit:
+                mine.difference_update(self.store.forget_unused(list(mine)))
+                if len(mine) >= limit:
+                    raise NamespaceLimitError(
+                        f"uid {conn.uid} has {len(mine)} namespaces with blocks in the daemon (the limit); "
+                        f"namespace {ns.name} is refused: flush unused ones (tierd flush --namespace)")
             self.store.register(ns)
+            mine.add(ns.name)
             conn.namespaces.add(ns.name)
             names.append(ns.name)
         return names

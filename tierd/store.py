@@ -80,6 +80,8 @@ class _NsState:
     host_slot_bytes: int
     disk_slot_bytes: int
     desc: dict
+    records: int = 0          # its blocks in the store's index (any state): 0 = it may be forgotten
+    forgotten: bool = False   # dropped from the table while unused; revived by its next block
     counters: dict = field(default_factory=lambda: dict.fromkeys(
         ("puts", "put_bytes", "put_dropped", "hits", "hit_bytes", "misses", "lookups",
          "host_blocks", "disk_blocks"), 0))
@@ -306,7 +308,6 @@ class TieredStore:
         self._remote_known: dict[bytes, float] = {}    # ikey -> until when it counts as there
         self._remote_absent: dict[bytes, float] = {}   # ikey -> until when it counts as missing
         self._remote_health = _Health("remote", self.REMOTE_RETRY_S, "serving from this node's tiers")
-        self._remote_delete: list[bytes] = []         # corrupt values to delete (outside the lock)
         self._rr = dict.fromkeys(("hits", "misses", "bytes_in", "bytes_out", "writes", "write_dropped",
                                   "errors", "corrupt_dropped", "lookups"), 0)
         self._rr["latency_ms"] = 0.0
@@ -502,8 +503,7 @@ class TieredStore:
     def _remote_writer(self, lead: bool) -> None:
         """A write-behind thread: batches of pinned host blocks to the server, one round trip
         each (on its own connection: while one thread waits for the server, the other encodes
-        and sends). The lead thread also probes a degraded server, deletes damaged values and
-        refreshes the server's memory figures."""
+        and sends). The lead thread also probes a degraded server and refreshes the server's memory figures."""
         remote = self.remote
         usage_at = 0.0
         if lead:
@@ -532,9 +532,6 @@ class TieredStore:
                 self._remote_inflight += len(batch)
                 items = [(b, b.st.meta(b.key, b.parent[16:] if b.parent else None),
                           self.host.view(b.host_slot, b.st.block_bytes)) for b in batch]
-                deletes: list[bytes] = []
-                if lead:
-                    deletes, self._remote_delete = self._remote_delete, []
             if probe:
                 try:
                     remote.probe()
@@ -549,11 +546,6 @@ class TieredStore:
                 try:
                     remote.refresh_usage()
                 except Exception:  # noqa: BLE001 -- figures for stats only; probes judge health
-                    pass
-            if deletes:
-                try:
-                    remote.delete_many(deletes)
-                except Exception:  # noqa: BLE001 -- a damaged value left behind fails verification again
                     pass
             if items:
                 err = None
@@ -668,7 +660,7 @@ class TieredStore:
             if self._blocks.get(ikey) is not None or not self._remote_ok():
                 self.host.free_slot(slot)
                 return
-            b = self._blocks[ikey] = _Block(ikey, st, k)
+            b = self._new_block(ikey, st, k)
             self._link(b, prev)
             b.host_slot, b.host_state = slot, LOADING
             self._rh.owner[slot] = b
@@ -697,9 +689,11 @@ class TieredStore:
             self._rr["misses"] += 1
             self._remote_absent[b.ikey] = now + self.config.remote_absent_s
         elif isinstance(err, CorruptBlockError):
+            # dropped, never served — and never deleted: the tier is shared, and what this node
+            # cannot verify (another fleet key, a newer format) may be another node's block; a
+            # node that holds the block writes it over the damaged value
             log.warning("remote tier: dropped a damaged value of %s (%s)", b.st.name, err)
             self._rr["corrupt_dropped"] += 1
-            self._remote_delete.append(self.remote.rkey(b.st.ns_id, b.key))
             self._remote_absent[b.ikey] = now + self.config.remote_absent_s
         else:
             self._remote_error("read", err)
@@ -777,6 +771,7 @@ class TieredStore:
     def _adopt_recovered(self) -> None:
         """Index the blocks the disk tier found at open (oldest first in eviction order)."""
         disk = self.disk
+        adopted = []
         for e in sorted(disk.recovered, key=lambda e: e.seq):
             st = self._namespaces.get(e.ns_id)
             if st is None:
@@ -790,14 +785,23 @@ class TieredStore:
                 st = _NsState(e.ns_id, None, e.raw_len, dtype_bytes, slot_bytes_for(e.raw_len),
                               DiskTier.slot_bytes_for(e.raw_len), desc)
                 self._namespaces[e.ns_id] = st
-            b = _Block(e.ns_id + e.key, st, e.key, parent=(e.ns_id + e.parent) if e.parent else None)
+            b = self._blocks.get(e.ns_id + e.key)
+            if b is not None:
+                # a reopened directory: this node still holds the block in RAM; the copy on disk
+                # joins it (the old disk tier's copies were forgotten with it)
+                if b.disk is not None or b.disk_writing:
+                    disk.free_slot(e.slot)
+                    continue
+            else:
+                b = self._new_block(e.ns_id + e.key, st, e.key)
+                b.parent = (e.ns_id + e.parent) if e.parent else None
             b.disk = e
-            self._blocks[b.ikey] = b
+            adopted.append(b)
             self._publish(b)
             self._rd.owner[e.slot] = b
             self._rd.policy.insert(b.ikey)
-            st.counters["disk_blocks"] += 1
-        for b in self._blocks.values():
+            b.st.counters["disk_blocks"] += 1
+        for b in adopted:
             p = self._blocks.get(b.parent) if b.parent else None
             if p is not None:
                 p.disk_children += 1
@@ -909,10 +913,42 @@ class TieredStore:
             if p is not None and p.disk_children > 0:
                 p.disk_children -= 1
 
+    def _new_block(self, ikey: bytes, st: _NsState, key: bytes) -> _Block:
+        """(Lock held.) Index a new block record. Invariant: `st.records` counts the records
+        of `st` in `_blocks`; a namespace forgotten while it had none is known again."""
+        b = self._blocks[ikey] = _Block(ikey, st, key)
+        st.records += 1
+        if st.forgotten:
+            st.forgotten = False
+            self._namespaces[st.ns_id] = st
+            if st.ns is not None:
+                self._by_name[st.name] = st
+        return b
+
     def _forget_if_gone(self, b: _Block) -> None:
         if b.host_state == ABSENT and b.disk is None and not b.disk_writing:
             if self._blocks.get(b.ikey) is b:
                 del self._blocks[b.ikey]
+                b.st.records -= 1
+
+    def forget_unused(self, names) -> list[str]:
+        """Forget the namespaces among `names` that hold no block in any local tier (and so no
+        lease or reservation): the daemon's table of namespaces stays bounded. A forgotten one
+        is registered again by its next user. Returns the names forgotten."""
+        gone = []
+        with self._cond:
+            for name in names:
+                st = self._by_name.get(name)
+                if st is None:
+                    gone.append(name)    # forgotten already (another uid's request)
+                    continue
+                if st.records or st.forgotten:
+                    continue
+                st.forgotten = True
+                del self._by_name[name]
+                self._namespaces.pop(st.ns_id, None)
+                gone.append(name)
+        return gone
 
     # -- eviction predicates ----------------------------------------------------------------
     def _host_evictable(self, b: _Block) -> bool:
@@ -1203,7 +1239,7 @@ class TieredStore:
                         status.append("full"); blocks.append(None)
                         continue
                     if b is None:
-                        b = self._blocks[ikey] = _Block(ikey, st, k)
+                        b = self._new_block(ikey, st, k)
                     b.host_slot, b.host_state, b.owner_res = slot, RESERVED, rid
                     self._rh.owner[slot] = b
                     status.append("reserved")
@@ -1811,8 +1847,23 @@ class TieredStore:
         written = 0
         with self._cond:
             self._check_open()
+            degraded, disk = self._disk_health.fault is not None, self.disk
+        if degraded and not disk.closed:
+            # an explicit sync probes the disk at once (outside the lock): a disk that is back
+            # takes the sync now, not at the maintainer's next probe
+            try:
+                disk.probe()
+            except OSError as e:
+                with self._cond:
+                    self._disk_error("probe", e)
+            else:
+                with self._cond:
+                    if not self._note_stall():
+                        self._disk_healthy()
+        with self._cond:
+            self._check_open()
             if self._disk_health.fault is not None:
-                self._disk_health.retry_at = 0.0       # an explicit sync probes the disk at once
+                self._disk_health.retry_at = 0.0       # the sync's first write batch probes too
             todo = [b for b in self._blocks.values()
                     if b.host_state == READY and b.disk is None and not b.disk_writing]
             todo = todo[:max_blocks] if max_blocks is not None else todo

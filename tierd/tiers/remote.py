@@ -172,6 +172,10 @@ class RemoteTier(Tier):
             raise CorruptBlockError("value belongs to another block")
         if h_raw_len != raw_len:
             raise CorruptBlockError(f"value holds {h_raw_len} bytes, the block has {raw_len}")
+        if payload_len > raw_len:
+            # a codec never makes a block larger (it is stored raw then): a value claiming more
+            # must not size what the reader allocates
+            raise CorruptBlockError(f"value claims a {payload_len}-byte payload for a {raw_len}-byte block")
         if codec in _codec.LOSSY and not lossy_ok:
             raise CorruptBlockError(f"a {_codec.CODEC_NAMES[codec]} (lossy) value in an exact namespace")
         return codec, payload_len, pcsum, None if parent == b"\0" * 16 else parent
@@ -230,11 +234,35 @@ class RemoteTier(Tier):
                 slow += _fetch_direct(pool, [rkeys[i] for i in idx], ns_id, [keys[i] for i in idx],
                                       [dsts[i] for i in idx], idx, out, lossy_ok)
         if slow:
-            values = self.get_many(ns_id, [keys[i] for i in slow])
-            for i, v in zip(slow, values):
+            # redis-py reads a whole value before tierd sees it: ask the sizes first, and fetch
+            # only values whose fields fit a header and the block
+            pipe = self.client.pipeline(transaction=False)
+            for i in slow:
+                pipe.hstrlen(self.rkey(ns_id, keys[i]), _FIELDS[0])
+                pipe.hstrlen(self.rkey(ns_id, keys[i]), _FIELDS[1])
+            sizes = pipe.execute(raise_on_error=False)
+            fetch = []
+            for j, i in enumerate(slow):
+                h, p = sizes[2 * j], sizes[2 * j + 1]
+                for v in (h, p):
+                    if isinstance(v, Exception):
+                        if not str(v).startswith("WRONGTYPE"):
+                            raise RemoteServerError(str(v)[:120])
+                if isinstance(h, Exception) or isinstance(p, Exception):
+                    out[i] = CorruptBlockError(f"value is not a block ({str(h if isinstance(h, Exception) else p)[:80]})")
+                elif h == 0 and p == 0:
+                    out[i] = KeyError("not on the server")
+                elif h > PAGE or p > dsts[i].nbytes:
+                    out[i] = CorruptBlockError(f"value's fields ({h}, {p} bytes) are larger than a block's")
+                else:
+                    fetch.append(i)
+            values = self.get_many(ns_id, [keys[i] for i in fetch]) if fetch else []
+            for i, v in zip(fetch, values):
                 if isinstance(v, list) and v == [None, None]:
                     out[i] = KeyError("not on the server")
                     continue
+                if isinstance(v, Exception) and not str(v).startswith("WRONGTYPE"):
+                    raise RemoteServerError(str(v)[:120])
                 try:
                     self.decode(v, ns_id, keys[i], dsts[i], lossy_ok)
                 except CorruptBlockError as e:
@@ -352,6 +380,12 @@ def finish_payload(codec: int, payload, pcsum: int, dst: np.ndarray) -> None:
 # -- the fast read path -------------------------------------------------------------------------
 _CRLF = b"\r\n"
 _REDIRECTS = (b"MOVED", b"ASK", b"TRYAGAIN", b"CLUSTERDOWN")
+_FOREIGN = (b"WRONGTYPE",)   # errors about the value at that key (not one of ours): a miss for it
+
+
+class RemoteServerError(ConnectionError):
+    """The server answered with an error about its own state (-LOADING, -BUSY, -NOPERM,
+    -MASTERDOWN, ...): the remote tier degrades; no value is judged, none deleted."""
 
 
 class _ReplyStream:
@@ -450,16 +484,20 @@ def _fetch_direct(pool, rkeys, ns_id, keys, dsts, idx, out, lossy_ok) -> list[in
         conn = pool.get_connection("HMGET")
     ok = False
     retry: list[int] = []
+    server_error = None
     try:
         conn.send_packed_command(conn.pack_commands([(b"HMGET", rk) + _FIELDS for rk in rkeys]))
         rs = _ReplyStream(conn._sock)
         for j, i in enumerate(idx):
             line = rs.line()
             if line[:1] == b"-":
-                if line[1:].split(b" ", 1)[0] in _REDIRECTS:
+                code = line[1:].split(b" ", 1)[0]
+                if code in _REDIRECTS:
                     retry.append(i)
-                else:
+                elif code in _FOREIGN:
                     out[i] = CorruptBlockError(f"value is not a block ({line[1:80].decode(errors='replace')})")
+                else:   # LOADING, BUSY, NOPERM, MASTERDOWN, OOM...: the server's state, not the value's
+                    server_error = server_error or RemoteServerError(line[1:120].decode(errors="replace"))
                 continue
             if rs._length(line, b"*") != 2:
                 raise ConnectionError(f"unexpected reply {line[:40]!r}")
@@ -499,4 +537,6 @@ def _fetch_direct(pool, rkeys, ns_id, keys, dsts, idx, out, lossy_ok) -> list[in
         if not ok:
             conn.disconnect()
         pool.release(conn)
+    if server_error is not None:
+        raise server_error    # the tier degrades; nothing is deleted, every key of it is a miss
     return retry
