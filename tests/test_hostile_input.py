@@ -133,3 +133,30 @@ def test_closing_the_store_ends_an_acquire_waiting_on_a_promotion(tmp_path):
     faults.write_text("")
     t1.join(30)
     closer.join(30)
+
+
+def test_an_inline_acquire_or_reserve_that_would_need_io_changes_nothing(tmp_path):
+    """S3: the daemon serves quick acquires and reserves on its event loop thread; one that lost
+    a race since its quick check (its block went to disk, the host filled) is refused inline
+    (WouldBlock, nothing pinned) and runs on a worker thread instead, never reading the disk or
+    waiting on the loop."""
+    from tierd.store import WouldBlock
+    store = TieredStore(small_config(tmp_path))
+    try:
+        ns = make_ns()
+        keys = chain(ns, 6, 3)
+        disk_only(store, ns, keys[1:])
+        store.put(ns, keys[:1], [block_for(ns, keys[0])])
+        with pytest.raises(WouldBlock):
+            store.acquire(ns, keys, inline=True)
+        assert nothing_pinned(store) and store.where(ns, keys[1:]) == ["disk", "disk"]
+        with store.acquire(ns, keys[:1], inline=True) as lease:   # READY in RAM: served inline
+            assert len(lease) == 1
+        room = store.host.alloc.free_slot_count(store._ns(ns).host_slot_bytes)
+        many = chain(ns, 7, room + 1)
+        with pytest.raises(WouldBlock):
+            store.reserve(ns, many, inline=True)
+        assert nothing_pinned(store)
+        assert len(store.get(ns, keys)) == 3            # the worker-thread path promotes as before
+    finally:
+        store.close()

@@ -35,7 +35,7 @@ from .instance import InstanceLock
 from .metrics import Metrics
 from .namespace import Namespace
 from .sdnotify import notify, watchdog_interval_s
-from .store import Lease, Reservation, TieredStore
+from .store import Lease, Reservation, TieredStore, WouldBlock
 
 log = logging.getLogger("tierd.server")
 # Namespaces (layouts) one uid may have registered at a time are bounded by the setting
@@ -541,11 +541,16 @@ class Daemon:
         conn.ops += 1
         self.counters["requests"] += 1
         handler = getattr(self, f"_op_{op}")
-        if (op in _INLINE_OPS and not (op in _REMOTE_OPS and self.store.remote is not None)) \
-                or (op in ("acquire", "reserve") and self._quick(op, msg)):
+        msg.pop("_inline", None)        # the daemon's own mark, never a client's
+        quick = op in ("acquire", "reserve") and self._quick(op, msg)
+        if (op in _INLINE_OPS and not (op in _REMOTE_OPS and self.store.remote is not None)) or quick:
             t0 = time.perf_counter()
+            if quick:
+                msg["_inline"] = True   # the store refuses (WouldBlock) what would need I/O after all
             try:
                 return self._reply(req_id, op, handler, conn, msg)
+            except WouldBlock:
+                del msg["_inline"]      # it lost a race since _quick: run it on the pool
             finally:
                 self._observe(op, time.perf_counter() - t0)
         self._inflight += 1
@@ -564,6 +569,8 @@ class Daemon:
     def _reply(self, req_id, op, handler, conn, msg) -> dict:
         try:
             return {"id": req_id, "ok": True, **handler(conn, msg)}
+        except WouldBlock:
+            raise
         except P.ProtocolError as e:
             self.counters["bad_requests"] += 1
             return P.error_reply(req_id, e.code, str(e))
@@ -685,7 +692,8 @@ class Daemon:
         if tokens is not None and (len(tokens) != len(keys) * ns.block_tokens
                                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
             raise P.ProtocolError(f"tokens must be {ns.block_tokens} integers per key")
-        res = self.store.reserve(ns, keys, parent=parent, owner=conn.id, token_ids=tokens)
+        res = self.store.reserve(ns, keys, parent=parent, owner=conn.id, token_ids=tokens,
+                                 inline=msg.get("_inline", False))
         if res.id:
             conn.held.add(("res", res.id))
         slots = [[P.SLOT_STATUS[s], off] for s, off in zip(res.status, res.offsets)]
@@ -710,7 +718,8 @@ class Daemon:
     def _op_acquire(self, conn: _Conn, msg: dict) -> dict:
         ns = self._ns(conn, msg)
         gpu = P.field(msg, "gpu", bool, default=False)     # the client reads HBM copies
-        lease = self.store.acquire(ns, P.keys_field(msg, self.cfg.max_keys_per_request), owner=conn.id, gpu=gpu)
+        lease = self.store.acquire(ns, P.keys_field(msg, self.cfg.max_keys_per_request), owner=conn.id, gpu=gpu,
+                                   inline=msg.get("_inline", False))
         if lease.id:
             conn.held.add(("lease", lease.id))
         reply = {"lease": lease.id, "offsets": lease.offsets, "tiers": lease.tiers, "_obj": lease}

@@ -64,6 +64,11 @@ from .transfer import as_u8, copy_out, fill_reservation
 
 log = logging.getLogger("tierd.store")
 
+
+class WouldBlock(Exception):
+    """(Internal.) An operation asked to run `inline` (on the daemon's event loop thread) would
+    need I/O or a wait: nothing was changed; run it on a worker thread instead."""
+
 # host_state of a block
 ABSENT, RESERVED, LOADING, READY = 0, 1, 2, 3
 REMOTE = "remote"   # in an acquire's plan: a block fetched from the remote tier
@@ -95,9 +100,12 @@ class _NsState:
         """The namespace's lossy tier codec ("" = exact everywhere)."""
         return self.desc.get("tier_codec", "")
 
-    def meta(self, key: bytes, parent: bytes | None) -> BlockMeta:
+    def meta(self, key: bytes, parent: bytes | None, *, exact: bool = False) -> BlockMeta:
+        """How a block of this namespace is written to a tier; `exact`: never with the lossy
+        codec (its bytes were decoded from a lossy copy already: a second quantisation would
+        compound the error past the codec's bound)."""
         return BlockMeta(self.ns_id, key, parent, self.block_bytes, self.dtype_bytes,
-                         self.lossy, self.desc.get("kv_dtype", ""))
+                         "" if exact else self.lossy, self.desc.get("kv_dtype", ""))
 
 
 @dataclass(slots=True, eq=False)
@@ -122,6 +130,7 @@ class _Block:
     gpu_slot: int = -1           # copy in the HBM tier (always beside a host copy), or -1
     gpu_pins: int = 0            # leases reading the HBM copy
     gpu_filling: bool = False    # its HBM copy is being made (outside the lock): not served yet
+    decoded: bool = False        # its host bytes were decoded from a lossy copy: written exact
 
 
 class Reservation:
@@ -530,7 +539,7 @@ class TieredStore:
                     n = min(n, max(1, self.REMOTE_BATCH_BYTES // self._remote_q[0].st.block_bytes))
                 batch = [self._remote_q.popleft() for _ in range(n)]
                 self._remote_inflight += len(batch)
-                items = [(b, b.st.meta(b.key, b.parent[16:] if b.parent else None),
+                items = [(b, b.st.meta(b.key, b.parent[16:] if b.parent else None, exact=b.decoded),
                           self.host.view(b.host_slot, b.st.block_bytes)) for b in batch]
             if probe:
                 try:
@@ -675,6 +684,7 @@ class TieredStore:
         now = time.monotonic()
         if err is None:
             b.host_state = READY
+            b.decoded = bool(b.st.lossy)   # the server's value may have been lossy: write it exact
             self._rh.policy.insert(b.ikey)
             self._enter(b, "host")
             self._remote_known[b.ikey] = now + self.config.remote_known_s
@@ -1160,7 +1170,7 @@ class TieredStore:
         def write(job):
             b, slot, parent_key, src = job
             try:
-                return disk.write(slot, src, b.st.meta(b.key, parent_key))
+                return disk.write(slot, src, b.st.meta(b.key, parent_key, exact=b.decoded))
             except Exception as e:  # noqa: BLE001 - any failure must still unpin below
                 return e
 
@@ -1209,14 +1219,17 @@ class TieredStore:
 
     # -- Store interface: writes -------------------------------------------------------------
     def reserve(self, ns: Namespace, keys: Sequence[bytes], *, parent: bytes | None = None,
-                owner=None, token_ids: Sequence[int] | None = None) -> Reservation:
+                owner=None, token_ids: Sequence[int] | None = None, inline: bool = False) -> Reservation:
         """Host slots to write `keys` into (zero-copy put). Commit or abort the result.
         `token_ids` (optional, `block_tokens` per key): the blocks' tokens, for KV events only
-        (an indexer computes its own keys from them); never stored."""
+        (an indexer computes its own keys from them); never stored. `inline`: raise WouldBlock,
+        changing nothing, unless free slots take every key at once (no eviction, no wait)."""
         keys = check_keys(keys)
         with self._cond:
             self._check_open()
             st = self._ns(ns)
+            if inline and self.host.alloc.free_slot_count(st.host_slot_bytes) < len(keys):
+                raise WouldBlock()
             if token_ids is not None and len(token_ids) != len(keys) * st.ns.block_tokens:
                 raise TierdError(f"reserve: {len(token_ids)} token ids for {len(keys)} blocks of "
                                  f"{st.ns.block_tokens} tokens")
@@ -1241,6 +1254,7 @@ class TieredStore:
                     if b is None:
                         b = self._new_block(ikey, st, k)
                     b.host_slot, b.host_state, b.owner_res = slot, RESERVED, rid
+                    b.decoded = False   # the writer's own bytes
                     self._rh.owner[slot] = b
                     status.append("reserved")
                     blocks.append(b)
@@ -1403,7 +1417,8 @@ class TieredStore:
                     return False                 # this serve would copy it into HBM
             return True
 
-    def acquire(self, ns: Namespace, keys: Sequence[bytes], *, owner=None, gpu: bool = False) -> Lease:
+    def acquire(self, ns: Namespace, keys: Sequence[bytes], *, owner=None, gpu: bool = False,
+                inline: bool = False) -> Lease:
         """Lease the longest present prefix of `keys`, promoting disk blocks to host RAM.
 
         `gpu`: the caller reads HBM copies (`lease.gpu_buffers`); only then are blocks copied
@@ -1412,14 +1427,20 @@ class TieredStore:
         Plan → execute → settle: the plan pins blocks and marks promotions LOADING under the
         lock; the reads run outside it; the settle returns every planned block to a stable
         state (READY and leased, or its slot given back) and drops the plan's pins — on every
-        exit, an unexpected exception or a store closing under a wait included."""
+        exit, an unexpected exception or a store closing under a wait included.
+
+        `inline` (the daemon's event loop thread): raise WouldBlock, changing nothing, when the
+        plan would read a tier, wait for another promotion or copy into HBM."""
         keys = check_keys(keys)
         plan: list[tuple[_Block, DiskEntry | str | None]] = []
         with self._cond:
             self._check_open()
             st = self._ns(ns)
             try:
-                self._plan_acquire(st, keys, plan)
+                self._plan_acquire(st, keys, plan, inline=inline and not (gpu and self.gpu is not None))
+                if inline and gpu and self.gpu is not None:
+                    if any(b.gpu_slot < 0 and b.hits >= self.config.gpu_admit_hits for b, _ in plan):
+                        raise WouldBlock()   # this serve would copy into HBM
             except BaseException:
                 self._settle_failed(st, plan)
                 raise
@@ -1446,6 +1467,7 @@ class TieredStore:
                 err = errors.get(id(b))
                 if err is None:
                     b.host_state = READY
+                    b.decoded = e.codec in _codec.LOSSY
                     self._rh.policy.insert(b.ikey)
                     self._enter(b, "host")
                     c = self._rd.counters
@@ -1498,13 +1520,17 @@ class TieredStore:
                                  for o in lease.gpu_offsets]
         return lease
 
-    def _plan_acquire(self, st: _NsState, keys: Sequence[bytes], plan: list) -> None:
+    def _plan_acquire(self, st: _NsState, keys: Sequence[bytes], plan: list, *, inline: bool = False) -> None:
         """(Lock held; may wait on it.) Pin the leading present blocks of `keys` into `plan`:
         (block, None) for a READY host block, (block, DiskEntry) for a promotion from disk into
-        a new LOADING host slot, (block, REMOTE) for a fetch from the remote tier."""
+        a new LOADING host slot, (block, REMOTE) for a fetch from the remote tier. `inline`:
+        WouldBlock at the first block that is not READY in host RAM (or past the last one, when
+        the remote tier may continue the prefix)."""
         for k in keys:
             ikey = st.ns_id + k
             b = self._blocks.get(ikey)
+            if inline and b is not None and b.host_state != READY and (b.host_state == LOADING or b.disk is not None):
+                raise WouldBlock()
             while b is not None and b.host_state == LOADING:
                 # another request's promotion (its settle always ends it); a stalled disk or
                 # a store closing ends the wait
@@ -1545,6 +1571,8 @@ class TieredStore:
             b.disk_pins += 1
             plan.append((b, b.disk))
         if self.remote is not None and len(plan) < len(keys) and self._remote_ok():
+            if inline:
+                raise WouldBlock()
             self._plan_remote(st, keys, plan)
 
     def _settle_failed(self, st: _NsState, plan: list) -> None:

@@ -209,6 +209,11 @@ class DiskTier(Tier):
         self.faults = FaultInjector(fault_file) if fault_file else None
         self._inflight: dict[int, tuple[str, float]] = {}   # I/O under way: token -> (op, start)
         self._tokens = itertools.count()
+        # Invariant: no I/O call starts once the files are let go, and they are closed only when
+        # no call is under way (a late write to a closed fd number could land in a file that
+        # reused it)
+        self._io_cond = threading.Condition(threading.Lock())
+        self._released = False
         # Slab headers decided under the store lock and written outside it, before the blocks
         # that depend on them (see take_pending_headers).
         self.pending_headers: dict[int, tuple[int, int]] = {}
@@ -430,6 +435,8 @@ class DiskTier(Tier):
 
     # -- locations -------------------------------------------------------------------------
     def _slab_loc(self, slab: int) -> tuple[int, int]:
+        if self._released:
+            raise OSError(errno.EBADF, f"disk tier {self.path} is closed")
         return self._fds[slab // self.slabs_per_file], PAGE + (slab % self.slabs_per_file) * self.slab_bytes
 
     def _slot_loc(self, slot: int) -> tuple[int, int]:
@@ -446,12 +453,18 @@ class DiskTier(Tier):
     @contextlib.contextmanager
     def _io(self, op: str):
         """Track one I/O call, so that a stalled disk is noticed while the call still hangs."""
-        token = next(self._tokens)
-        self._inflight[token] = (op, time.monotonic())
+        with self._io_cond:
+            if self._released:
+                raise OSError(errno.EBADF, f"disk tier {self.path} is closed")
+            token = next(self._tokens)
+            self._inflight[token] = (op, time.monotonic())
         try:
             yield
         finally:
-            del self._inflight[token]
+            with self._io_cond:
+                del self._inflight[token]
+                if not self._inflight:
+                    self._io_cond.notify_all()
 
     def oldest_io(self) -> tuple[str, float] | None:
         """(op, seconds) of the longest-running I/O call now under way, or None."""
@@ -817,9 +830,23 @@ class DiskTier(Tier):
         finally:
             self._release_fds()
 
+    RELEASE_WAIT_S = 10.0
+
     def _release_fds(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
+        """Close the files once no I/O call is under way (new ones are refused from now on);
+        files still in use by a call that hangs are left open (their numbers must not be reused
+        under it) and go with the process."""
+        with self._io_cond:
+            self._released = True
+            deadline = time.monotonic() + self.RELEASE_WAIT_S
+            while self._inflight and time.monotonic() < deadline:
+                self._io_cond.wait(0.1)
+            busy = bool(self._inflight)
+        if busy:
+            log.error("disk tier: an I/O call on %s has not returned; its files stay open", self.path)
+        else:
+            for fd in self._fds:
+                os.close(fd)
         self._fds = []
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # closing releases the flock
