@@ -255,7 +255,7 @@ def test_the_engines_stores_carry_their_tokens_into_the_daemons_kv_events(model_
     msgpack = pytest.importorskip("msgpack")
     from .test_events import Subscriber, free_port
     addr = f"tcp://127.0.0.1:{free_port()}"
-    d = DaemonProc(tmp_path, toml=f'events_addr = "{addr}"\n').start()
+    d = DaemonProc(tmp_path, toml=f'events_addr = "{addr}"\nevents_token_ids = true\n').start()
     sub = Subscriber(addr)
     try:
         import time

@@ -16,7 +16,8 @@ import pytest
 import tierd
 
 from .daemon import SMALL_TOML, DaemonProc
-from .helpers import block_for, chain, make_ns
+from .helpers import block_for, chain, make_ns, wait_for
+from tierd.client import Client
 from .test_vllm_connector import VLLM_ENVS, vllm_python
 
 zmq = pytest.importorskip("zmq")
@@ -49,19 +50,24 @@ class Subscriber:
         self.ctx.term()
 
 
-def events_of(frames) -> list[tuple[str, str, tuple]]:
-    """(topic, type, (medium, keys)) per event, decoded with msgpack (tierd's own view)."""
+def events_of(frames, raw: bool = False) -> list[tuple[str, str, tuple]]:
+    """(topic, type, (tier, keys)) per event, decoded with msgpack (tierd's own view); the tier
+    as GPU, CPU, DISK or REMOTE (`raw`: the event's medium and locality)."""
+    from tierd.routing import tier_name
     out = []
     for topic, seq, payload in frames:
         ts, events = msgpack.unpackb(payload, raw=False)[:2]
         for e in events:
-            out.append((topic.decode(), e["type"], (e.get("medium"), tuple(e.get("block_hashes", ())))))
+            tier = (e.get("medium"), e.get("locality")) if raw else tier_name(e.get("medium"), e.get("locality"))
+            if e["type"] == "AllBlocksCleared":
+                tier = (None, None) if raw else None
+            out.append((topic.decode(), e["type"], (tier, tuple(e.get("block_hashes", ())))))
     return out
 
 
 def test_events_follow_put_demotion_flush_and_restart(tmp_path):
     addr = f"tcp://127.0.0.1:{free_port()}"
-    toml_extra = f'events_addr = "{addr}"\n'
+    toml_extra = f'events_addr = "{addr}"\nevents_token_ids = true\n'
     d = DaemonProc(tmp_path, toml=toml_extra + SMALL_TOML).start()
     sub = Subscriber(addr)
     ns = make_ns()
@@ -136,7 +142,7 @@ def test_events_follow_put_demotion_flush_and_restart(tmp_path):
         "for p in msgpack.unpackb(open(sys.argv[1], 'rb').read()):\n"
         "    b = dec.decode(p)\n"
         "    for e in b.events:\n"
-        "        out.append([type(e).__name__, getattr(e, 'medium', None),\n"
+        "        out.append([type(e).__name__, [getattr(e, 'medium', None), getattr(e, 'locality', None)],\n"
         "                    [h.hex() for h in getattr(e, 'block_hashes', [])],\n"
         "                    getattr(e, 'block_size', None)])\n"
         "print(json.dumps(out))\n")
@@ -144,6 +150,53 @@ def test_events_follow_put_demotion_flush_and_restart(tmp_path):
                        env=dict(os.environ, VLLM_LOGGING_LEVEL="WARNING"))
     assert r.returncode == 0, r.stderr[-3000:]
     decoded = json.loads(r.stdout.strip().splitlines()[-1])
-    mine = [[t, m, [k.hex() for k in ks]] for _, t, (m, ks) in events_of(sub.frames)]
+    mine = [[t, list(m), [k.hex() for k in ks]] for _, t, (m, ks) in events_of(sub.frames, raw=True)]
     assert [x[:3] for x in decoded] == mine
     assert {x[3] for x in decoded if x[0] == "BlockStored"} == {ns.block_tokens}
+
+
+def test_events_bind_to_loopback_and_carry_no_token_ids_unless_told(tmp_path):
+    """Finding 8: events name every block a node holds and, from a connector, its prompt token
+    ids; on b90e890 any address was bound and token ids always published."""
+    d = DaemonProc(tmp_path, toml=f'events_addr = "tcp://0.0.0.0:{free_port()}"\n' + SMALL_TOML)
+    with pytest.raises(RuntimeError, match="did not start"):
+        d.start(timeout_s=30)
+    assert d.proc.wait(10) != 0 and "reachable from other hosts" in d.log.read_text()
+    d._logf.close()
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    (tmp_path / "b").mkdir()
+    d = DaemonProc(tmp_path / "b", toml=f'events_addr = "{addr}"\n' + SMALL_TOML).start()
+    sub = Subscriber(addr)
+    ns = make_ns()
+    try:
+        time.sleep(0.5)
+        with Client(d.socket) as c:
+            keys = chain(ns, 3, 2)
+            toks = list(range(2 * ns.block_tokens))
+            c.put(ns, keys, [block_for(ns, k) for k in keys], token_ids=toks)
+        stored = wait_for(lambda: [e for f in sub.drain() for e in msgpack.unpackb(f[2], raw=False)[1]
+                                   if e["type"] == "BlockStored"], what="events")
+        assert stored and all(e["token_ids"] == [] for e in stored)
+    finally:
+        sub.close()
+        assert d.stop() == 0
+
+
+def test_subscribing_in_a_loop_gets_at_most_one_snapshot_a_second(tmp_path):
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    d = DaemonProc(tmp_path, toml=f'events_addr = "{addr}"\n' + SMALL_TOML).start()
+    try:
+        subs = []
+        t0 = time.monotonic()
+        for _ in range(30):                     # a peer subscribing again and again
+            subs.append(Subscriber(addr))
+            time.sleep(0.05)
+        time.sleep(1.2)
+        elapsed = time.monotonic() - t0
+        with Client(d.socket) as c:
+            snaps = c.stats()["daemon"]["event_snapshots"]
+        assert 1 <= snaps <= elapsed / 1.0 + 2, f"{snaps} snapshots in {elapsed:.1f}s"
+    finally:
+        for s in subs:
+            s.close()
+        assert d.stop() == 0

@@ -389,3 +389,37 @@ def test_a_cluster_master_failing_over_never_serves_wrong_bytes(tmp_path):
             assert served_exact(c, ns, fresh) == 6
     finally:
         cluster.stop()
+
+
+def test_flushing_the_remote_tier_publishes_its_removals_and_snapshots_list_remote_blocks(server, tmp_path):
+    """`tierd flush --tier remote` deletes only block values (not the probe key, which b90e890
+    counted as a block), and routers hear of it: BlockRemoved events with the remote tier's
+    medium; a snapshot lists what the remote tier holds (b90e890 published neither)."""
+    import time
+    import msgpack
+    from .test_events import Subscriber, free_port
+    ns = make_ns()
+    keys = chain(ns, 12, 5)
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    toml = f'events_addr = "{addr}"\n[remote]\nurl = "{server.url}"\n' + SMALL_TOML
+    d = DaemonProc(tmp_path, toml=toml).start()
+    r = redis.Redis.from_url(server.url)
+    try:
+        with tierd.connect(d.url) as c:
+            put(c, ns, keys)
+            wait_for(lambda: remote_stats(c)["writes"] == 5, what="write-behind")
+            wait_for(lambda: r.exists(b"tierd:probe"), what="the probe key")
+            sub = Subscriber(addr)                 # subscribes now: gets a snapshot
+            time.sleep(1.0)
+
+            def remote_events(kind):
+                return [k for f in sub.drain() for e in msgpack.unpackb(f[2], raw=False)[1]
+                        if e["type"] == kind and e.get("medium") == "STORAGE" and e.get("locality") == "REMOTE"
+                        for k in e["block_hashes"]]
+            assert sorted(wait_for(lambda: remote_events("BlockStored"), what="snapshot")) == sorted(keys)
+            assert c.flush(tier="remote") == 5    # the probe key is not a block
+            assert sorted(wait_for(lambda: remote_events("BlockRemoved"), what="removals")) == sorted(keys)
+            assert r.exists(b"tierd:probe")
+            sub.close()
+    finally:
+        assert d.stop() == 0

@@ -224,6 +224,8 @@ SERVE_KEYS: dict[str, tuple[str, str, Any]] = {
     "sync_on_stop": ("serve", "sync_on_stop", _bool),
     "event_loop": ("serve", "event_loop", str),
     "events_addr": ("serve", "events_addr", str),
+    "events_allow_remote": ("serve", "events_allow_remote", _bool),
+    "events_token_ids": ("serve", "events_token_ids", _bool),
     "host.bytes": ("store", "host_bytes", str),
     "host.slab_bytes": ("store", "host_slab_bytes", str),
     "host.high_watermark": ("store", "host_high_watermark", float),
@@ -245,7 +247,7 @@ SERVE_KEYS: dict[str, tuple[str, str, Any]] = {
     "remote.timeout_s": ("store", "remote_timeout_s", float),
     "remote.queue_blocks": ("store", "remote_queue_blocks", int),
     "remote.codec": ("store", "remote_codec", str),
-    "remote.write_behind": ("store", "remote_write_behind", bool),
+    "remote.write_behind": ("store", "remote_write_behind", _bool),
     "gpu.bytes": ("store", "gpu_bytes", str),
     "gpu.slab_bytes": ("store", "gpu_slab_bytes", str),
     "gpu.device": ("store", "gpu_device", str),
@@ -277,6 +279,8 @@ class ServeConfig:
     sync_on_stop: bool = True
     event_loop: str = "auto"           # auto: uvloop where installed, else asyncio; or either by name
     events_addr: str = ""              # ZeroMQ PUB address of KV events (tierd.events); "" off
+    events_allow_remote: bool = False  # events_addr may be a non-loopback TCP address
+    events_token_ids: bool = False     # events carry the blocks' prompt token ids (privacy: opt in)
     max_frame_bytes: int = 1 << 20
     max_keys_per_request: int = 4096
     idle_timeout_s: float = 0.0        # 0: an idle connection is kept (engines idle for hours)

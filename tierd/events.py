@@ -9,13 +9,14 @@ router) read tierd's with the same decoder:
     events:  maps tagged by "type":
              {"type": "BlockStored", "block_hashes": [key], "parent_block_hash": key | None,
               "token_ids": [...], "block_size": block_tokens, "lora_id": None,
-              "medium": tier, "lora_name": None}
-             {"type": "BlockRemoved", "block_hashes": [key], "medium": tier}
+              "medium": tier, "lora_name": None, "locality": "LOCAL" | "REMOTE"}
+             {"type": "BlockRemoved", "block_hashes": [key], "medium": tier, "locality": ...}
              {"type": "AllBlocksCleared"}
 
 `token_ids` are the block's tokens where the client sent them (the vLLM connector does, so
 an indexer can compute its own keys); empty otherwise (and for blocks moving between tiers).
-`medium` names the tier: "GPU" (HBM), "CPU" (host RAM), "DISK", "REMOTE". Block hashes are
+`medium` and `locality` name the tier as vLLM 0.32 does: GPU (HBM), CPU (host RAM), STORAGE with
+locality LOCAL (this node's disk) or REMOTE (the shared remote tier). Block hashes are
 tierd's 16-byte keys. A namespace is one topic: subscribe to a namespace's name for one model
 layout, or to "" for all.
 
@@ -41,22 +42,40 @@ import msgpack
 
 log = logging.getLogger("tierd.events")
 
-MEDIUM = {"gpu": "GPU", "host": "CPU", "disk": "DISK", "remote": "REMOTE"}
+# tier -> (medium, locality) as vLLM 0.32 names them (vllm.distributed.kv_events: MEDIUM_GPU,
+# MEDIUM_CPU, MEDIUM_STORAGE; locality LOCAL or REMOTE relative to the publisher)
+MEDIUM = {"gpu": ("GPU", "LOCAL"), "host": ("CPU", "LOCAL"), "disk": ("STORAGE", "LOCAL"),
+          "remote": ("STORAGE", "REMOTE")}
 
 
 def block_stored(keys: list[bytes], parent: bytes | None, block_tokens: int, tier: str,
                  token_ids: list[int] | None = None) -> dict:
+    medium, locality = MEDIUM[tier]
     return {"type": "BlockStored", "block_hashes": keys, "parent_block_hash": parent,
             "token_ids": token_ids or [], "block_size": block_tokens, "lora_id": None,
-            "medium": MEDIUM[tier], "lora_name": None}
+            "medium": medium, "lora_name": None, "locality": locality}
 
 
 def block_removed(keys: list[bytes], tier: str) -> dict:
-    return {"type": "BlockRemoved", "block_hashes": keys, "medium": MEDIUM[tier]}
+    medium, locality = MEDIUM[tier]
+    return {"type": "BlockRemoved", "block_hashes": keys, "medium": medium, "locality": locality}
 
 
 def all_cleared() -> dict:
     return {"type": "AllBlocksCleared"}
+
+
+def check_bind_address(addr: str, allow_remote: bool) -> None:
+    """Refuse a TCP address other hosts could reach unless the operator allowed it: events name
+    every block a node holds (and, when enabled, prompt tokens)."""
+    from .errors import ConfigError
+    if not addr.startswith("tcp://") or allow_remote:
+        return
+    host = addr[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return
+    raise ConfigError(f"events_addr {addr!r} is reachable from other hosts; bind it to loopback "
+                      "(tcp://127.0.0.1:PORT) or an ipc:// path, or set events_allow_remote = true")
 
 
 def encode_batch(ts: float, events: list[dict]) -> bytes:
@@ -88,8 +107,12 @@ class EventRecorder:
 class EventPublisher(EventRecorder):
     """Batches events per namespace and publishes them from its own thread."""
 
-    def __init__(self, addr: str, *, snapshot=None, max_batches: int = 10_000, interval_s: float = 0.02):
+    SNAPSHOT_INTERVAL_S = 1.0   # at most one snapshot a second, whoever subscribes how often
+
+    def __init__(self, addr: str, *, snapshot=None, max_batches: int = 10_000, interval_s: float = 0.02,
+                 allow_remote: bool = False):
         super().__init__()
+        check_bind_address(addr, allow_remote)
         import zmq   # only where events are wanted
         self._zmq = zmq
         self._ctx = zmq.Context()
@@ -112,6 +135,8 @@ class EventPublisher(EventRecorder):
         self._wake = threading.Event()
         self._stop = False
         self._seq = 0
+        self._snapshot_due = False
+        self._snapshot_at = 0.0
         self.counters = {"events_published": 0, "batches_published": 0, "events_dropped": 0,
                          "event_snapshots": 0}
         self._thread = threading.Thread(target=self._run, name="tierd-events", daemon=True)
@@ -148,9 +173,15 @@ class EventPublisher(EventRecorder):
                     subscribed |= bool(msg) and msg[0] == 1
             except zmq.ZMQError:
                 pass
-            if subscribed and self.snapshot is not None:
+            self._snapshot_due |= subscribed
+            now = time.monotonic()
+            if self._snapshot_due and self.snapshot is not None and now >= self._snapshot_at:
+                # rate-limited: subscriptions coming faster share one snapshot (a peer that
+                # subscribes in a loop cannot make the daemon walk its index in a loop)
+                self._snapshot_due = False
+                self._snapshot_at = now + self.SNAPSHOT_INTERVAL_S
                 try:
-                    self.snapshot()      # records under the store lock; sent below, in order
+                    self.snapshot()      # records in chunks of the store lock; sent below, in order
                     self.counters["event_snapshots"] += 1
                 except Exception:  # noqa: BLE001 -- events are a hint; never take the thread down
                     log.exception("events: snapshot failed")

@@ -25,6 +25,15 @@ import msgpack
 DEFAULT_WEIGHTS = {"GPU": 1.0, "CPU": 0.95, "DISK": 0.8, "REMOTE": 0.6}
 
 
+def tier_name(medium: str | None, locality: str | None) -> str:
+    """The tier an event names, in vLLM's vocabulary (medium GPU, CPU or STORAGE; locality
+    LOCAL or REMOTE): GPU, CPU, DISK (local storage) or REMOTE (shared storage). Older
+    publishers' DISK and REMOTE media are read too."""
+    if medium == "STORAGE":
+        return "REMOTE" if locality == "REMOTE" else "DISK"
+    return medium or "CPU"
+
+
 class PrefixIndex:
     """Per node and tier, the set of block keys held — kept from the node's KV events."""
 
@@ -47,7 +56,7 @@ class PrefixIndex:
             if kind == "AllBlocksCleared":
                 held.clear()
                 continue
-            medium = e.get("medium") or "CPU"
+            medium = tier_name(e.get("medium"), e.get("locality"))
             keys = [bytes(k) if not isinstance(k, bytes) else k for k in e.get("block_hashes", ())]
             target = self.remote if medium == "REMOTE" else held[medium]
             if kind == "BlockStored":

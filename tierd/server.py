@@ -337,7 +337,7 @@ class Daemon:
             self.index.set_misses_final(self.store.remote is None)
         if cfg.events_addr:
             from .events import EventPublisher
-            self.events = EventPublisher(cfg.events_addr)
+            self.events = EventPublisher(cfg.events_addr, allow_remote=cfg.events_allow_remote)
             self.store.attach_events(self.events)
         self.gpu_descriptor = None
         if self.store.gpu is not None:
@@ -652,7 +652,8 @@ class Daemon:
                 "namespaces": names,
                 "arenas": arenas,
                 "index": index,
-                "events": self.events is not None,
+                # clients send the blocks' token ids only where events carry them (opt-in)
+                "events": self.events is not None and self.cfg.events_token_ids,
                 "limits": {"max_frame_bytes": self.cfg.max_frame_bytes,
                            "max_keys_per_request": self.cfg.max_keys_per_request}}
 
@@ -689,6 +690,8 @@ class Daemon:
         if parent is not None and len(parent) != 16:
             raise P.ProtocolError("parent must be a 16-byte key")
         tokens = P.field(msg, "tokens", list, default=None)
+        if not self.cfg.events_token_ids:
+            tokens = None   # never recorded unless the operator opted in
         if tokens is not None and (len(tokens) != len(keys) * ns.block_tokens
                                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
             raise P.ProtocolError(f"tokens must be {ns.block_tokens} integers per key")

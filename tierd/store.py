@@ -850,22 +850,45 @@ class TieredStore:
             self._events = publisher
         self.snapshot_events()
 
+    SCAN_CHUNK = 2048   # blocks an O(N) walk handles per hold of the lock (a few ms at most)
+
+    def _each_block(self, fn, ns_id: bytes | None = None) -> None:
+        """Call `fn(block)` (lock held) for every block indexed now, `SCAN_CHUNK` at a time: the
+        lock is let go between chunks, so an O(N) walk (snapshots, flushes, syncs) never holds
+        it for more than a few milliseconds. A block that leaves meanwhile is skipped; one that
+        comes meanwhile may be missed."""
+        with self._cond:
+            ikeys = list(self._blocks)   # one C-level copy of the keys
+        for i in range(0, len(ikeys), self.SCAN_CHUNK):
+            with self._cond:
+                self._check_open()
+                for ikey in ikeys[i:i + self.SCAN_CHUNK]:
+                    b = self._blocks.get(ikey)
+                    if b is not None and (ns_id is None or b.st.ns_id == ns_id):
+                        fn(b)
+            time.sleep(0)    # let a waiting thread take the lock
+
     def snapshot_events(self) -> None:
         """Record a clean slate per namespace, then what every tier holds, in order with the
-        live events (under the store lock: memory only)."""
+        live events: each block's events reflect its state when its chunk was walked, and any
+        later change follows as a live event."""
+        publisher = self._events
+        if publisher is None:
+            return
         with self._cond:
-            publisher = self._events
-            if publisher is None:
-                return
             for st in self._namespaces.values():
                 publisher.record(st.name, events.all_cleared())
-            for b in self._blocks.values():
-                if b.host_state == READY:
-                    self._event(b, "host", True)
-                if b.disk is not None:
-                    self._event(b, "disk", True)
-                if b.gpu_slot >= 0 and not b.gpu_filling:
-                    self._event(b, "gpu", True)
+
+        def one(b: _Block) -> None:
+            if b.host_state == READY:
+                self._event(b, "host", True)
+            if b.disk is not None:
+                self._event(b, "disk", True)
+            if b.gpu_slot >= 0 and not b.gpu_filling:
+                self._event(b, "gpu", True)
+            if self._remote_known.get(b.ikey, 0.0) > time.monotonic():
+                self._event(b, "remote", True)
+        self._each_block(one)
 
     def _event(self, b: _Block, tier: str, stored: bool, token_ids=None) -> None:
         st = b.st
@@ -1755,21 +1778,21 @@ class TieredStore:
                 # every copy written before now is dead, indexed or not (copies evicted earlier
                 # left valid headers behind): recovery and write settles check the fence
                 disk.set_fence(ns_id)
-            for b in list(self._blocks.values()):
-                if ns_id is not None and b.st.ns_id != ns_id:
-                    continue
-                hit = False
-                if tier == "gpu" and b.gpu_slot >= 0 and b.gpu_pins == 0:
-                    self._drop_gpu(b, evicted=False)
-                    hit = True
-                if tier in ("host", "all") and self._host_evictable(b):
-                    self._drop_host(b, evicted=False)
-                    hit = True
-                if tier in ("disk", "all") and disk is not None and b.disk is not None \
-                        and b.disk_pins == 0:
-                    self._drop_disk(b, evicted=False)   # its slot may be reused at once
-                    hit = True
-                dropped += hit
+
+        def one(b: _Block) -> None:
+            nonlocal dropped
+            hit = False
+            if tier == "gpu" and b.gpu_slot >= 0 and b.gpu_pins == 0:
+                self._drop_gpu(b, evicted=False)
+                hit = True
+            if tier in ("host", "all") and self._host_evictable(b):
+                self._drop_host(b, evicted=False)
+                hit = True
+            if tier in ("disk", "all") and disk is not None and b.disk is not None and b.disk_pins == 0:
+                self._drop_disk(b, evicted=False)   # its slot may be reused at once
+                hit = True
+            dropped += hit
+        self._each_block(one, ns_id)
         # Gone from the index now; the fence is made durable outside the lock.
         if fence:
             try:
@@ -1793,11 +1816,17 @@ class TieredStore:
                 for k in [k for k in d if ns_id is None or k[:16] == ns_id]:
                     del d[k]
         try:
-            return self.remote.flush_namespace(ns_id)
+            removed = self.remote.flush_namespace(ns_id)
         except Exception as e:  # noqa: BLE001 -- report it as a tier error
             with self._cond:
                 self._remote_error("flush", e)
             raise TierdError(f"flush: remote tier failed ({e})") from None
+        if self._events is not None:   # what left the shared tier, for routers (in chunks)
+            for i in range(0, len(removed), self.SCAN_CHUNK):
+                with self._cond:
+                    for nsid, key in removed[i:i + self.SCAN_CHUNK]:
+                        self._events.record(nsid.hex()[:16], events.block_removed([key], "remote"))
+        return len(removed)
 
     def _ns_for_flush(self, namespace) -> bytes:
         if isinstance(namespace, Namespace):
@@ -1807,11 +1836,19 @@ class TieredStore:
                 return st.ns_id
         raise UnknownNamespaceError(f"flush: unknown namespace {namespace!r}")
 
+    @staticmethod
+    def _unsynced(b: _Block) -> bool:
+        return b.host_state == READY and b.disk is None and not b.disk_writing
+
     def unsynced_blocks(self) -> int:
         """Host blocks without a disk copy: what `sync()` would write."""
-        with self._cond:
-            return sum(1 for b in self._blocks.values()
-                       if b.host_state == READY and b.disk is None and not b.disk_writing)
+        n = 0
+
+        def count(b: _Block) -> None:
+            nonlocal n
+            n += self._unsynced(b)
+        self._each_block(count)
+        return n
 
     REMOTE_DRAIN_S = 10.0    # how long a sync waits for the remote write-behind queue
 
@@ -1837,10 +1874,8 @@ class TieredStore:
         if self.remote is None:
             return 0
         written = 0
-        with self._cond:
-            self._check_open()
-            todo = [b for b in self._blocks.values()
-                    if b.host_state == READY and b.owner_res == 0 and b.host_slot is not None]
+        todo: list[_Block] = []
+        self._each_block(lambda b: todo.append(b) if b.host_state == READY and b.owner_res == 0 else None)
         todo = todo[:max_blocks] if max_blocks is not None else todo
         step = self.config.remote_queue_blocks
         for i in range(0, len(todo), step):
@@ -1888,14 +1923,13 @@ class TieredStore:
                 with self._cond:
                     if not self._note_stall():
                         self._disk_healthy()
+        todo: list[_Block] = []   # insertion order: a chain's ancestors before its descendants
+        self._each_block(lambda b: todo.append(b) if self._unsynced(b) else None)
+        todo = todo[:max_blocks] if max_blocks is not None else todo
         with self._cond:
             self._check_open()
             if self._disk_health.fault is not None:
                 self._disk_health.retry_at = 0.0       # the sync's first write batch probes too
-            todo = [b for b in self._blocks.values()
-                    if b.host_state == READY and b.disk is None and not b.disk_writing]
-            todo = todo[:max_blocks] if max_blocks is not None else todo
-            # insertion order: a chain's ancestors come before its descendants
             for i in range(0, len(todo), self.WRITE_BATCH):
                 written += self._write_down_batch(todo[i:i + self.WRITE_BATCH])
                 if self._disk_health.fault is not None:

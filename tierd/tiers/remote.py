@@ -84,6 +84,17 @@ def redact(url: str) -> str:
     return urlunsplit((p.scheme, user + netloc, p.path, p.query, p.fragment))
 
 
+def parse_rkey(rk: bytes) -> tuple[bytes, bytes] | None:
+    """(namespace id, key) of a block's value key `tierd:<ns hex>:<key hex>`, else None."""
+    rk = bytes(rk)
+    if not rk.startswith(KEY_PREFIX) or len(rk) != len(KEY_PREFIX) + 65 or rk[len(KEY_PREFIX) + 32:][:1] != b":":
+        return None
+    try:
+        return bytes.fromhex(rk[len(KEY_PREFIX):len(KEY_PREFIX) + 32].decode()), bytes.fromhex(rk[-32:].decode())
+    except ValueError:
+        return None
+
+
 class RemoteTier(Tier):
     name = "remote"
 
@@ -310,20 +321,26 @@ class RemoteTier(Tier):
         if err is not None:
             raise err
 
-    def flush_namespace(self, ns_id: bytes | None, batch: int = 500) -> int:
-        """Delete every value of namespace `ns_id` (all of tierd's with None): SCAN by prefix, in
-        batches. Returns how many were deleted."""
+    def flush_namespace(self, ns_id: bytes | None, batch: int = 500) -> list[tuple[bytes, bytes]]:
+        """Delete every block value of namespace `ns_id` (all of tierd's with None): SCAN by
+        prefix, in batches; keys that do not name a block (the probe key, anything else under
+        the prefix) are left alone. Returns the (namespace id, key) of each value deleted."""
         pattern = KEY_PREFIX + (ns_id.hex().encode() + b":*" if ns_id is not None else b"*")
-        n, todo = 0, []
-        for k in self.client.scan_iter(match=pattern, count=batch):
-            todo.append(k)
+        done: list[tuple[bytes, bytes]] = []
+        todo: list[tuple[bytes, bytes, bytes]] = []
+        for rk in self.client.scan_iter(match=pattern, count=batch):
+            named = parse_rkey(rk)
+            if named is None:
+                continue
+            todo.append((rk, *named))
             if len(todo) >= batch:
-                self.delete_many(todo)
-                n, todo = n + len(todo), []
+                self.delete_many([t[0] for t in todo])
+                done += [(n, k) for _, n, k in todo]
+                todo = []
         if todo:
-            self.delete_many(todo)
-            n += len(todo)
-        return n
+            self.delete_many([t[0] for t in todo])
+            done += [(n, k) for _, n, k in todo]
+        return done
 
     def refresh_usage(self) -> None:
         """The server's memory figures (no lock; called by the store's remote thread)."""
