@@ -25,8 +25,12 @@ def test_golden_values_pin_the_key_format():
     assert block_keys(ROOT, list(range(8)), 4, extra=b"lora:7")[0].hex() == \
         "6e7b8660d033a4bf067d8b167c7ec5d5"
     ns = make_ns()
-    assert ns.id.hex() == "169ec65b756d1da53af16339ed35b316"
-    assert ns.block_keys(list(range(16)))[0].hex() == "2a7454f2750c21333c94ddcad3dcca99"
+    # namespace identity v2 (length-prefixed fields; v1's ids were 169ec65b...)
+    assert ns.id.hex() == "223aa4dd21a0792e426098deed64e97c"
+    assert ns.block_keys(list(range(16)))[0].hex() == "4a76c7f84e03b86d346787f708866791"
+    fields = ["tierd-ns-v2", ns.model, "float16", 2, 2, 64, 16, 0, 1, "", "", "", ""]
+    ident = b"".join(len(v).to_bytes(4, "little") + v for v in (str(f).encode() for f in fields))
+    assert ns.id == hashlib.blake2b(ident, digest_size=16).digest()   # the documented formula
 
 
 def test_key_is_blake2b_of_parent_tokens_le32_and_extra():

@@ -187,3 +187,14 @@ def test_model_dir_errors_are_clear(tmp_path):
     (tmp_path / "noweights" / "bad.safetensors").write_bytes(b"\xff" * 16)
     with pytest.raises(NamespaceError, match="not a safetensors"):
         model_fingerprint(tmp_path / "noweights")
+
+
+def test_no_cache_salt_can_alias_another_namespace():
+    """S10: v1 joined the identity's fields with \\x1f, so a crafted salt could spell another
+    namespace's optional fields and share its blocks."""
+    base = dict(model="m", kv_dtype="float16", num_layers=2, num_kv_heads=2, head_dim=64)
+    target = Namespace(**base, cache_salt="tenant", layout="vllm-nhd")
+    forged = Namespace(**base, cache_salt="tenant\x1flayout=vllm-nhd")
+    assert forged.id != target.id
+    assert Namespace(**base, cache_salt="a\x1fb").id != Namespace(**base, cache_salt="a", layout="b").id
+    assert Namespace(**base, cache_salt="").id != Namespace(**base, cache_salt="\x00").id

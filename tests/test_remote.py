@@ -8,6 +8,9 @@ from __future__ import annotations
 import signal
 import time
 
+import os
+
+import numpy as np
 import pytest
 
 import tierd
@@ -423,3 +426,38 @@ def test_flushing_the_remote_tier_publishes_its_removals_and_snapshots_list_remo
             sub.close()
     finally:
         assert d.stop() == 0
+
+
+def test_with_a_fleet_key_a_planted_or_unsigned_value_is_never_served(server, tmp_path):
+    """S9: anyone who can write tierd:* keys could plant KV every node served (a value's
+    checksum is xxh3, which anyone can compute). With a fleet key, a value carries a MAC over
+    header and payload; a value without a valid one is dropped (never deleted), both read paths."""
+    key_file = tmp_path / "fleet.key"
+    key_file.write_text(os.urandom(32).hex())
+    key_file.chmod(0o600)
+    ns = make_ns()
+    keys = chain(ns, 13, 4)
+    with node(server.url, remote_fleet_key_file=str(key_file)) as a:
+        put(a, ns, keys)
+        wait_for(lambda: remote_stats(a)["writes"] == 4)
+    r = redis.Redis.from_url(server.url)
+    rk = [RemoteTier.rkey(ns.id, k) for k in keys]
+    # an attacker without the key: a self-consistent forged value (valid header and checksum)
+    from tierd.tiers.disk import _csum, pack_slot_header
+    forged = np.full(ns.block_bytes, 7, np.uint8).tobytes()
+    header = pack_slot_header(0, ns.dtype_bytes, ns.id, keys[1], keys[0], len(forged), ns.block_bytes, 0, 0,
+                              _csum(forged))
+    r.hset(rk[1], mapping={b"h": header, b"p": forged})          # the old MAC no longer matches
+    r.hdel(rk[2], b"m")                                          # an unsigned value
+    for direct in (True, False):
+        with node(server.url, remote_fleet_key_file=str(key_file)) as b:
+            b.remote.direct_reads = direct
+            assert served_exact(b, ns, keys) == 1                # only the intact first block
+            assert served_exact(b, ns, keys[3:]) == 1            # signed and intact: served
+            assert remote_stats(b)["corrupt_dropped"] >= 1
+    with node(server.url) as c:                                  # a node without the key ...
+        assert len(c.get(ns, keys[1:2])) == 1                    # ... cannot tell (documented)
+    assert r.exists(rk[1]) and r.exists(rk[2])                   # dropped, never deleted
+    key_file.chmod(0o644)
+    with pytest.raises(Exception, match="may be read by other users"):
+        node(server.url, remote_fleet_key_file=str(key_file))

@@ -33,7 +33,7 @@ log = logging.getLogger("tierd.client")
 _ERRORS = {cls.code: cls for cls in (
     E.ConfigError, E.NamespaceError, E.UnknownNamespaceError, E.BlockError, E.KeyFormatError,
     E.CapacityError, E.DiskTierError, E.DiskDegradedError, E.LeaseError, E.StoreClosedError,
-    E.NamespaceLimitError)}
+    E.NamespaceLimitError, E.ForbiddenError)}
 
 
 class DaemonUnavailableError(E.TierdError, ConnectionError):

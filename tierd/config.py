@@ -108,6 +108,7 @@ class StoreConfig:
     remote_write_behind: bool = True     # send every committed block to the server (else only on sync --remote)
     remote_known_s: float = 30.0         # how long a key the server had counts as there
     remote_absent_s: float = 1.0         # how long a key the server lacked counts as missing
+    remote_fleet_key_file: str = ""      # a secret shared by the fleet: values carry its MAC ("" none)
     eviction_policy: str = "lru"         # "lru" or "s3fifo"
     demotion_interval_s: float = 0.5     # background pass period (also woken on high watermark)
     host_shm_path: str | None = None     # None: an anonymous memfd; else a file other processes map
@@ -221,6 +222,8 @@ SERVE_KEYS: dict[str, tuple[str, str, Any]] = {
     "metrics_addr": ("serve", "metrics_addr", str),
     "allowed_uids": ("serve", "allowed_uids", _ids),
     "allowed_gids": ("serve", "allowed_gids", _ids),
+    "operator_uids": ("serve", "operator_uids", _ids),
+    "operator_gids": ("serve", "operator_gids", _ids),
     "sync_on_stop": ("serve", "sync_on_stop", _bool),
     "event_loop": ("serve", "event_loop", str),
     "events_addr": ("serve", "events_addr", str),
@@ -248,6 +251,7 @@ SERVE_KEYS: dict[str, tuple[str, str, Any]] = {
     "remote.queue_blocks": ("store", "remote_queue_blocks", int),
     "remote.codec": ("store", "remote_codec", str),
     "remote.write_behind": ("store", "remote_write_behind", _bool),
+    "remote.fleet_key_file": ("store", "remote_fleet_key_file", str),
     "gpu.bytes": ("store", "gpu_bytes", str),
     "gpu.slab_bytes": ("store", "gpu_slab_bytes", str),
     "gpu.device": ("store", "gpu_device", str),
@@ -276,6 +280,10 @@ class ServeConfig:
     metrics_addr: str = "127.0.0.1:9464"
     allowed_uids: list[int] = field(default_factory=list)
     allowed_gids: list[int] = field(default_factory=list)
+    # who may run operator actions (flush, of the remote tier too): the daemon's own uid, root,
+    # and these; every other allowed peer (engines) gets data operations only
+    operator_uids: list[int] = field(default_factory=list)
+    operator_gids: list[int] = field(default_factory=list)
     sync_on_stop: bool = True
     event_loop: str = "auto"           # auto: uvloop where installed, else asyncio; or either by name
     events_addr: str = ""              # ZeroMQ PUB address of KV events (tierd.events); "" off

@@ -100,3 +100,9 @@ class NamespaceLimitError(TierdError):
     them is unused. A refused namespace is a miss for that request, not a failed daemon."""
 
     code = "namespace_limit"
+
+
+class ForbiddenError(TierdError, PermissionError):
+    """The daemon refused an operator action (flush) to a peer that is not an operator."""
+
+    code = "forbidden"

@@ -97,14 +97,14 @@ class Namespace:
                                      f"cache, not {self.kv_dtype}")
         if self.block_bytes > 1 << 40:
             raise NamespaceError(f"namespace block of {self.block_bytes} bytes is absurd; check the shape")
-        ident = "\x1f".join(str(x) for x in (
-            "tierd-ns-v1", self.model, self.kv_dtype, self.num_layers, self.num_kv_heads,
-            self.head_dim, self.block_tokens, self.tp_rank, self.tp_size, self.cache_salt))
-        # Fields added later enter the identity only when set, so existing namespaces keep their ids.
-        for name in ("layout", "kv_scales", "tier_codec"):
-            if getattr(self, name):
-                ident += f"\x1f{name}={getattr(self, name)}"
-        object.__setattr__(self, "_id", hashlib.blake2b(ident.encode(), digest_size=16).digest())
+        # Every field length-prefixed: no value (a tenant's cache_salt, say) can end one field
+        # and start another, so no two namespaces share an identity string (v1 joined fields
+        # with a separator a salt could contain).
+        ident = b"".join(len(v).to_bytes(4, "little") + v for v in (str(x).encode() for x in (
+            "tierd-ns-v2", self.model, self.kv_dtype, self.num_layers, self.num_kv_heads,
+            self.head_dim, self.block_tokens, self.tp_rank, self.tp_size, self.cache_salt,
+            self.layout, self.kv_scales, self.tier_codec)))
+        object.__setattr__(self, "_id", hashlib.blake2b(ident, digest_size=16).digest())
 
     # -- identity -------------------------------------------------------------------------
     @property

@@ -29,7 +29,7 @@ from . import __version__
 from . import protocol as P
 from .arena import filesystem_type
 from .config import RELOADABLE, SERVE_KEYS, ServeConfig, load_serve_config, setting_value
-from .errors import ConfigError, InstanceLockedError, NamespaceLimitError, TierdError
+from .errors import ConfigError, ForbiddenError, InstanceLockedError, NamespaceLimitError, TierdError
 from .index import BEAT_S, SharedIndex
 from .instance import InstanceLock
 from .metrics import Metrics
@@ -737,7 +737,14 @@ class Daemon:
             conn.held.discard(("lease", lid))
         return {}
 
+    def _operator(self, uid: int, gid: int) -> bool:
+        return (uid in (os.geteuid(), 0) or uid in self.cfg.operator_uids
+                or gid in self.cfg.operator_gids)
+
     def _op_flush(self, conn: _Conn, msg: dict) -> dict:
+        if not self._operator(conn.uid, conn.gid):
+            raise ForbiddenError(f"flush is an operator action; uid {conn.uid} is not an operator "
+                                 "(operator_uids / operator_gids)")
         tier = P.field(msg, "tier", str, default="all")
         namespace = P.field(msg, "namespace", str, default=None)
         return {"dropped": self.store.flush(tier=tier, namespace=namespace)}

@@ -329,8 +329,10 @@ class TieredStore:
                 self._rd.counters["corrupt_dropped"] = self.disk.corrupt_at_open
                 self._adopt_recovered()
             if cfg.remote_url:
-                from .tiers.remote import RemoteTier   # imports redis-py: only when a remote tier is wanted
+                # imports redis-py: only when a remote tier is wanted
+                from .tiers.remote import RemoteTier, read_fleet_key
                 self.remote = RemoteTier(cfg.remote_url, timeout_s=cfg.remote_timeout_s,
+                                         fleet_key=read_fleet_key(cfg.remote_fleet_key_file),
                                          codec=cfg.remote_codec, zstd_level=cfg.disk_zstd_level)
         except BaseException:
             self.host.close()

@@ -21,6 +21,9 @@ discovered from whichever seed node answers.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import time
 from urllib.parse import urlsplit, urlunsplit
 
@@ -84,6 +87,25 @@ def redact(url: str) -> str:
     return urlunsplit((p.scheme, user + netloc, p.path, p.query, p.fragment))
 
 
+def read_fleet_key(path: str) -> bytes | None:
+    """The fleet key from `path` ("" none): a secret every node of the fleet shares, at least
+    16 bytes, in a file only the daemon's user may read."""
+    if not path:
+        return None
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            key = f.read().strip()
+    except OSError as e:
+        raise ConfigError(f"remote.fleet_key_file {path}: cannot read it ({e.strerror})") from None
+    if st.st_mode & 0o077:
+        raise ConfigError(f"remote.fleet_key_file {path} may be read by other users (mode "
+                          f"{st.st_mode & 0o777:o}); chmod 600 it")
+    if len(key) < 16:
+        raise ConfigError(f"remote.fleet_key_file {path}: the key must be at least 16 bytes")
+    return key[:64]   # blake2b's longest key
+
+
 def parse_rkey(rk: bytes) -> tuple[bytes, bytes] | None:
     """(namespace id, key) of a block's value key `tierd:<ns hex>:<key hex>`, else None."""
     rk = bytes(rk)
@@ -98,12 +120,17 @@ def parse_rkey(rk: bytes) -> tuple[bytes, bytes] | None:
 class RemoteTier(Tier):
     name = "remote"
 
-    def __init__(self, url: str, *, timeout_s: float = 0.5, codec: str = "none", zstd_level: int = 1):
+    def __init__(self, url: str, *, timeout_s: float = 0.5, codec: str = "none", zstd_level: int = 1,
+                 fleet_key: bytes | None = None):
         try:
             import redis
         except ImportError:
             raise ConfigError("the remote tier needs redis-py (pip install 'tierd[remote]')") from None
         self.url = url
+        # With a fleet key every value carries a MAC (keyed blake2b over header and payload) in
+        # field "m"; a value without a valid one is dropped, never served.
+        self.fleet_key = fleet_key or None
+        self.fields = _FIELDS + (b"m",) if self.fleet_key else _FIELDS
         self.codec_name = codec
         self.zstd_level = zstd_level
         self.cluster = False
@@ -191,19 +218,19 @@ class RemoteTier(Tier):
             raise CorruptBlockError(f"a {_codec.CODEC_NAMES[codec]} (lossy) value in an exact namespace")
         return codec, payload_len, pcsum, None if parent == b"\0" * 16 else parent
 
-    @classmethod
-    def decode(cls, value, ns_id: bytes, key: bytes, dst: np.ndarray, lossy_ok: bool = False) -> bytes | None:
-        """Verify `value` ((header, payload), as `get_many` returns it) as block `key` of
+    def decode(self, value, ns_id: bytes, key: bytes, dst: np.ndarray, lossy_ok: bool = False) -> bytes | None:
+        """Verify `value` ((header, payload[, mac]), as `get_many` returns it) as block `key` of
         namespace `ns_id` and copy it into `dst` (raw_len,); returns the block's parent key (or
         None). Raises CorruptBlockError."""
-        if isinstance(value, Exception) or not isinstance(value, (list, tuple)) or len(value) != 2:
+        if isinstance(value, Exception) or not isinstance(value, (list, tuple)) or len(value) != len(self.fields):
             raise CorruptBlockError(f"value is not a block ({type(value).__name__})")
-        header, payload = value
+        header, payload = value[0], value[1]
         if header is None or payload is None:
             raise CorruptBlockError("value lacks its header or payload")
-        codec, payload_len, pcsum, parent = cls.check_header(header, ns_id, key, dst.nbytes, lossy_ok)
+        codec, payload_len, pcsum, parent = self.check_header(header, ns_id, key, dst.nbytes, lossy_ok)
         if len(payload) != payload_len:
             raise CorruptBlockError("value truncated")
+        self.check_mac(header, payload, value[2] if len(value) > 2 else None)
         finish_payload(codec, payload, pcsum, dst)
         return parent
 
@@ -219,7 +246,7 @@ class RemoteTier(Tier):
         value that is not one of ours (e.g. another type)."""
         pipe = self.client.pipeline(transaction=False)
         for k in keys:
-            pipe.hmget(self.rkey(ns_id, k), _FIELDS)
+            pipe.hmget(self.rkey(ns_id, k), self.fields)
         return pipe.execute(raise_on_error=False)
 
     def fetch_many(self, ns_id: bytes, keys: list[bytes], dsts: list[np.ndarray], *,
@@ -242,7 +269,7 @@ class RemoteTier(Tier):
                 if pool is None:
                     slow += idx
                     continue
-                slow += _fetch_direct(pool, [rkeys[i] for i in idx], ns_id, [keys[i] for i in idx],
+                slow += _fetch_direct(self, pool, [rkeys[i] for i in idx], ns_id, [keys[i] for i in idx],
                                       [dsts[i] for i in idx], idx, out, lossy_ok)
         if slow:
             # redis-py reads a whole value before tierd sees it: ask the sizes first, and fetch
@@ -269,7 +296,7 @@ class RemoteTier(Tier):
                     fetch.append(i)
             values = self.get_many(ns_id, [keys[i] for i in fetch]) if fetch else []
             for i, v in zip(fetch, values):
-                if isinstance(v, list) and v == [None, None]:
+                if isinstance(v, list) and v[:2] == [None, None]:
                     out[i] = KeyError("not on the server")
                     continue
                 if isinstance(v, Exception) and not str(v).startswith("WRONGTYPE"):
@@ -295,11 +322,27 @@ class RemoteTier(Tier):
             groups.setdefault(id(pool), (pool, []))[1].append(i)
         return list(groups.values())
 
+    def mac(self, header, payload) -> bytes:
+        """The fleet's MAC of a value: blake2b keyed with the fleet key, over header and payload."""
+        h = hashlib.blake2b(bytes(header), key=self.fleet_key, digest_size=32)
+        h.update(memoryview(payload).cast("B") if not isinstance(payload, (bytes, bytearray)) else payload)
+        return h.digest()
+
+    def check_mac(self, header, payload, mac) -> None:
+        """Raise CorruptBlockError unless `mac` is this fleet's MAC of the value (no key: no check)."""
+        if self.fleet_key is None:
+            return
+        if not mac or not hmac.compare_digest(bytes(mac), self.mac(header, payload)):
+            raise CorruptBlockError("value is not signed with this fleet's key")
+
     def set_many(self, items: list[tuple[bytes, tuple]]) -> None:
         """[(redis key, (header, payload))], one round trip; each value one HSET (atomic)."""
         pipe = self.client.pipeline(transaction=False)
         for k, (header, payload) in items:
-            pipe.hset(k, mapping={b"h": header, b"p": payload})
+            fields = {b"h": header, b"p": payload}
+            if self.fleet_key is not None:
+                fields[b"m"] = self.mac(header, payload)
+            pipe.hset(k, mapping=fields)
         pipe.execute()
 
     def delete_many(self, rkeys: list[bytes]) -> None:
@@ -491,7 +534,7 @@ def _direct_pool(pool):
     return pool if str(pool.connection_kwargs.get("protocol") or 2) == "2" else None
 
 
-def _fetch_direct(pool, rkeys, ns_id, keys, dsts, idx, out, lossy_ok) -> list[int]:
+def _fetch_direct(tier, pool, rkeys, ns_id, keys, dsts, idx, out, lossy_ok) -> list[int]:
     """HMGET `rkeys` on one connection of `pool`, one round trip; results into `out` at `idx`.
     Returns the indices to retry through redis-py (Cluster redirects). A failure mid-stream
     disconnects the connection (its stream cannot be trusted) and raises."""
@@ -503,7 +546,8 @@ def _fetch_direct(pool, rkeys, ns_id, keys, dsts, idx, out, lossy_ok) -> list[in
     retry: list[int] = []
     server_error = None
     try:
-        conn.send_packed_command(conn.pack_commands([(b"HMGET", rk) + _FIELDS for rk in rkeys]))
+        fields = tier.fields
+        conn.send_packed_command(conn.pack_commands([(b"HMGET", rk) + fields for rk in rkeys]))
         rs = _ReplyStream(conn._sock)
         for j, i in enumerate(idx):
             line = rs.line()
@@ -516,15 +560,15 @@ def _fetch_direct(pool, rkeys, ns_id, keys, dsts, idx, out, lossy_ok) -> list[in
                 else:   # LOADING, BUSY, NOPERM, MASTERDOWN, OOM...: the server's state, not the value's
                     server_error = server_error or RemoteServerError(line[1:120].decode(errors="replace"))
                 continue
-            if rs._length(line, b"*") != 2:
+            if rs._length(line, b"*") != len(fields):
                 raise ConnectionError(f"unexpected reply {line[:40]!r}")
             header = rs.bulk(limit=PAGE)             # a slot header fits a page: larger is foreign
             n = rs._length(rs.line(), b"$")
             dst = dsts[j]
-            if header is None and n is None:
-                out[i] = KeyError("not on the server")
-                continue
+            payload = None
             try:
+                if header is None and n is None:
+                    raise KeyError("not on the server")
                 if header is None or n is None:
                     raise CorruptBlockError("value lacks its header or payload")
                 if header is False:
@@ -532,18 +576,22 @@ def _fetch_direct(pool, rkeys, ns_id, keys, dsts, idx, out, lossy_ok) -> list[in
                 codec, payload_len, pcsum, _ = RemoteTier.check_header(header, ns_id, keys[j], dst.nbytes, lossy_ok)
                 if n != payload_len:
                     raise CorruptBlockError("value truncated")
-            except CorruptBlockError as e:
+            except (KeyError, CorruptBlockError) as e:
                 if n is not None:
                     rs.skip(n)                             # read past it
                 out[i] = e
-                continue
-            if codec == _codec.CODEC_NONE and n == dst.nbytes:
-                rs.into(memoryview(dst).cast("B"))
-                payload = dst
             else:
-                payload = bytearray(n)
-                rs.into(memoryview(payload))
+                if codec == _codec.CODEC_NONE and n == dst.nbytes:
+                    rs.into(memoryview(dst).cast("B"))
+                    payload = dst
+                else:
+                    payload = bytearray(n)
+                    rs.into(memoryview(payload))
+            mac = rs.bulk(limit=64) if len(fields) > 2 else None   # read past it in every case
+            if payload is None:
+                continue
             try:
+                tier.check_mac(header, payload, mac if mac is not False else None)
                 finish_payload(codec, payload, pcsum, dst)
             except CorruptBlockError as e:
                 out[i] = e
