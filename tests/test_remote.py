@@ -461,3 +461,19 @@ def test_with_a_fleet_key_a_planted_or_unsigned_value_is_never_served(server, tm
     key_file.chmod(0o644)
     with pytest.raises(Exception, match="may be read by other users"):
         node(server.url, remote_fleet_key_file=str(key_file))
+
+
+def test_the_memory_of_the_server_stays_bounded_and_forgets_in_order():
+    """S8: b90e890 remembered one entry per block written behind and trimmed only inside
+    lookups, by a full scan; the memory now trims at every insert, oldest first."""
+    from tierd.tiers.remote import RemoteMemory
+    m = RemoteMemory(known_s=30.0, absent_s=1.0, max_entries=1000)
+    for i in range(50_000):
+        m.note_had(i.to_bytes(32, "little"), now=100.0)
+    assert len(m) == 1000
+    assert m.had((49_999).to_bytes(32, "little"), 100.0) and not m.had((0).to_bytes(32, "little"), 100.0)
+    m.note_lacked(b"x" * 32, now=100.0)
+    assert m.lacked(b"x" * 32, 100.5) and not m.lacked(b"x" * 32, 101.5)   # expires
+    m.note_had(b"y" * 32, now=200.0)             # inserts after expiry drop the expired ones
+    m.note_lacked(b"z" * 32, now=200.0)
+    assert len(m) == 2

@@ -29,41 +29,30 @@ from pathlib import Path
 
 import msgpack
 import numpy as np
-import xxhash
 
 from .. import codec as _codec
 from ..arena import SlabAllocator
-from ..config import ALIGN, align_up, format_size
+from ..config import align_up, format_size
 from ..errors import (CapacityError, ConfigError, DirectoryLockedError, DiskTierError,
-                      NotASlabFileError, TierdError)
+                      NotASlabFileError)
 from .base import BlockMeta, Tier
+# the slot header is shared with the remote tier (re-exported here for the disk format's users)
+from .slot_header import (_CSUM, FORMAT_VERSION, PAGE, CorruptBlockError, _csum, encode_block,  # noqa: F401
+                          pack_slot_header, unpack_slot_header)
 
 log = logging.getLogger("tierd.disk")
 
-FORMAT_VERSION = 1
-PAGE = ALIGN
 FILE_MAGIC = b"TIERDFIL"
 SLAB_MAGIC = b"TIERDSLB"
-SLOT_MAGIC = b"TIERDSLT"
 # superblock: magic, version, file index, slabs in this file, slab bytes, store uuid, checksum
 _SUPER = struct.Struct("<8sHHIQ16s")
 # slab header: magic, version, pad, slot bytes (0: free), generation (+ checksum)
 _SLAB = struct.Struct("<8sHHQQ")
-# slot header: magic, version, codec, dtype_bytes, pad, ns id, key, parent key (zeros: none),
-# payload len, raw len, write sequence, slab generation, payload checksum (+ header checksum)
-_SLOT = struct.Struct("<8sHBBI16s16s16sQQQQQ")
-_CSUM = struct.Struct("<Q")
 LOCK_NAME = "LOCK"
 CHECKPOINT_NAME = "index.ckpt"
 NAMESPACES_NAME = "namespaces.msgpack"
 FENCES_NAME = "flushed.msgpack"
 ALL_NAMESPACES = b""   # the fence key of a flush of every namespace
-
-
-class CorruptBlockError(TierdError):
-    """A slot failed verification (internal: the store drops and counts it)."""
-
-    code = "corrupt"
 
 
 @dataclass(slots=True)
@@ -80,56 +69,9 @@ class DiskEntry:
     parent: bytes = b""
 
 
-def _csum(data) -> int:
-    return xxhash.xxh3_64_intdigest(data)
-
-
-def encode_block(codec_name: str, level: int, raw: np.ndarray, dtype_bytes: int, lossy: str,
-                 kv_dtype: str) -> tuple[int, np.ndarray | bytes]:
-    """(codec, payload) of a block for a tier that describes its contents (disk, remote): the
-    namespace's lossy codec where it asked for one and the block takes it, else the tier's exact
-    codec; stored raw when a codec would not make it smaller."""
-    block_bytes = raw.size
-    codec = _codec.choose_codec(codec_name, dtype_bytes, block_bytes, lossy)
-    try:
-        payload = _codec.encode(codec, raw, level, kv_dtype=kv_dtype, lossy=lossy) if codec else raw
-    except ValueError:                 # NaN / infinity, or no whole groups: store it exactly
-        codec = _codec.choose_codec(codec_name, dtype_bytes, block_bytes)
-        payload = _codec.encode(codec, raw, level) if codec else raw
-    if codec and len(payload) >= block_bytes:  # incompressible: store raw
-        codec, payload = _codec.CODEC_NONE, raw
-    return codec, payload
-
-
 def _aligned(nbytes: int) -> mmap.mmap:
     """Page-aligned anonymous buffer (O_DIRECT needs aligned memory)."""
     return mmap.mmap(-1, max(PAGE, align_up(nbytes)))
-
-
-def pack_slot_header(codec: int, dtype_bytes: int, ns_id: bytes, key: bytes, parent: bytes,
-                     payload_len: int, raw_len: int, seq: int, slab_gen: int,
-                     payload_csum: int) -> bytes:
-    body = _SLOT.pack(SLOT_MAGIC, FORMAT_VERSION, codec, dtype_bytes, 0, ns_id, key,
-                      parent or b"\0" * 16, payload_len, raw_len, seq, slab_gen, payload_csum)
-    return body + _CSUM.pack(_csum(body))
-
-
-def unpack_slot_header(page) -> tuple | None:
-    """Fields of a slot header, None for an empty slot; raises CorruptBlockError if damaged."""
-    raw = bytes(page[:_SLOT.size + _CSUM.size])
-    if len(raw) < _SLOT.size + _CSUM.size:
-        return None
-    if raw[:8] != SLOT_MAGIC:
-        if raw[:8] == b"\0" * 8:
-            return None
-        raise CorruptBlockError("slot header magic is damaged")
-    (csum,) = _CSUM.unpack_from(raw, _SLOT.size)
-    if _csum(raw[:_SLOT.size]) != csum:
-        raise CorruptBlockError("slot header checksum mismatch")
-    fields = _SLOT.unpack_from(raw)
-    if fields[1] != FORMAT_VERSION:
-        raise CorruptBlockError(f"slot format version {fields[1]} is not {FORMAT_VERSION}")
-    return fields
 
 
 class FaultInjector:

@@ -1,0 +1,485 @@
+"""`TieredStore`: the embedded block store — index, pins, policy and the Store interface.
+
+Owns which block lives where, who pins it, and when it moves: blocks enter host RAM (the hub),
+are demoted to disk past the host's high watermark, promoted back to host on a hit (the disk
+copy stays valid), copied to HBM when hit often (an inclusive cache of host blocks), and evicted
+in policy order, descendants of a prefix chain before their ancestors. The tiers themselves
+(`tierd.tiers`) are storage only, behind one interface; the store keeps one `Resident` record
+per tier (slot owners, eviction order, counters) and moves blocks through that interface.
+
+The parts (listed in `tierd/store/__init__.py`) are mixins of this one class: they share its
+state and its lock, each file one job. Their invariants are written beside the code that keeps
+them (records.py: pins, states, what is served; ownership.py; index.py).
+
+**The lock.** One lock (`_cond`) guards every field of the store and of its `Block`s, the tiers'
+slot allocators and the residency records. It is held only for memory work: no disk, device or
+network I/O ever runs under it, and nothing under it waits on such I/O (a stalled disk is
+detected from the calls in flight, `DiskTier.oldest_io`, and skipped). Code that does I/O pins
+what it touches, drops the lock, does the I/O, retakes the lock and settles, on every exit. An
+O(N) walk holds it one chunk at a time (`_each_block`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+from ..config import StoreConfig
+from ..errors import (
+    ConfigError,
+    DiskDegradedError,
+    LeaseError,
+    StoreClosedError,
+    TierdError,
+)
+from ..keys import check_keys
+from ..namespace import Namespace
+from ..policy import AdmissionFilter, make_policy
+from ..tiers.disk import DiskTier
+from ..tiers.host import HostTier
+from ..transfer import as_u8, copy_out, fill_reservation
+from .demotion import Demotion
+from .feed import EventFeed
+from .health import DiskHealth, TierHealth
+from .index import BlockIndex
+from .namespaces import NamespaceTable
+from .ownership import Lease, Ownership, Reservation
+from .promotion import Promotion
+from .records import ABSENT, LOADING, READY, RESERVED, Block, NsState, WouldBlock
+from .remote import RemoteLink
+from .residency import Residency, Resident
+
+log = logging.getLogger("tierd.store")
+
+
+class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, DiskHealth, RemoteLink,
+                  Promotion, Demotion):
+    """Embedded tiered block store (host RAM + optional disk, HBM and remote tiers). Thread-safe."""
+
+    def __init__(self, config: StoreConfig | None = None, **overrides):
+        cfg = dataclasses.replace(config) if config is not None else StoreConfig()
+        for k, v in overrides.items():
+            if k not in StoreConfig.__dataclass_fields__:
+                raise ConfigError(f"unknown store setting {k!r}")
+            setattr(cfg, k, v)
+        self.config = cfg = cfg.resolved()
+        self._cond = threading.Condition(threading.Lock())
+        self._blocks: dict[bytes, Block] = {}
+        self._namespaces: dict[bytes, NsState] = {}
+        self._by_name: dict[str, NsState] = {}
+        self._reservations: dict[int, Reservation] = {}
+        self._leases: dict[int, Lease] = {}
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._writes_in_flight = 0
+        self._batch_writing = False   # one disk write batch at a time (see _write_down_batch)
+        self._demote_wanted = False   # set past the host high watermark: wakes the demoter
+        # One residency record per tier (see _Resident): the tiers themselves are storage only.
+        self._rh = Resident("host", make_policy(cfg.eviction_policy), slot_of=lambda b: b.host_slot,
+                             children_of=lambda b: b.host_children, evictable=self._host_evictable)
+        self._rd = Resident("disk", make_policy(cfg.eviction_policy), slot_of=lambda b: b.disk.slot,
+                             children_of=lambda b: b.disk_children, evictable=self._disk_evictable)
+        self._rg = Resident("gpu", make_policy("lru"), slot_of=lambda b: b.gpu_slot,
+                             children_of=lambda b: 0, evictable=lambda b: b.gpu_pins == 0)
+        self._rh.tier = HostTier(cfg.host_bytes, cfg.host_slab_bytes, shm_path=cfg.host_shm_path,
+                                 shm_mode=cfg.host_shm_mode)
+        self._pad_bytes = 0  # slot padding of host blocks (slot size - block size), for waste
+        self._admission = AdmissionFilter(cfg.disk_admit_min_hits)
+        self._index = None   # the daemon's shared lookup index (tierd.index), if attached
+        self._events = None  # the daemon's KV-event publisher (tierd.events), if attached
+        self._disk_health = TierHealth("disk", self.DISK_RETRY_S, "serving from host RAM only")
+        self._disk_checked_at = 0.0
+        # The remote tier (tiers/remote.py): no slots here, the server owns capacity and eviction.
+        # What the store keeps: a short memory of which keys the server had or lacked, the
+        # write-behind queue (blocks pinned in host RAM until written), health and counters.
+        self.remote = None
+        self._remote_memory = None   # what the server had or lacked lately (RemoteMemory)
+        self._write_behind = None    # the tier's write-behind (WriteBehind): queue and threads
+        self._remote_health = TierHealth("remote", self.REMOTE_RETRY_S, "serving from this node's tiers")
+        self._rr = dict.fromkeys(("hits", "misses", "bytes_in", "bytes_out", "writes", "write_dropped",
+                                  "errors", "corrupt_dropped", "lookups"), 0)
+        self._rr["latency_ms"] = 0.0
+        try:
+            if cfg.gpu_bytes:
+                from ..tiers.gpu import (
+                    GpuTier,  # imports torch: only when an HBM tier is wanted
+                )
+                self.gpu = GpuTier(cfg.gpu_bytes, cfg.gpu_slab_bytes, cfg.gpu_device)
+            if cfg.disk_path:
+                self.disk = self._open_disk()
+                self._rd.counters["corrupt_dropped"] = self.disk.corrupt_at_open
+                self._adopt_recovered()
+            if cfg.remote_url:
+                # imports redis-py: only when a remote tier is wanted
+                from ..tiers.remote import RemoteMemory, RemoteTier, WriteBehind, read_fleet_key
+                self.remote = RemoteTier(cfg.remote_url, timeout_s=cfg.remote_timeout_s,
+                                         fleet_key=read_fleet_key(cfg.remote_fleet_key_file),
+                                         codec=cfg.remote_codec, zstd_level=cfg.disk_zstd_level)
+        except BaseException:
+            self.host.close()
+            if self.disk is not None:
+                self.disk.close(None)
+            raise
+        if self.remote is not None:
+            self._remote_memory = RemoteMemory(cfg.remote_known_s, cfg.remote_absent_s)
+            self._write_behind = WriteBehind(self.remote, queue_blocks=cfg.remote_queue_blocks,
+                                             settle=self._remote_written, degraded=self._remote_degraded,
+                                             probed=self._remote_probed)
+        self._maintainer = threading.Thread(target=self._maintain, name="tierd-demoter", daemon=True)
+        self._maintainer.start()
+
+    # the tiers (storage only; the store's view of each is its _Resident record)
+    @property
+    def host(self) -> HostTier:
+        return self._rh.tier
+
+    @property
+    def disk(self) -> DiskTier | None:
+        return self._rd.tier
+
+    @disk.setter
+    def disk(self, tier: DiskTier | None) -> None:
+        self._rd.tier = tier
+
+    @property
+    def gpu(self):
+        return self._rg.tier
+
+    @gpu.setter
+    def gpu(self, tier) -> None:
+        self._rg.tier = tier
+
+    def host_array(self):
+        """The whole host arena as one uint8 array (for page-locking it, e.g. cudaHostRegister)."""
+        return self.host.arena.array
+
+    def reserve(self, ns: Namespace, keys: Sequence[bytes], *, parent: bytes | None = None,
+                owner=None, token_ids: Sequence[int] | None = None, inline: bool = False) -> Reservation:
+        """Host slots to write `keys` into (zero-copy put). Commit or abort the result.
+        `token_ids` (optional, `block_tokens` per key): the blocks' tokens, for KV events only
+        (an indexer computes its own keys from them); never stored. `inline`: raise WouldBlock,
+        changing nothing, unless free slots take every key at once (no eviction, no wait)."""
+        keys = check_keys(keys)
+        with self._cond:
+            self._check_open()
+            st = self._ns(ns)
+            if inline and self.host.alloc.free_slot_count(st.host_slot_bytes) < len(keys):
+                raise WouldBlock()
+            if token_ids is not None and len(token_ids) != len(keys) * st.ns.block_tokens:
+                raise TierdError(f"reserve: {len(token_ids)} token ids for {len(keys)} blocks of "
+                                 f"{st.ns.block_tokens} tokens")
+            pid = st.ns_id
+            status, blocks = [], []
+            rid = next(self._ids)
+            for i, k in enumerate(keys):
+                ikey = pid + k
+                b = self._blocks.get(ikey)
+                if b is None or (b.host_state == ABSENT and b.disk is None and not b.disk_writing):
+                    slot = self._host_alloc(st)
+                    b = self._blocks.get(ikey)  # the lock may have been released
+                    if b is not None and (b.host_state != ABSENT or b.disk is not None or b.disk_writing):
+                        if slot is not None:
+                            self.host.free_slot(slot)
+                        status.append("present"); blocks.append(None)
+                        continue
+                    if slot is None:
+                        st.counters["put_dropped"] += 1
+                        status.append("full"); blocks.append(None)
+                        continue
+                    if b is None:
+                        b = self._new_block(ikey, st, k)
+                    b.host_slot, b.host_state, b.owner_res = slot, RESERVED, rid
+                    b.decoded = False   # the writer's own bytes
+                    self._rh.owner[slot] = b
+                    status.append("reserved")
+                    blocks.append(b)
+                else:
+                    status.append("present"); blocks.append(None)
+            offsets = [self.host.alloc.offset(b.host_slot) if b is not None else None for b in blocks]
+            if not any(b is not None for b in blocks):
+                # Nothing to write: no reservation is left open (id 0; commit and abort are
+                # no-ops), and the chain is re-linked for eviction order now.
+                self._relink(st.ns_id, keys, parent)
+                res = Reservation(0, st.ns, keys, status, blocks, owner, offsets, self.host)
+                res._parent = parent
+                return res
+            res = Reservation(rid, st.ns, keys, status, blocks, owner, offsets, self.host)
+            res._parent = parent
+            res._tokens = list(token_ids) if token_ids is not None and self._events is not None else None
+            self._reservations[rid] = res
+            return res
+
+    def commit(self, res: Reservation) -> int:
+        """Make the reserved blocks visible. Returns how many became visible."""
+        if res.id == 0:
+            return 0   # nothing was reserved
+        with self._cond:
+            self._check_open()
+            if self._reservations.pop(res.id, None) is None:
+                raise LeaseError(f"reservation {res.id} is unknown or already committed/aborted")
+            pid = res.namespace.id
+            n = 0
+            # Links first, then residency in reverse chain order so that the chain's tail is
+            # the least recent: descendants are evicted before their ancestors.
+            for i, b in enumerate(res._blocks):
+                if b is not None:
+                    self._link(b, pid + res.keys[i - 1] if i else (pid + res._parent if res._parent else None))
+            for i in range(len(res._blocks) - 1, -1, -1):
+                b = res._blocks[i]
+                if b is None or b.host_state != RESERVED or b.owner_res != res.id:
+                    continue
+                b.host_state, b.owner_res = READY, 0
+                self._rh.policy.insert(b.ikey)
+                self._enter(b, "host", event=False)   # events below, in chain order
+                b.st.counters["puts"] += 1
+                b.st.counters["put_bytes"] += b.st.block_bytes
+                self._rh.counters["bytes_in"] += b.st.block_bytes
+                n += 1
+            self._relink(pid, res.keys, res._parent)
+            if self._events is not None:
+                bt = len(res._tokens) // len(res.keys) if res._tokens else 0
+                for i, b in enumerate(res._blocks):
+                    if b is not None and b.host_state == READY and b.owner_res == 0:
+                        self._event(b, "host", True, res._tokens[i * bt:(i + 1) * bt] if bt else None)
+            if self.remote is not None and self.config.remote_write_behind:   # in chain order
+                for b in res._blocks:
+                    if b is not None and b.host_state == READY and b.owner_res == 0:
+                        self._remote_enqueue(b)
+            self._wake_demoter()
+            self._cond.notify_all()
+            return n
+
+    def put(self, ns: Namespace, keys: Sequence[bytes], blocks: Sequence, *,
+            parent: bytes | None = None, token_ids: Sequence[int] | None = None) -> int:
+        """Store `blocks[i]` under `keys[i]` (a prefix chain in order; `parent` is the key
+        before `keys[0]`). Already-present keys are skipped; under pressure blocks may be
+        dropped. Returns how many blocks were newly stored."""
+        keys = check_keys(keys)
+        if len(blocks) != len(keys):
+            raise TierdError(f"put: {len(keys)} keys but {len(blocks)} blocks")
+        with self._cond:
+            self._check_open()
+            st = self._ns(ns)
+        views = [as_u8(blk, st.block_bytes, st.desc.get("kv_dtype", "")) for blk in blocks]
+        res = self.reserve(ns, keys, parent=parent, token_ids=token_ids)
+        fill_reservation(self, res, views)
+        return self.commit(res)
+
+    def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        """Number of leading `keys` present in any tier."""
+        return self._leading(ns, keys)[0]
+
+    def lookup_all(self, queries: Sequence[tuple[Namespace, Sequence[bytes]]], *,
+                   host: bool = False) -> list[int] | list[tuple[int, int]]:
+        """`lookup` for several (namespace, keys) pairs at once (e.g. every tensor-parallel
+        rank's chain of one prompt): one call, one answer per pair. With `host`, each answer is
+        (leading keys present in any tier, leading keys ready in host RAM): a load of more than
+        the second number needs a promotion from disk."""
+        found = [self._leading(ns, keys) for ns, keys in queries]
+        return found if host else [n for n, _ in found]
+
+    def _leading(self, ns: Namespace, keys: Sequence[bytes]) -> tuple[int, int]:
+        """(leading keys present in any tier, leading keys ready in host RAM)."""
+        keys = check_keys(keys)
+        with self._cond:
+            self._check_open()
+            st = self._ns(ns)
+            st.counters["lookups"] += 1
+            disk_ok = self.disk is not None and not self._note_stall()
+            n = n_host = 0
+            for k in keys:
+                b = self._blocks.get(st.ns_id + k)
+                if b is None or not (b.host_state in (READY, LOADING) or (b.disk is not None and disk_ok)):
+                    break
+                if n_host == n and b.host_state == READY:
+                    n_host += 1
+                n += 1
+            rest = self.remote is not None and n < len(keys)
+        if rest:   # the remote tier may continue the prefix (asked outside the lock)
+            n += self._remote_leading(st, keys[n:])
+        return n, n_host
+
+    def where(self, ns: Namespace, keys: Sequence[bytes]) -> list[str]:
+        """Per key: "host", "disk", "host+disk" or "" (absent)."""
+        keys = check_keys(keys)
+        with self._cond:
+            st = self._ns(ns)
+            out = []
+            for k in keys:
+                b = self._blocks.get(st.ns_id + k)
+                tiers = []
+                if b is not None and b.host_state == READY:
+                    tiers.append("host")
+                if b is not None and b.disk is not None:
+                    tiers.append("disk")
+                out.append("+".join(tiers))
+            return out
+
+    def get(self, ns: Namespace, keys: Sequence[bytes], out: Sequence | None = None) -> list:
+        """The blocks of the longest present prefix of `keys` (`len(result) <= len(keys)`):
+        new (block_bytes,) uint8 arrays, or copied into `out[i]` (any writable buffer of
+        block_bytes, e.g. a CPU tensor) and those returned."""
+        if out is not None and len(out) < len(keys):
+            raise TierdError(f"get: {len(keys)} keys but only {len(out)} output buffers")
+        with self._cond:
+            self._check_open()
+            st = self._ns(ns)
+        dsts = None if out is None else [as_u8(o, st.block_bytes, st.desc.get("kv_dtype", "")) for o in out]
+        with self.acquire(ns, keys) as lease:
+            return copy_out(lease, dsts, out)
+
+    def flush(self, tier: str = "all", namespace=None) -> int:
+        """Drop blocks from `tier` ("gpu", "host", "disk" or "all"), of one namespace or all.
+        Leased or in-flight blocks are skipped. Returns the number of blocks dropped."""
+        if tier not in ("host", "disk", "all", "gpu", "remote"):
+            raise TierdError(f"flush: unknown tier {tier!r}; use gpu, host, disk, remote or all")
+        if tier == "remote":
+            return self._flush_remote(namespace)
+        with self._cond:
+            self._check_open()
+            ns_id = None if namespace is None else self._ns_for_flush(namespace)
+            dropped = 0
+            disk = self.disk
+            fence = tier in ("disk", "all") and disk is not None and not disk.closed
+            if fence:
+                # every copy written before now is dead, indexed or not (copies evicted earlier
+                # left valid headers behind): recovery and write settles check the fence
+                disk.set_fence(ns_id)
+
+        def one(b: Block) -> None:
+            nonlocal dropped
+            hit = False
+            if tier == "gpu" and b.gpu_slot >= 0 and b.gpu_pins == 0:
+                self._drop_gpu(b, evicted=False)
+                hit = True
+            if tier in ("host", "all") and self._host_evictable(b):
+                self._drop_host(b, evicted=False)
+                hit = True
+            if tier in ("disk", "all") and disk is not None and b.disk is not None and b.disk_pins == 0:
+                self._drop_disk(b, evicted=False)   # its slot may be reused at once
+                hit = True
+            dropped += hit
+        self._each_block(one, ns_id)
+        # Gone from the index now; the fence is made durable outside the lock.
+        if fence:
+            try:
+                disk.save_fences()
+            except OSError as e:
+                with self._cond:
+                    self._disk_error("flush record", e)
+                raise DiskDegradedError(f"flush: {dropped} blocks were dropped but the flush could not be "
+                                        f"recorded on disk ({e}); they may come back after a restart") from None
+        return dropped
+
+    def sync(self, max_blocks: int | None = None) -> int:
+        """Write every host-only block (at most `max_blocks`) to disk and make all disk
+        writes durable; a reopen then serves them. With a remote tier, also wait (up to
+        REMOTE_DRAIN_S) until its write-behind queue has gone to the server (`remote_pending`
+        says what is left). Returns the number of blocks written to disk.
+        Raises DiskDegradedError when the disk tier cannot take them (nothing is acknowledged
+        durable that is not)."""
+        written = self._sync_disk(max_blocks)
+        if self.remote is not None:
+            with self._cond:
+                self._drain_remote(self.REMOTE_DRAIN_S)
+        return written
+
+    def reconfigure(self, new: StoreConfig) -> None:
+        """Apply the settings that can change while running: watermarks and SSD admission."""
+        new = new.resolved()
+        with self._cond:
+            for name in ("host_high_watermark", "host_low_watermark", "disk_high_watermark",
+                         "disk_low_watermark", "disk_admit_min_hits"):
+                setattr(self.config, name, getattr(new, name))
+            self._admission = AdmissionFilter(new.disk_admit_min_hits)
+            self._wake_demoter()
+
+    def stats(self) -> dict:
+        """Counters and gauges per tier and per namespace (see docs/operations.md)."""
+        with self._cond:
+            self._note_stall()
+            tiers = {"host": self._rh.stats(extra_waste=self._pad_bytes)}
+            if self.gpu is not None:
+                tiers["gpu"] = self._rg.stats()
+            if self.disk is not None:
+                pad = sum(st.counters["disk_blocks"] * (st.disk_slot_bytes - st.block_bytes)
+                          for st in self._namespaces.values())
+                disk = self._rd.stats(extra_waste=pad)
+                disk.update(degraded=self._disk_health.fault or "",
+                            degraded_seconds=(time.monotonic() - self._disk_health.since
+                                              if self._disk_health.fault else 0.0),
+                            degraded_episodes=self._disk_health.count)
+                tiers["disk"] = disk
+            if self.remote is not None:
+                tiers["remote"] = {**self.remote.usage(), **self._rr, "queue": self._write_behind.pending(),
+                                   "degraded": self._remote_health.fault or "",
+                                   "degraded_seconds": (time.monotonic() - self._remote_health.since
+                                                        if self._remote_health.fault else 0.0),
+                                   "degraded_episodes": self._remote_health.count}
+            namespaces = {}
+            for st in self._namespaces.values():
+                c = dict(st.counters)
+                asked = c["hits"] + c["misses"]
+                c["hit_rate"] = c["hits"] / asked if asked else 0.0
+                c["block_bytes"] = st.block_bytes
+                c["description"] = st.desc
+                namespaces[st.name] = c
+            return {"tiers": tiers, "namespaces": namespaces, "leases": len(self._leases),
+                    "reservations": len(self._reservations), "policy": self.config.eviction_policy,
+                    "time": time.time()}
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+
+    CLOSE_WAIT_S = 10.0   # how long close waits for disk writes in flight (never for a hung disk)
+
+    def close(self, *, sync: bool = False) -> None:
+        """Stop background work, flush the disk tier and write its checkpoint. Host-only blocks
+        are lost unless `sync=True` (or `sync()` was called). Always completes: a disk that
+        hangs or fails is left without a checkpoint (the next open scans its headers)."""
+        if sync and not self._closed:
+            self.sync()
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        deadline = time.monotonic() + self.CLOSE_WAIT_S
+        self._maintainer.join(max(0.1, deadline - time.monotonic()))
+        if self.remote is not None:
+            self._write_behind.close(10 + 2 * self.config.remote_timeout_s)
+            self.remote.close()
+        with self._cond:
+            while self._writes_in_flight and time.monotonic() < deadline and not self._note_stall():
+                self._cond.wait(0.05)
+            stuck = self._writes_in_flight or self._batch_writing or self._maintainer.is_alive()
+            for r in list(self._reservations.values()):
+                self._abort_locked(r)
+            self._reservations.clear()
+            entries = [b.disk for b in self._blocks.values() if b.disk is not None]
+        disk = self.disk
+        if disk is not None:
+            if stuck or (disk.oldest_io() is not None):
+                log.error("disk tier: I/O still in flight at close (a hung disk?); closing without a "
+                          "checkpoint, the next start scans the slot headers")
+                disk.mark_closed()
+            else:
+                try:
+                    disk.close(entries)
+                except Exception as e:  # noqa: BLE001 -- the next open scans instead
+                    log.error("disk tier: closing failed (%s); no checkpoint written, the next start "
+                              "scans the slot headers", e)
+        if self.gpu is not None:
+            self.gpu.close()
+        self.host.close()
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

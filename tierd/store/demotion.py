@@ -1,0 +1,283 @@
+"""Demotion: making room in host RAM by writing blocks down to disk (and evicting), the
+background demoter, and `sync`'s durable writes. Writes run outside the store lock on pinned
+blocks; one write batch at a time keeps each batch one sequential run."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ..errors import DiskDegradedError
+from ..tiers.disk import DiskEntry
+from .records import READY, Block, NsState
+
+log = logging.getLogger("tierd.store")
+
+
+class Demotion:
+    """Part of `TieredStore` (see its docstring): state and lock are the store's."""
+
+    def _host_alloc(self, st: NsState) -> int | None:
+        """A free host slot for `st`, evicting (demoting) in policy order if needed.
+        Lock held; may release it during disk writes."""
+        deadline = None
+
+        def wait() -> bool:
+            # Everything evictable is being written to disk right now: wait for those writes
+            # (bounded, and never for a stalled disk) rather than drop the block.
+            nonlocal deadline
+            if not self._writes_in_flight or self._disk_waiting():
+                return False
+            deadline = deadline or time.monotonic() + self.ALLOC_WAIT_S
+            if time.monotonic() >= deadline:
+                return False
+            self._cond.wait(min(0.05, deadline - time.monotonic()))
+            return True
+
+        return self._alloc(self._rh, st.host_slot_bytes, self._evict_host, wait)
+
+    def _evict_host(self, b: Block) -> bool:
+        """Remove `b` from host RAM: drop it if its disk copy is valid, else write it down
+        (if admitted) first. Returns True if the host slot was freed."""
+        if self.disk is not None and b.disk is None and not b.disk_writing:
+            if self._admission.admit(b.hits):
+                self._write_down(b)
+            else:
+                self._rd.counters["admission_rejected"] += 1
+        if self._host_evictable(b):
+            self._drop_host(b, evicted=True)
+            return True
+        return False
+
+    def _gpu_alloc(self, st: NsState) -> int | None:
+        return self._alloc(self._rg, st.host_slot_bytes, lambda b: self._drop_gpu(b, evicted=True))
+
+    def _disk_alloc(self, st: NsState) -> int | None:
+        return self._alloc(self._rd, st.disk_slot_bytes, lambda b: self._drop_disk(b, evicted=True))
+
+    def _write_down(self, b: Block) -> bool:
+        """Copy one READY host block to disk (its host copy stays); see `_write_down_batch`."""
+        self._write_down_batch([b])
+        return b.disk is not None
+
+    def _write_down_batch(self, blocks: list[Block]) -> int:
+        """Copy READY host-only blocks to disk, in parallel on the I/O pool; host copies stay.
+        Lock held on entry and exit, released during the writes. Returns blocks written."""
+        # One batch at a time: blocks reach the disk tier (and its eviction order) in the
+        # order they were chosen, and each batch's writes stay one sequential run. A stalled
+        # disk is not waited for.
+        while self._batch_writing:
+            if self._disk_waiting():
+                return 0
+            self._cond.wait(0.05)
+        disk = self.disk
+        if disk is None or disk.closed or self._disk_waiting():
+            return 0
+        jobs = []
+        remember: dict[bytes, dict] = {}
+        for b in blocks:
+            if b.host_state != READY or b.disk is not None or b.disk_writing:
+                continue
+            st = b.st
+            slot = self._disk_alloc(st)   # no I/O: slab headers are queued
+            if slot is None:
+                break
+            if st.ns is not None and disk.namespaces.get(st.ns_id) != st.desc:
+                remember[st.ns_id] = st.desc
+            b.disk_writing = True
+            b.host_pins += 1
+            self._writes_in_flight += 1
+            jobs.append((b, slot, b.parent[16:] if b.parent else None,
+                         self.host.view(b.host_slot, st.host_slot_bytes)))
+        if not jobs:
+            return 0
+        headers = disk.take_pending_headers()
+        self._batch_writing = True
+
+        def write(job):
+            b, slot, parent_key, src = job
+            try:
+                return disk.write(slot, src, b.st.meta(b.key, parent_key, exact=b.decoded))
+            except Exception as e:  # noqa: BLE001 - any failure must still unpin below
+                return e
+
+        self._cond.release()
+        try:
+            # Everything a block's recovery depends on goes first: its slab's header and its
+            # namespace's description. If they fail, no block of the batch is written.
+            try:
+                if headers:
+                    disk.write_headers(headers)
+                for ns_id, desc in remember.items():
+                    disk.remember_namespace(ns_id, desc)
+            except OSError as e:
+                results = [e] * len(jobs)
+            else:
+                results = [write(jobs[0])] if len(jobs) == 1 else list(disk.pool.map(write, jobs))
+        finally:
+            self._cond.acquire()
+            self._batch_writing = False
+        written = failed = 0
+        for (b, slot, _, _), entry in zip(jobs, results):
+            b.disk_writing = False
+            b.host_pins -= 1
+            self._writes_in_flight -= 1
+            if not isinstance(entry, DiskEntry):
+                disk.free_slot(slot)
+                if not failed:
+                    self._disk_error("write", entry)  # the block stays in host RAM only
+                failed += 1
+                continue
+            if disk.fenced(entry.ns_id, entry.seq):
+                disk.free_slot(slot)   # a flush came while it was written: that copy is dead
+                continue
+            b.disk = entry
+            self._rd.owner[slot] = b
+            self._rd.policy.insert(b.ikey)
+            self._enter(b, "disk")
+            c = self._rd.counters
+            c["demotions"] += 1
+            c["bytes_in"] += b.st.block_bytes
+            written += 1
+        if written and not failed:
+            self._disk_healthy()
+        self._cond.notify_all()
+        return written
+
+    def unsynced_blocks(self) -> int:
+        """Host blocks without a disk copy: what `sync()` would write."""
+        n = 0
+
+        def count(b: Block) -> None:
+            nonlocal n
+            n += self._unsynced(b)
+        self._each_block(count)
+        return n
+
+    def _sync_disk(self, max_blocks: int | None) -> int:
+        if self.disk is None:
+            return 0
+        written = 0
+        with self._cond:
+            self._check_open()
+            degraded, disk = self._disk_health.fault is not None, self.disk
+        if degraded and not disk.closed:
+            # an explicit sync probes the disk at once (outside the lock): a disk that is back
+            # takes the sync now, not at the maintainer's next probe
+            try:
+                disk.probe()
+            except OSError as e:
+                with self._cond:
+                    self._disk_error("probe", e)
+            else:
+                with self._cond:
+                    if not self._note_stall():
+                        self._disk_healthy()
+        todo: list[Block] = []   # insertion order: a chain's ancestors before its descendants
+        self._each_block(lambda b: todo.append(b) if self._unsynced(b) else None)
+        todo = todo[:max_blocks] if max_blocks is not None else todo
+        with self._cond:
+            self._check_open()
+            if self._disk_health.fault is not None:
+                self._disk_health.retry_at = 0.0       # the sync's first write batch probes too
+            for i in range(0, len(todo), self.WRITE_BATCH):
+                written += self._write_down_batch(todo[i:i + self.WRITE_BATCH])
+                if self._disk_health.fault is not None:
+                    break
+            while self._writes_in_flight and not self._note_stall():
+                self._cond.wait(0.05)
+            fault, disk = self._disk_health.fault, self.disk
+        if fault is not None:
+            raise DiskDegradedError(f"sync: disk tier degraded ({fault}); "
+                                    f"{len(todo) - written} blocks are in host RAM only")
+        try:
+            disk.flush()
+        except OSError as e:
+            with self._cond:
+                self._disk_error("fdatasync", e)
+            raise DiskDegradedError(f"sync: disk tier degraded (fdatasync: {e})") from None
+        return written
+
+    def _wake_demoter(self) -> None:
+        if self.host.alloc.used_bytes > self.config.host_high_watermark * self.host.capacity_bytes:
+            self._demote_wanted = True
+            self._cond.notify_all()
+
+    WRITE_BATCH = 32  # blocks per parallel disk write batch (bounded by the I/O pool)
+
+    ALLOC_WAIT_S = 5.0  # longest a put waits for in-flight disk writes to free host room
+
+    def _maintain(self) -> None:
+        cfg = self.config
+        while True:
+            with self._cond:
+                if not self._closed and not self._demote_wanted:
+                    self._cond.wait(cfg.demotion_interval_s)
+                if self._closed:
+                    return
+                self._demote_wanted = False
+            wrote = 0
+            try:
+                self._check_disk()            # takes the lock itself, does its I/O without it
+                with self._cond:
+                    if not self._closed:
+                        wrote = self._demote_pass()   # releases the lock around disk writes
+            except Exception:  # noqa: BLE001 -- the maintainer must outlive any one pass
+                log.exception("tierd maintainer: unexpected error; continuing")
+            if wrote and self.disk is not None:
+                try:
+                    self.disk.flush()
+                except OSError as e:
+                    with self._cond:
+                        self._disk_error("fdatasync", e)
+
+    def _demote_pass(self) -> int:
+        """Host above its high watermark: demote coldest blocks until the low watermark;
+        disk above its high watermark: evict until its low watermark. Lock held."""
+        cfg, moved = self.config, 0
+        host_cap = self.host.capacity_bytes
+        if self.host.alloc.used_bytes > cfg.host_high_watermark * host_cap:
+            while self.host.alloc.used_bytes > cfg.host_low_watermark * host_cap and not self._closed:
+                # Pick a batch of distinct victims: each picked one is pinned while picking so
+                # the policy moves on (and its parent keeps a resident child: not picked).
+                batch: list[Block] = []
+                excess = self.host.alloc.used_bytes - cfg.host_low_watermark * host_cap
+                while len(batch) < self.WRITE_BATCH and excess > 0:
+                    key = self._rh.policy.victim(
+                        lambda k: self._host_evictable(self._blocks[k]) and self._blocks[k].host_children == 0)
+                    if key is None:
+                        break
+                    b = self._blocks[key]
+                    b.host_pins += 1
+                    batch.append(b)
+                    excess -= b.st.host_slot_bytes
+                if not batch:
+                    break
+                for b in batch:
+                    b.host_pins -= 1
+                need = []
+                for b in batch:
+                    if self.disk is not None and b.disk is None and not b.disk_writing:
+                        if self._admission.admit(b.hits):
+                            need.append(b)
+                        else:
+                            self._rd.counters["admission_rejected"] += 1
+                if need:
+                    moved += self._write_down_batch(need)
+                freed = 0
+                for b in batch:
+                    if self._host_evictable(b):
+                        self._drop_host(b, evicted=True)
+                        freed += 1
+                if not freed:
+                    break
+        if self.disk is not None:
+            disk_cap = self.disk.capacity_bytes
+            if self.disk.alloc.used_bytes > cfg.disk_high_watermark * disk_cap:
+                while self.disk.alloc.used_bytes > cfg.disk_low_watermark * disk_cap:
+                    key = self._rd.policy.victim(
+                        lambda k: self._disk_evictable(self._blocks[k]) and self._blocks[k].disk_children == 0)
+                    if key is None:
+                        break
+                    self._drop_disk(self._blocks[key], evicted=True)
+        return moved

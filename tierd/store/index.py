@@ -1,0 +1,170 @@
+"""The block index and residency bookkeeping: block records, chain links, what each tier
+holds, and the shared lookup index the daemon publishes. Memory only, always under the store's
+lock.
+
+Invariants: a block is in `_blocks` iff it has a host slot (any state), a disk copy or a disk
+write in flight (`_forget_if_gone`); `st.records` counts a namespace's records; a READY block is
+in its tier's eviction order, a RESERVED or LOADING one is not; resident-children counts may
+under-estimate after a parent is re-created, never over-estimate (eviction order only)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from .records import ABSENT, LOADING, READY, Block, NsState
+
+
+class BlockIndex:
+    """Part of `TieredStore` (see its docstring): state and lock are the store's."""
+
+    def _link(self, b: Block, parent_ikey: bytes | None) -> None:
+        if parent_ikey is None or b.parent is not None or parent_ikey == b.ikey:
+            return
+        b.parent = parent_ikey
+        p = self._blocks.get(parent_ikey)
+        if p is not None:
+            p.host_children += b.host_state == READY
+            p.disk_children += b.disk is not None
+
+    def _relink(self, pid: bytes, keys: Sequence[bytes], parent: bytes | None) -> None:
+        """A chain seen again (existing blocks) is linked for eviction order too."""
+        for i, k in enumerate(keys):
+            b = self._blocks.get(pid + k)
+            if b is not None and b.parent is None:
+                self._link(b, pid + keys[i - 1] if i else (pid + parent if parent else None))
+
+    def attach_index(self, index) -> None:
+        """Publish every block's presence in `index` (a tierd.index.SharedIndex) from now on."""
+        with self._cond:
+            self._index = index
+            for b in self._blocks.values():
+                self._publish(b)
+            self._note_stall()
+
+    SCAN_CHUNK = 2048   # blocks an O(N) walk handles per hold of the lock (a few ms at most)
+
+    def _each_block(self, fn, ns_id: bytes | None = None) -> None:
+        """Call `fn(block)` (lock held) for every block indexed now, `SCAN_CHUNK` at a time: the
+        lock is let go between chunks, so an O(N) walk (snapshots, flushes, syncs) never holds
+        it for more than a few milliseconds. A block that leaves meanwhile is skipped; one that
+        comes meanwhile may be missed."""
+        with self._cond:
+            ikeys = list(self._blocks)   # one C-level copy of the keys
+        for i in range(0, len(ikeys), self.SCAN_CHUNK):
+            with self._cond:
+                self._check_open()
+                for ikey in ikeys[i:i + self.SCAN_CHUNK]:
+                    b = self._blocks.get(ikey)
+                    if b is not None and (ns_id is None or b.st.ns_id == ns_id):
+                        fn(b)
+            time.sleep(0)    # let a waiting thread take the lock
+
+    def refresh_health(self) -> None:
+        """Notice a stalled disk now (the daemon calls this with its heartbeat, so the shared
+        index stops counting a hung disk's blocks even while nobody asks the daemon).
+        Lock-free: the heartbeat runs on the daemon's event loop, which never waits for the
+        store lock; it reads only the disk's calls in flight and sets the index's flag."""
+        disk, index = self.disk, self._index
+        if index is not None:
+            io = disk.oldest_io() if disk is not None else None
+            index.set_disk_ok(io is None or io[1] < self.config.disk_stall_s)
+
+    def _publish(self, b: Block) -> None:
+        if self._index is not None:
+            self._index.set(b.st.ns_id, b.key, (b.host_state == READY) | ((b.disk is not None) << 1)
+                            | ((b.host_state == LOADING) << 2))
+
+    def _enter(self, b: Block, tier: str, event: bool = True) -> None:
+        self._publish(b)
+        if self._events is not None and event:
+            self._event(b, tier, True)
+        p = self._blocks.get(b.parent) if b.parent else None
+        if tier == "host":
+            b.st.counters["host_blocks"] += 1
+            self._pad_bytes += b.st.host_slot_bytes - b.st.block_bytes
+            if p is not None:
+                p.host_children += 1
+        else:
+            b.st.counters["disk_blocks"] += 1
+            if p is not None:
+                p.disk_children += 1
+
+    def _leave(self, b: Block, tier: str) -> None:
+        # Counts may under-estimate after a parent is re-created, never over-estimate: a
+        # wrong count can reorder eviction but never pin a block forever.
+        if self._events is not None:
+            self._event(b, tier, False)
+        p = self._blocks.get(b.parent) if b.parent else None
+        if tier == "host":
+            b.st.counters["host_blocks"] -= 1
+            self._pad_bytes -= b.st.host_slot_bytes - b.st.block_bytes
+            if p is not None and p.host_children > 0:
+                p.host_children -= 1
+        else:
+            b.st.counters["disk_blocks"] -= 1
+            if p is not None and p.disk_children > 0:
+                p.disk_children -= 1
+
+    def _new_block(self, ikey: bytes, st: NsState, key: bytes) -> Block:
+        """(Lock held.) Index a new block record. Invariant: `st.records` counts the records
+        of `st` in `_blocks`; a namespace forgotten while it had none is known again."""
+        b = self._blocks[ikey] = Block(ikey, st, key)
+        st.records += 1
+        if st.forgotten:
+            st.forgotten = False
+            self._namespaces[st.ns_id] = st
+            if st.ns is not None:
+                self._by_name[st.name] = st
+        return b
+
+    def _forget_if_gone(self, b: Block) -> None:
+        if b.host_state == ABSENT and b.disk is None and not b.disk_writing:
+            if self._blocks.get(b.ikey) is b:
+                del self._blocks[b.ikey]
+                b.st.records -= 1
+
+    def _host_evictable(self, b: Block) -> bool:
+        return b.host_state == READY and b.host_pins == 0 and not b.disk_writing
+
+    def _disk_evictable(self, b: Block) -> bool:
+        return b.disk is not None and b.disk_pins == 0
+
+    def _drop_host(self, b: Block, *, evicted: bool) -> None:
+        if b.gpu_slot >= 0:
+            self._drop_gpu(b, evicted=False)   # inclusive: no HBM copy without the host copy
+        if b.host_state == READY:
+            self._rh.policy.remove(b.ikey, evicted=evicted)
+            self._leave(b, "host")
+        self._free(self._rh, b.host_slot, evicted=evicted)
+        b.host_slot, b.host_state = -1, ABSENT
+        self._publish(b)
+        self._forget_if_gone(b)
+
+    def _drop_gpu(self, b: Block, *, evicted: bool) -> None:
+        if self._events is not None:
+            self._event(b, "gpu", False)
+        self._rg.policy.remove(b.ikey, evicted=evicted)
+        self._free(self._rg, b.gpu_slot, evicted=evicted)
+        b.gpu_slot = -1
+
+    def _drop_disk(self, b: Block, *, evicted: bool, free: bool = True) -> None:
+        """(Lock held.) Forget `b`'s disk copy; with `free=False` its slot stays taken until its
+        header is erased on disk (`_tombstone`)."""
+        self._rd.policy.remove(b.ikey, evicted=evicted)
+        self._leave(b, "disk")
+        self._free(self._rd, b.disk.slot, evicted=evicted, free=free)
+        b.disk = None
+        self._publish(b)
+        self._forget_if_gone(b)
+
+    def _unindex_disk(self, b: Block) -> int:
+        """(Lock held.) Take `b`'s disk copy out of the index for good; its slot stays taken
+        until `_tombstone` has erased the header on disk (outside the lock). Returns the slot."""
+        slot = b.disk.slot
+        self._drop_disk(b, evicted=False, free=False)
+        return slot
+
+    @staticmethod
+    def _unsynced(b: Block) -> bool:
+        return b.host_state == READY and b.disk is None and not b.disk_writing

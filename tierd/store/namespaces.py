@@ -1,0 +1,128 @@
+"""The store's table of namespaces: registration, lookup by name, the disk tier's recovered
+namespaces, and forgetting unused ones. Part of `TieredStore` (its one lock guards the table)."""
+
+from __future__ import annotations
+
+from ..arena import slot_bytes_for
+from ..errors import TierdError, UnknownNamespaceError
+from ..namespace import Namespace
+from ..tiers.disk import DiskTier
+from .records import NsState
+
+
+class NamespaceTable:
+    """Part of `TieredStore` (see its docstring): state and lock are the store's."""
+
+    def register(self, ns: Namespace) -> None:
+        """Make `ns` known (done implicitly by every operation that takes a Namespace).
+        Raises CapacityError when a block of `ns` cannot fit a tier."""
+        with self._cond:
+            self._check_open()
+            self._ns(ns)
+
+    def _ns(self, ns) -> NsState:
+        if isinstance(ns, Namespace):
+            st = self._namespaces.get(ns.id)
+            if st is not None and st.ns is not None:
+                return st
+            whose = f"of namespace {ns.name} "
+            host_sb = self.host.check_block(ns.block_bytes, whose)
+            disk_sb = DiskTier.slot_bytes_for(ns.block_bytes)
+            if self.disk is not None:
+                self.disk.check_block(ns.block_bytes, whose)
+            if st is None:
+                st = NsState(ns.id, ns, ns.block_bytes, ns.dtype_bytes, host_sb, disk_sb, ns.to_dict())
+                self._namespaces[ns.id] = st
+            else:  # known from disk: attach the description
+                st.ns, st.desc = ns, ns.to_dict()
+            self._by_name[st.name] = st    # the names clients use (the daemon's protocol)
+            return st
+        if isinstance(ns, (bytes, str)):
+            st = self._by_name.get(ns)
+            if st is not None and st.ns is not None:
+                return st
+            for st in self._namespaces.values():
+                if ns in (st.ns_id, st.name, st.ns_id.hex()):
+                    if st.ns is None:
+                        raise UnknownNamespaceError(
+                            f"namespace {st.name} is known only from disk; register it with its Namespace first")
+                    return st
+            raise UnknownNamespaceError(
+                f"unknown namespace {ns if isinstance(ns, str) else ns.hex()!r}; pass a tierd.Namespace "
+                "or the name of a registered one (see stats)")
+        raise TypeError(f"expected a tierd.Namespace, got {type(ns).__name__}")
+
+    def namespace_count(self) -> int:
+        with self._cond:
+            return len(self._namespaces)
+
+    def namespace(self, name: str) -> Namespace:
+        """The registered Namespace whose name (or hex id) is `name`."""
+        with self._cond:
+            return self._ns(name).ns
+
+    def _adopt_recovered(self) -> None:
+        """Index the blocks the disk tier found at open (oldest first in eviction order)."""
+        disk = self.disk
+        adopted = []
+        for e in sorted(disk.recovered, key=lambda e: e.seq):
+            st = self._namespaces.get(e.ns_id)
+            if st is None:
+                desc = disk.namespaces.get(e.ns_id, {})
+                dtype_bytes = 2
+                if desc:
+                    try:
+                        dtype_bytes = Namespace.from_dict(desc).dtype_bytes
+                    except TierdError:
+                        desc = {}
+                st = NsState(e.ns_id, None, e.raw_len, dtype_bytes, slot_bytes_for(e.raw_len),
+                              DiskTier.slot_bytes_for(e.raw_len), desc)
+                self._namespaces[e.ns_id] = st
+            b = self._blocks.get(e.ns_id + e.key)
+            if b is not None:
+                # a reopened directory: this node still holds the block in RAM; the copy on disk
+                # joins it (the old disk tier's copies were forgotten with it)
+                if b.disk is not None or b.disk_writing:
+                    disk.free_slot(e.slot)
+                    continue
+            else:
+                b = self._new_block(e.ns_id + e.key, st, e.key)
+                b.parent = (e.ns_id + e.parent) if e.parent else None
+            b.disk = e
+            adopted.append(b)
+            self._publish(b)
+            self._rd.owner[e.slot] = b
+            self._rd.policy.insert(b.ikey)
+            b.st.counters["disk_blocks"] += 1
+        for b in adopted:
+            p = self._blocks.get(b.parent) if b.parent else None
+            if p is not None:
+                p.disk_children += 1
+        disk.recovered = []
+
+    def forget_unused(self, names) -> list[str]:
+        """Forget the namespaces among `names` that hold no block in any local tier (and so no
+        lease or reservation): the daemon's table of namespaces stays bounded. A forgotten one
+        is registered again by its next user. Returns the names forgotten."""
+        gone = []
+        with self._cond:
+            for name in names:
+                st = self._by_name.get(name)
+                if st is None:
+                    gone.append(name)    # forgotten already (another uid's request)
+                    continue
+                if st.records or st.forgotten:
+                    continue
+                st.forgotten = True
+                del self._by_name[name]
+                self._namespaces.pop(st.ns_id, None)
+                gone.append(name)
+        return gone
+
+    def _ns_for_flush(self, namespace) -> bytes:
+        if isinstance(namespace, Namespace):
+            return namespace.id
+        for st in self._namespaces.values():
+            if namespace in (st.ns_id, st.name, st.ns_id.hex()):
+                return st.ns_id
+        raise UnknownNamespaceError(f"flush: unknown namespace {namespace!r}")

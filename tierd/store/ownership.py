@@ -1,0 +1,168 @@
+"""Reservations and leases: who holds which slots, and how they end.
+
+Invariant: every reservation and lease has an owner (a daemon connection, or None embedded) and
+ends — committed, aborted, released, or reclaimed with its connection (`drop_owner`); a request
+that touches nothing leaves nothing open (id 0). A lease pins each of its blocks' host slot
+(`host_pins`) and, where it reads one, the HBM copy (`gpu_pins`) until it ends."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import LeaseError
+from ..namespace import Namespace
+from .records import RESERVED, Block
+
+
+class Reservation:
+    """Slots handed to a writer; a block becomes visible at `commit`.
+
+    `status[i]` is "reserved" (write `buffers[i]`), "present" (already stored: skip) or
+    "full" (no room: the store dropped it).
+    """
+
+    def __init__(self, rid: int, ns: Namespace, keys: list[bytes], status: list[str],
+                 blocks: list[Block | None], owner, offsets: list[int | None], host):
+        self.id = rid
+        self.namespace = ns
+        self.keys = keys
+        self.status = status
+        self.offsets = offsets  # byte offset of each reserved slot in the host arena
+        self._blocks = blocks
+        self.owner = owner
+        self._host = host
+        self._buffers = None
+        self._tokens = None   # token ids of the keys, for KV events (when the store publishes them)
+
+    @property
+    def buffers(self) -> list[np.ndarray | None]:
+        """Per key: a writable (block_bytes,) uint8 view of its reserved slot, or None. Made on
+        first use (the daemon hands out offsets and never needs them)."""
+        if self._buffers is None:
+            n = self.namespace.block_bytes
+            self._buffers = [self._host.arena.view(o, n) if o is not None else None for o in self.offsets]
+        return self._buffers
+
+    @property
+    def num_reserved(self) -> int:
+        return sum(s == "reserved" for s in self.status)
+
+
+class Lease:
+    """Read pins on the slots of the leading present blocks of a request.
+
+    `buffers[i]` is a read-only (block_bytes,) uint8 view of block `keys[i]`, valid until
+    `release`. Use as a context manager to release on exit.
+    """
+
+    def __init__(self, lid: int, ns: Namespace, keys: list[bytes], blocks: list[Block],
+                 tiers: list[str], owner, store, offsets: list[int]):
+        self.id = lid
+        self.namespace = ns
+        self.keys = keys
+        self._buffers = None
+        self.offsets = offsets  # byte offset of each leased slot in the host arena
+        self.tiers = tiers  # where each block was found: "host" or "disk" (promoted)
+        self.gpu_offsets: list[int] = []     # per block: byte offset in the HBM tier, or -1
+        self.gpu_buffers: list = []          # per block: (block_bytes,) device view, or None
+        self._blocks = blocks
+        self.owner = owner
+        self._store = store
+
+    @property
+    def buffers(self) -> list[np.ndarray]:
+        """Per leased block: a read-only (block_bytes,) uint8 view of its slot, valid until
+        `release`. Made on first use (the daemon hands out offsets and never needs them)."""
+        if self._buffers is None:
+            n = self.namespace.block_bytes
+            arena = self._store.host.arena
+            views = []
+            for o in self.offsets:
+                v = arena.view(o, n).view()
+                v.flags.writeable = False
+                views.append(v)
+            self._buffers = views
+        return self._buffers
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._blocks is not None:
+            self._store.release(self)
+
+
+class Ownership:
+    """Part of `TieredStore` (see its docstring): state and lock are the store's."""
+
+    def abort(self, res: Reservation) -> None:
+        """Give back the slots of an uncommitted reservation."""
+        if res.id == 0:
+            return
+        with self._cond:
+            if self._reservations.pop(res.id, None) is None:
+                return
+            self._abort_locked(res)
+
+    def _abort_locked(self, res: Reservation) -> None:
+        for b in res._blocks:
+            if b is not None and b.host_state == RESERVED and b.owner_res == res.id:
+                self._drop_host(b, evicted=False)
+        self._cond.notify_all()
+
+    def release(self, lease: Lease, *, confirm: bool = False) -> None:
+        """End a lease; its buffers must no longer be read. (`confirm` is for the daemon's
+        client, where a lease can be lost with its connection; here it cannot.)"""
+        if lease.id == 0:
+            if lease._blocks is None:
+                raise LeaseError("this (empty) lease is already released")
+            lease._blocks = None
+            return
+        with self._cond:
+            if self._leases.pop(lease.id, None) is None:
+                raise LeaseError(f"lease {lease.id} is unknown or already released")
+            self._release_locked(lease)
+
+    def _release_locked(self, lease: Lease) -> None:
+        for i, b in enumerate(lease._blocks):
+            b.host_pins -= 1
+            if i < len(lease.gpu_offsets) and lease.gpu_offsets[i] >= 0:
+                b.gpu_pins -= 1
+        lease._blocks = None
+        self._cond.notify_all()
+
+    def find_reservation(self, rid: int, owner, *, missing_ok: bool = False) -> Reservation | None:
+        """The open reservation `rid` held by `owner`; LeaseError otherwise (the daemon's check
+        that a client names only its own slots)."""
+        with self._cond:
+            r = self._reservations.get(rid)
+            if r is None and missing_ok:
+                return None   # already committed, aborted or reclaimed
+            if r is None or r.owner != owner:
+                raise LeaseError(f"reservation {rid} is not an open reservation of this client")
+            return r
+
+    def find_lease(self, lid: int, owner) -> Lease:
+        """The open lease `lid` held by `owner`; LeaseError otherwise."""
+        with self._cond:
+            lease = self._leases.get(lid)
+            if lease is None or lease.owner != owner:
+                raise LeaseError(f"lease {lid} is not an open lease of this client")
+            return lease
+
+    def drop_owner(self, owner) -> tuple[int, int]:
+        """Abort every reservation and release every lease held by `owner` (a disconnected
+        client). Returns (reservations aborted, leases released)."""
+        with self._cond:
+            rs = [r for r in self._reservations.values() if r.owner == owner]
+            ls = [l for l in self._leases.values() if l.owner == owner]
+            for r in rs:
+                del self._reservations[r.id]
+                self._abort_locked(r)
+            for l in ls:
+                del self._leases[l.id]
+                self._release_locked(l)
+            return len(rs), len(ls)

@@ -1,0 +1,309 @@
+"""Promotion: serving a lease, reading blocks up from disk or the remote tier into host RAM
+(and into HBM when hit often) — plan under the lock, reads outside it, settle on every exit."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from .. import codec as _codec
+from ..keys import check_keys
+from ..namespace import Namespace
+from ..tiers.disk import CorruptBlockError, DiskEntry, DiskTier
+from .ownership import Lease
+from .records import ABSENT, LOADING, READY, REMOTE, Block, NsState, WouldBlock
+
+log = logging.getLogger("tierd.store")
+
+
+class Promotion:
+    """Part of `TieredStore` (see its docstring): state and lock are the store's."""
+
+    def _gpu_lease(self, b: Block) -> tuple[int, bool]:
+        """(Lock held.) For a leased host-resident block: its HBM offset, pinned for the lease,
+        and whether the copy into HBM is still to be made (by `_gpu_fill`, outside the lock: the
+        block is admitted once it has been served `gpu_admit_hits` times); (-1, False) when the
+        block is not in HBM."""
+        if b.gpu_slot < 0:
+            if b.hits - 1 < self.config.gpu_admit_hits:   # hits counts this serve too
+                return -1, False
+            slot = self._gpu_alloc(b.st)
+            if slot is None:
+                return -1, False
+            b.gpu_slot, b.gpu_filling = slot, True
+            self._rg.owner[slot] = b
+            b.gpu_pins += 1
+            return self.gpu.offset(slot), True
+        if b.gpu_filling:
+            return -1, False   # another lease is copying it in right now
+        self._rg.policy.hit(b.ikey)
+        self._rg.counters["bytes_out"] += b.st.block_bytes
+        b.gpu_pins += 1
+        return self.gpu.offset(b.gpu_slot), False
+
+    def is_quick(self, op: str, ns: Namespace, keys: Sequence[bytes], *, gpu: bool = False) -> bool:
+        """Whether `acquire` or `reserve` of `keys` would finish without disk I/O, a copy into
+        HBM or waiting for room (a hint for the daemon, which then serves it on its event loop
+        thread)."""
+        with self._cond:
+            st = self._namespaces.get(ns.id)
+            if st is None:
+                return False
+            if op == "reserve":
+                return self.host.alloc.free_slot_count(st.host_slot_bytes) >= len(keys)
+            hbm = gpu and self.gpu is not None
+            for k in keys:
+                b = self._blocks.get(st.ns_id + k)
+                if b is None:
+                    return self.remote is None   # the remote tier may have it: not quick
+                if b.host_state != READY:
+                    return b.disk is None and self.remote is None  # a promotion: not quick
+                if hbm and b.gpu_slot < 0 and b.hits >= self.config.gpu_admit_hits:
+                    return False                 # this serve would copy it into HBM
+            return True
+
+    def acquire(self, ns: Namespace, keys: Sequence[bytes], *, owner=None, gpu: bool = False,
+                inline: bool = False) -> Lease:
+        """Lease the longest present prefix of `keys`, promoting disk blocks to host RAM.
+
+        `gpu`: the caller reads HBM copies (`lease.gpu_buffers`); only then are blocks copied
+        into the HBM tier and its copies leased. Without a reader the tier costs nothing.
+
+        Plan → execute → settle: the plan pins blocks and marks promotions LOADING under the
+        lock; the reads run outside it; the settle returns every planned block to a stable
+        state (READY and leased, or its slot given back) and drops the plan's pins — on every
+        exit, an unexpected exception or a store closing under a wait included.
+
+        `inline` (the daemon's event loop thread): raise WouldBlock, changing nothing, when the
+        plan would read a tier, wait for another promotion or copy into HBM."""
+        keys = check_keys(keys)
+        plan: list[tuple[Block, DiskEntry | str | None]] = []
+        with self._cond:
+            self._check_open()
+            st = self._ns(ns)
+            try:
+                self._plan_acquire(st, keys, plan, inline=inline and not (gpu and self.gpu is not None))
+                if inline and gpu and self.gpu is not None:
+                    if any(b.gpu_slot < 0 and b.hits >= self.config.gpu_admit_hits for b, _ in plan):
+                        raise WouldBlock()   # this serve would copy into HBM
+            except BaseException:
+                self._settle_failed(st, plan)
+                raise
+        try:
+            errors = self._load_from_disk([(b, e) for b, e in plan if e is not None and e is not REMOTE])
+            errors.update(self._load_from_remote([b for b, e in plan if e is REMOTE]))
+        except BaseException:
+            with self._cond:
+                self._settle_failed(st, plan)
+            raise
+        discard: list[int] = []
+        with self._cond:
+            disk = self.disk
+            cut = len(plan)
+            for i, (b, e) in enumerate(plan):
+                if e is None:
+                    continue
+                if e is REMOTE:
+                    if self._settle_remote(b, errors.get(id(b))):
+                        continue
+                    cut = min(cut, i)
+                    continue
+                b.disk_pins -= 1
+                err = errors.get(id(b))
+                if err is None:
+                    b.host_state = READY
+                    b.decoded = e.codec in _codec.LOSSY
+                    self._rh.policy.insert(b.ikey)
+                    self._enter(b, "host")
+                    c = self._rd.counters
+                    c["promotions"] += 1
+                    c["bytes_out"] += st.block_bytes
+                else:
+                    cut = min(cut, i)
+                    b.host_pins -= 1
+                    self._drop_host(b, evicted=False)
+                    if isinstance(err, CorruptBlockError):
+                        log.warning("disk tier: dropped a damaged block of %s (%s)", st.name, err)
+                        self._rd.counters["corrupt_dropped"] += 1
+                        if b.disk is not None:
+                            discard.append(self._unindex_disk(b))
+                    else:
+                        self._disk_error("read", err)   # a miss; the copy may read later
+            for b, _ in plan[cut:]:
+                if b.host_state == READY:
+                    b.host_pins -= 1
+            leased = [b for b, _ in plan[:cut]]
+            for b in reversed(leased):  # ancestors touched last: they stay the most recent
+                b.hits += 1
+                self._rh.policy.hit(b.ikey)
+            st.counters["hits"] += len(leased)
+            st.counters["hit_bytes"] += len(leased) * st.block_bytes
+            st.counters["misses"] += len(keys) - len(leased)
+            self._rh.counters["bytes_out"] += len(leased) * st.block_bytes
+            lid = next(self._ids) if leased else 0   # nothing leased: nothing to release
+            tiers = ["host" if e is None else "remote" if e is REMOTE else "disk" for _, e in plan[:cut]]
+            lease = Lease(lid, st.ns, keys[:cut], leased, tiers, owner, self,
+                          [self.host.offset(b.host_slot) for b in leased])
+            fills = []
+            hbm = gpu and self.gpu is not None
+            if hbm:
+                lease.gpu_offsets = []
+                for i, b in enumerate(leased):
+                    off, fill = self._gpu_lease(b)
+                    lease.gpu_offsets.append(off)
+                    if fill:
+                        fills.append(i)
+            if lid and not fills:
+                self._leases[lid] = lease
+            self._cond.notify_all()
+        if discard:
+            self._tombstone(disk, discard)   # erase damaged copies on disk (no lock)
+        if fills:
+            self._gpu_fill(lease, fills)
+        if hbm:
+            lease.gpu_buffers = [self.gpu.buffer[o:o + st.block_bytes] if o >= 0 else None
+                                 for o in lease.gpu_offsets]
+        return lease
+
+    def _plan_acquire(self, st: NsState, keys: Sequence[bytes], plan: list, *, inline: bool = False) -> None:
+        """(Lock held; may wait on it.) Pin the leading present blocks of `keys` into `plan`:
+        (block, None) for a READY host block, (block, DiskEntry) for a promotion from disk into
+        a new LOADING host slot, (block, REMOTE) for a fetch from the remote tier. `inline`:
+        WouldBlock at the first block that is not READY in host RAM (or past the last one, when
+        the remote tier may continue the prefix)."""
+        for k in keys:
+            ikey = st.ns_id + k
+            b = self._blocks.get(ikey)
+            if inline and b is not None and b.host_state != READY and (b.host_state == LOADING or b.disk is not None):
+                raise WouldBlock()
+            while b is not None and b.host_state == LOADING:
+                # another request's promotion (its settle always ends it); a stalled disk or
+                # a store closing ends the wait
+                if self._note_stall():
+                    b = None
+                    break
+                self._cond.wait(0.05)
+                self._check_open()
+                b = self._blocks.get(ikey)
+            if b is None:
+                break
+            if b.host_state == READY:
+                b.host_pins += 1
+                plan.append((b, None))
+                continue
+            if b.disk is None or self._note_stall():   # a stalled disk: a miss, not a wait
+                break
+            b.disk_pins += 1  # making room may evict from disk: not this block
+            try:
+                slot = self._host_alloc(st)
+            finally:
+                b.disk_pins -= 1
+            b = self._blocks.get(ikey)
+            if b is not None and b.host_state == READY:  # promoted meanwhile
+                if slot is not None:
+                    self.host.free_slot(slot)
+                b.host_pins += 1
+                plan.append((b, None))
+                continue
+            if b is None or b.disk is None or b.host_state != ABSENT or slot is None:
+                if slot is not None:
+                    self.host.free_slot(slot)
+                break
+            b.host_slot, b.host_state = slot, LOADING
+            self._rh.owner[slot] = b
+            self._publish(b)
+            b.host_pins += 1
+            b.disk_pins += 1
+            plan.append((b, b.disk))
+        if self.remote is not None and len(plan) < len(keys) and self._remote_ok():
+            if inline:
+                raise WouldBlock()
+            self._plan_remote(st, keys, plan)
+
+    def _settle_failed(self, st: NsState, plan: list) -> None:
+        """(Lock held.) Undo an acquire's plan that will not be served: every pin it took is
+        dropped and every slot it filled is given back, so nothing waits for it."""
+        for b, e in plan:
+            b.host_pins -= 1
+            if e is None:
+                continue
+            if e is not REMOTE:
+                b.disk_pins -= 1
+            if b.host_state == LOADING:
+                self._drop_host(b, evicted=False)
+        plan.clear()
+        self._cond.notify_all()
+
+    def _gpu_fill(self, lease: Lease, fills: list[int]) -> None:
+        """Copy newly admitted blocks of `lease` into their HBM slots (no lock; the slots and the
+        host copies are pinned by the lease), then make them visible to other leases."""
+        ok = []
+        for i in fills:
+            b = lease._blocks[i]
+            try:
+                self.gpu.write(b.gpu_slot, self.host.view(b.host_slot, b.st.block_bytes),
+                               b.st.meta(b.key, None))
+                ok.append(True)
+            except Exception as e:  # noqa: BLE001 -- the host copy still serves the block
+                log.warning("HBM tier: copy failed (%s); serving from host RAM", e)
+                ok.append(False)
+        with self._cond:
+            c = self._rg.counters
+            for i, good in zip(fills, ok):
+                b = lease._blocks[i]
+                b.gpu_filling = False
+                if good:
+                    self._rg.policy.insert(b.ikey)
+                    if self._events is not None:
+                        self._event(b, "gpu", True)
+                    c["promotions"] += 1
+                    c["bytes_in"] += b.st.block_bytes
+                else:
+                    b.gpu_pins -= 1
+                    self._free(self._rg, b.gpu_slot, evicted=False)
+                    b.gpu_slot = -1
+                    lease.gpu_offsets[i] = -1
+            if lease.id:
+                self._leases[lease.id] = lease
+            self._cond.notify_all()
+
+    def _load_from_disk(self, loads: list[tuple[Block, DiskEntry]]) -> dict[int, Exception]:
+        """Read pinned disk copies into their LOADING host slots in parallel (no lock)."""
+        errors: dict[int, Exception] = {}
+        if not loads:
+            return errors
+
+        def one(item):
+            b, e = item
+            try:
+                if e.codec in _codec.LOSSY and not b.st.lossy:
+                    raise CorruptBlockError(f"a {_codec.CODEC_NAMES[e.codec]} (lossy) copy in an exact namespace")
+                self.disk.read(e, self.host.view(b.host_slot, b.st.host_slot_bytes))
+            except (CorruptBlockError, OSError) as ex:
+                errors[id(b)] = ex
+
+        if len(loads) == 1:
+            one(loads[0])
+        else:
+            list(self.disk.pool.map(one, loads))
+        return errors
+
+    def _tombstone(self, disk: DiskTier, slots: list[int], *, durable: bool = False) -> OSError | None:
+        """(No lock.) Zero the headers of `slots` so that a restart does not bring their blocks
+        back (and fdatasync with `durable`), then free the slots. Returns the error, if any."""
+        err = None
+        try:
+            for slot in slots:
+                disk.tombstone(slot)
+            if durable:
+                disk.flush()
+        except OSError as e:
+            err = e
+        with self._cond:
+            if self.disk is disk and not disk.closed:
+                for slot in slots:
+                    disk.free_slot(slot)
+            if err is not None:
+                self._disk_error("tombstone", err)
+            self._cond.notify_all()
+        return err
