@@ -12,7 +12,7 @@ against a plain model:
 - a block synced (and not flushed since) survives a restart, when the disk was healthy;
 - no operation leaves a pin behind: with no lease held, everything can be flushed.
 
-`TIERD_MODEL_EXAMPLES` (default 60 sequences of up to 40 steps: a few thousand steps per run)
+`TEST_MODEL_EXAMPLES` (default 60 sequences of up to 40 steps: a few thousand steps per run)
 sets the length; `python -m pytest tests/test_model.py` with a larger value is the soak.
 """
 
@@ -31,7 +31,7 @@ from .helpers import block_for, chain, make_ns, small_config
 
 SPACES = [make_ns(model="model-a"), make_ns(model="model-b", cache_salt="tenant")]
 CHAINS = {(n, c): chain(ns, 100 * n + c, 6) for n, ns in enumerate(SPACES) for c in range(4)}
-EXAMPLES = int(os.environ.get("TIERD_MODEL_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("TEST_MODEL_EXAMPLES", "60"))
 
 
 class StoreModel(RuleBasedStateMachine):

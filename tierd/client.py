@@ -449,12 +449,16 @@ class Client:
     def _ns_name(self, ns) -> str:
         if isinstance(ns, Namespace):
             if ns.name not in self._namespaces:
-                self._namespaces[ns.name] = ns
-                try:
-                    self._call("register", namespaces=[ns.to_dict()])
-                except BaseException:
-                    del self._namespaces[ns.name]
-                    raise
+                with self._lock:   # other threads wait until the daemon knows it
+                    if ns.name not in self._namespaces:
+                        self._namespaces[ns.name] = ns   # a reconnect inside the call registers it too
+                        try:
+                            self._call("register", namespaces=[ns.to_dict()])
+                        except DaemonUnavailableError:
+                            raise   # kept: the next connection's hello registers it
+                        except BaseException:
+                            del self._namespaces[ns.name]   # refused by the daemon
+                            raise
             return ns.name
         if isinstance(ns, str) and ns in self._namespaces:
             return ns
@@ -514,15 +518,16 @@ class Client:
         return list(self._call("lookup_all", queries=q)["n"])
 
     def where(self, ns, keys: Sequence[bytes]) -> list[str]:
-        return self._call("where", ns=self._ns_name(ns), keys=check_keys(keys))["tiers"]
+        keys = check_keys(keys)
+        return self._call("where", ns=self._ns_name(ns), keys=keys)["tiers"]
 
     def reserve(self, ns, keys: Sequence[bytes], *, parent: bytes | None = None,
                 token_ids: Sequence[int] | None = None) -> ClientReservation:
         """Slots to write `keys` into. `token_ids` (optional, `block_tokens` per key) go to the
         daemon only where it publishes KV events, for indexers that compute their own keys.
         The reservation holds its connection open until `commit` or `abort` (see `acquire`)."""
+        keys = check_keys(keys)          # bad input is refused before anything is asked
         nsobj = self._namespace(ns)
-        keys = check_keys(keys)
         fields = {"ns": nsobj.name, "keys": keys}
         if parent is not None:
             fields["parent"] = check_keys([parent])[0]
@@ -574,8 +579,8 @@ class Client:
         reserved and committed. The copy runs while the reservation holds its connection, so
         no other thread's timeout can hand its slots to someone else mid-copy; a reservation
         lost meanwhile raises LeaseError and commits nothing."""
+        keys = check_keys(keys)          # bad input is refused before anything is asked
         nsobj = self._namespace(ns)
-        keys = check_keys(keys)
         if len(blocks) != len(keys):
             raise E.TierdError(f"put: {len(keys)} keys but {len(blocks)} blocks")
         views = [as_u8(b, nsobj.block_bytes, nsobj.kv_dtype) for b in blocks]
@@ -606,8 +611,8 @@ class Client:
         read. Bytes are trustworthy only if the lease still stands after they were read:
         `release(lease, confirm=True)` checks that (`get` does it for you, without a round
         trip)."""
+        keys = check_keys(keys)          # bad input is refused before anything is asked
         nsobj = self._namespace(ns)
-        keys = check_keys(keys)
         with self._lock:
             hbm = self._gpu_arena is not None if self._hbm is None else self._hbm
             r = self._call("acquire", ns=nsobj.name, keys=keys, **({"gpu": True} if hbm else {}))

@@ -1,0 +1,225 @@
+"""A real daemon against a model of what may be served (hypothesis' rule-based state machine).
+
+Random sequences drive a real `tierd serve` process through one `Client` shared by several
+threads (as an engine shares one) and a second client: puts, gets, leases held across steps
+while other threads copy, repeated keys, flushes, syncs, kill -9 and restart, failing and
+hanging disks (requests then time out on some threads). After every step:
+
+- every byte any thread read is exactly what was stored under that key;
+- a flushed block is never served again (until put again), kill -9 included;
+- a synced block survives kill -9 (when the disk was healthy).
+
+`TEST_MODEL_EXAMPLES` scales it (default: 8 sequences of up to 25 steps here; a soak is the
+same test with a larger value).
+"""
+
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tierd.client import Client, DaemonUnavailableError
+from tierd.errors import DiskDegradedError, KeyFormatError, LeaseError
+
+from .daemon import SMALL_TOML, DaemonProc
+from .helpers import block_for, chain, make_ns
+
+NS = make_ns(model="daemon-model")
+CHAINS = {c: chain(NS, 500 + c, 5) for c in range(4)}
+EXAMPLES = max(1, int(os.environ.get("TEST_MODEL_EXAMPLES", "60")) // 8)
+TRANSIENT = (DaemonUnavailableError, LeaseError, TimeoutError)
+
+
+class DaemonModel(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="tierd-dmodel-"))
+        self.faults = self.dir / "faults"
+        self.faults.write_text("")
+        toml = SMALL_TOML + f'fault_file = "{self.faults}"\nstall_s = 2.0\n'
+        self.d = DaemonProc(self.dir, host_bytes="2MiB", disk_bytes="32MiB", toml=toml).start()
+        self.shared = Client(self.d.socket, timeout_s=1.0, retries=0)   # several threads use it
+        self.state: dict[bytes, str] = {}    # key -> "live" | "synced"
+        self.flushed: set[bytes] = set()
+        self.leases = []
+        self.disk_ok = True
+        self.wrong: list[str] = []
+
+    def teardown(self):
+        self.faults.write_text("")
+        for lease in self.leases:
+            if lease is None:
+                continue
+            try:
+                self.shared.release(lease)
+            except Exception:  # noqa: BLE001
+                pass
+        self.shared.close()
+        if self.d.alive():
+            self.d.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _admin(self) -> Client:
+        return Client(self.d.socket, timeout_s=30.0)
+
+    def _check(self, keys, got, where):
+        for k, g in zip(keys, got):
+            if not np.array_equal(np.asarray(g), block_for(NS, k)):
+                self.wrong.append(f"{where}: wrong bytes")
+            if k in self.flushed:
+                self.wrong.append(f"{where}: a flushed block was served")
+
+    # -- rules --------------------------------------------------------------------------------
+    @rule(c=st.integers(0, 3), upto=st.integers(1, 5))
+    def put(self, c, upto):
+        keys = CHAINS[c][:upto]
+        try:
+            self.shared.put(NS, keys, [block_for(NS, k) for k in keys])
+        except TRANSIENT:
+            return
+        with self._admin() as a:
+            for k, where in zip(keys, a.where(NS, keys)):
+                if where:
+                    self.state.setdefault(k, "live")
+                    self.flushed.discard(k)
+
+    @rule(cs=st.lists(st.integers(0, 3), min_size=2, max_size=4))
+    def threads_get_and_put(self, cs):
+        """Several threads on the one shared client at once."""
+        for c in cs:   # put again during this step by some thread: no longer "flushed"
+            self.flushed.difference_update(CHAINS[c][:2])
+        def work(c):
+            keys = CHAINS[c]
+            try:
+                self._check(keys, self.shared.get(NS, keys), "threaded get")
+                self.shared.put(NS, keys[:2], [block_for(NS, k) for k in keys[:2]])
+            except TRANSIENT:
+                pass
+            except Exception as e:  # noqa: BLE001 -- anything else is a failure of the client
+                self.wrong.append(f"threaded: {type(e).__name__}: {e}")
+        threads = [threading.Thread(target=work, args=(c,)) for c in cs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        with self._admin() as a:      # what the threads' puts kept
+            for c in cs:
+                for k, where in zip(CHAINS[c][:2], a.where(NS, CHAINS[c][:2])):
+                    if where:
+                        self.state.setdefault(k, "live")
+                        self.flushed.discard(k)
+
+    @precondition(lambda self: len(self.leases) < 2)
+    @rule(c=st.integers(0, 3))
+    def hold_a_lease(self, c):
+        lease = None      # the model's count of holds must not depend on timing
+        try:
+            lease = self.shared.acquire(NS, CHAINS[c])
+        except TRANSIENT:
+            pass
+        self.leases.append(lease)
+
+    @precondition(lambda self: self.leases)
+    @rule()
+    def read_and_release(self):
+        lease = self.leases.pop(0)
+        if lease is None:
+            return
+        got = [np.array(b, copy=True) for b in lease.buffers]   # a slow copy, after other steps
+        try:
+            self.shared.release(lease, confirm=True)
+        except LeaseError:
+            return    # lost (kill -9): the bytes must not be used, and are not checked
+        self._check(lease.keys, got, "held lease")
+
+    @rule(c=st.integers(0, 3), i=st.integers(0, 4))
+    def repeated_keys(self, c, i):
+        keys = CHAINS[c]
+        with pytest.raises(KeyFormatError):
+            self.shared.acquire(NS, keys[:i] + [keys[i]] + keys[i:])
+
+    @rule(tier=st.sampled_from(["all", "disk", "host"]))
+    def flush(self, tier):
+        held = {k for lease in self.leases if lease is not None for k in lease.keys}
+        recorded = True
+        with self._admin() as a:
+            try:
+                a.flush(tier=tier)
+            except DiskDegradedError:
+                recorded = False
+        if tier == "host":
+            return
+        for k in list(self.state):
+            if tier == "all" and k not in held:
+                del self.state[k]
+                if recorded:
+                    self.flushed.add(k)
+            else:
+                self.state[k] = "live"
+
+    @rule()
+    def sync(self):
+        with self._admin() as a:
+            try:
+                a.sync()
+            except (DiskDegradedError, DaemonUnavailableError):
+                return
+            for k in list(self.state):
+                if a.where(NS, [k])[0]:
+                    self.state[k] = "synced"
+                else:
+                    del self.state[k]
+
+    @rule()
+    def kill_9_and_restart(self):
+        self.faults.write_text("")
+        self.disk_ok = True
+        self.d.kill()
+        self.d.start()
+        for k, s in list(self.state.items()):
+            if s != "synced":
+                del self.state[k]
+
+    @rule(fault=st.sampled_from(["", "write=EIO", "all=EIO", "read=hang:3", "write=hang:3"]))
+    def disk_fault(self, fault):
+        self.faults.write_text(fault)
+        self.disk_ok = fault == ""
+
+    # -- invariants ---------------------------------------------------------------------------
+    @invariant()
+    def nothing_wrong_was_served(self):
+        assert not self.wrong, self.wrong[:3]
+
+    @invariant()
+    def flushed_blocks_stay_gone(self):
+        if self.flushed:
+            with self._admin() as a:
+                for k in self.flushed:
+                    assert a.lookup(NS, [k]) == 0, "a flushed block is listed"
+
+    @invariant()
+    def synced_blocks_are_served(self):
+        if not self.disk_ok:
+            return
+        with self._admin() as a:
+            for k, s in self.state.items():
+                if s == "synced":
+                    got = a.get(NS, [k])
+                    assert len(got) == 1, "a synced block is not served"
+                    self._check([k], got, "synced")
+
+
+DaemonModel.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=25, deadline=None,
+                                         suppress_health_check=list(HealthCheck))
+
+
+@pytest.mark.slow
+class TestDaemonAgainstTheModel(DaemonModel.TestCase):
+    pass
