@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import itertools
 import logging
 import mmap
 import os
-import struct
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
@@ -32,46 +28,21 @@ import numpy as np
 
 from .. import codec as _codec
 from ..arena import SlabAllocator
-from ..config import align_up, format_size
-from ..errors import (CapacityError, ConfigError, DirectoryLockedError, DiskTierError,
-                      NotASlabFileError)
+from ..config import align_up
 from .base import BlockMeta, Tier
+from .disk_files import (_SLAB, _SUPER, ALL_NAMESPACES, CHECKPOINT_NAME, FENCES_NAME, FILE_MAGIC, LOCK_NAME,  # noqa: F401
+                         NAMESPACES_NAME, SLAB_MAGIC, DiskEntry, SlabFiles, _aligned)
+from .disk_recovery import Recovery
 # the slot header is shared with the remote tier (re-exported here for the disk format's users)
 from .slot_header import (_CSUM, FORMAT_VERSION, PAGE, CorruptBlockError, _csum, encode_block,  # noqa: F401
                           pack_slot_header, unpack_slot_header)
 
 log = logging.getLogger("tierd.disk")
 
-FILE_MAGIC = b"TIERDFIL"
-SLAB_MAGIC = b"TIERDSLB"
-# superblock: magic, version, file index, slabs in this file, slab bytes, store uuid, checksum
-_SUPER = struct.Struct("<8sHHIQ16s")
-# slab header: magic, version, pad, slot bytes (0: free), generation (+ checksum)
-_SLAB = struct.Struct("<8sHHQQ")
-LOCK_NAME = "LOCK"
-CHECKPOINT_NAME = "index.ckpt"
-NAMESPACES_NAME = "namespaces.msgpack"
-FENCES_NAME = "flushed.msgpack"
-ALL_NAMESPACES = b""   # the fence key of a flush of every namespace
 
 
-@dataclass(slots=True)
-class DiskEntry:
-    """Where one block lives on disk and how to verify it."""
-
-    slot: int
-    ns_id: bytes
-    key: bytes
-    seq: int
-    payload_len: int
-    raw_len: int
-    codec: int
-    parent: bytes = b""
 
 
-def _aligned(nbytes: int) -> mmap.mmap:
-    """Page-aligned anonymous buffer (O_DIRECT needs aligned memory)."""
-    return mmap.mmap(-1, max(PAGE, align_up(nbytes)))
 
 
 class FaultInjector:
@@ -141,7 +112,7 @@ class FaultInjector:
         return faults
 
 
-class DiskTier(Tier):
+class DiskTier(SlabFiles, Recovery, Tier):
     name = "disk"
 
     def __init__(self, path: str, capacity_bytes: int, slab_bytes: int, file_bytes: int, *,
@@ -184,207 +155,18 @@ class DiskTier(Tier):
             self._release_fds()
             raise
 
-    # -- opening ---------------------------------------------------------------------------
-    def _open_dir(self) -> None:
-        p = self.path
-        if os.path.islink(p):
-            raise DiskTierError(
-                f"disk tier: {p} is a symbolic link to {os.path.realpath(p)}; refusing to write "
-                "slab files through it (set disk_path to the real directory)")
-        try:
-            if p.exists() and not p.is_dir():
-                raise DiskTierError(f"disk tier: {p} exists and is not a directory; set disk_path to a directory")
-            p.mkdir(parents=True, exist_ok=True)
-        except DiskTierError:
-            raise
-        except OSError as e:
-            raise DiskTierError(
-                f"disk tier: cannot create {p} ({e.strerror}); set disk_path or fix permissions") from None
-        try:
-            self._lock_fd = os.open(p / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as e:
-            raise DiskTierError(
-                f"disk tier: {p} is not writable (uid {os.getuid()}: {e.strerror}); "
-                "set disk_path or fix permissions") from None
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._lock_fd, 64, 0).decode(errors="replace").strip() or "?"
-            os.close(self._lock_fd)
-            self._lock_fd = -1
-            raise DirectoryLockedError(
-                f"disk tier: {p} is in use by another tierd store (pid {holder}); "
-                "stop it or give this store another disk_path") from None
-        os.ftruncate(self._lock_fd, 0)
-        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
 
-    def _plan(self, capacity_bytes: int, slab_bytes: int, file_bytes: int) -> None:
-        """Geometry: files of `slabs_per_file` slabs, `num_slabs` in all, within capacity."""
-        existing = sorted(self.path.glob("slab-*.tds"))
-        if capacity_bytes < 3 * PAGE:
-            raise CapacityError(f"disk tier: capacity of {capacity_bytes} bytes is too small (12 KiB minimum)")
-        if existing:  # an existing directory keeps its geometry
-            sb0 = self._read_super(existing[0], expect_index=0)
-            slab_bytes = sb0[4]
-            spf = sb0[3] if len(existing) > 1 else max(sb0[3], (file_bytes - PAGE) // slab_bytes)
-        else:
-            slab_bytes = min(slab_bytes, (capacity_bytes - PAGE) // PAGE * PAGE)
-            spf = max(1, (file_bytes - PAGE) // slab_bytes)
-            n = capacity_bytes // slab_bytes
-            if n and n * slab_bytes + -(-n // spf) * PAGE > capacity_bytes:
-                # the superblocks do not fit beside n whole slabs: shrink the slabs a little
-                # rather than lose one
-                slab_bytes -= align_up(-(-(-(-n // spf) * PAGE) // n))
-                spf = max(1, (file_bytes - PAGE) // slab_bytes)
-        n = capacity_bytes // slab_bytes
-        while n > 0 and n * slab_bytes + -(-n // spf) * PAGE > capacity_bytes:
-            n -= 1
-        if n == 0:
-            raise CapacityError(
-                f"disk tier: capacity {format_size(capacity_bytes)} holds no slab of {format_size(slab_bytes)}")
-        self.capacity_bytes = capacity_bytes
-        self.slab_bytes = slab_bytes
-        self.slabs_per_file = spf
-        self.num_slabs = n
-        self.num_files = -(-n // spf)
-        if existing and len(existing) > self.num_files:
-            raise ConfigError(
-                f"disk tier: {self.path} holds {len(existing)} slab files but disk_bytes "
-                f"{format_size(capacity_bytes)} allows {self.num_files}; raise disk_bytes or empty the directory")
-        self.alloc = SlabAllocator(n, slab_bytes, slab_header_bytes=PAGE, capacity_bytes=capacity_bytes)
-        # Superblocks are part of the capacity but hold no slot: count them as waste.
-        self.alloc.capacity_bytes = capacity_bytes
-        self.slab_gen = [0] * n
 
-    def _file_slabs(self, i: int) -> int:
-        return min(self.slabs_per_file, self.num_slabs - i * self.slabs_per_file)
 
-    def _file_size(self, i: int) -> int:
-        return PAGE + self._file_slabs(i) * self.slab_bytes
 
-    def _probe_direct(self) -> bool:
-        probe = self.path / ".odirect-probe"
-        try:
-            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
-        except OSError:
-            log.info("disk tier: %s does not allow O_DIRECT; using buffered I/O + fdatasync", self.path)
-            return False
-        os.close(fd)
-        os.unlink(probe)
-        return True
 
-    def _read_super(self, file: Path, expect_index: int) -> tuple:
-        try:
-            with open(file, "rb") as f:
-                raw = f.read(_SUPER.size + _CSUM.size)
-        except OSError as e:
-            raise DiskTierError(f"disk tier: cannot read {file} ({e.strerror})") from None
-        if len(raw) < _SUPER.size + _CSUM.size or raw[:8] != FILE_MAGIC:
-            raise NotASlabFileError(
-                f"disk tier: {file} is not a tierd slab file; move it away or set another disk_path")
-        (csum,) = _CSUM.unpack_from(raw, _SUPER.size)
-        fields = _SUPER.unpack_from(raw)
-        if _csum(raw[:_SUPER.size]) != csum:
-            raise NotASlabFileError(f"disk tier: {file}: superblock checksum mismatch; the file is damaged")
-        if fields[1] != FORMAT_VERSION:
-            raise NotASlabFileError(
-                f"disk tier: {file} has format version {fields[1]}, this tierd reads {FORMAT_VERSION}")
-        if fields[2] != expect_index:
-            raise NotASlabFileError(f"disk tier: {file} says it is file {fields[2]}, expected {expect_index}")
-        return fields
 
-    def _room_error(self, needed: int) -> DiskTierError:
-        from ..arena import filesystem_type
-        try:
-            st = os.statvfs(self.path)
-            room = f"{format_size(st.f_bavail * st.f_frsize)} free"
-        except OSError:
-            room = "free space unknown"
-        return DiskTierError(
-            f"disk tier: cannot reserve {format_size(needed)} in {self.path} "
-            f"({filesystem_type(str(self.path)) or 'unknown filesystem'}, {room}); lower disk.bytes "
-            "(--disk-bytes) or free space there")
 
-    def _open_files(self) -> None:
-        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if self.direct_io else 0)
-        # All the room first, or nothing: a half-created set of slab files would not match a
-        # later, smaller disk.bytes.
-        needed = 0
-        for i in range(self.num_files):
-            fp = self.path / f"slab-{i:04d}.tds"
-            have = fp.stat().st_blocks * 512 if fp.exists() else 0
-            needed += max(0, self._file_size(i) - have)
-        try:
-            st = os.statvfs(self.path)
-            if needed > st.f_bavail * st.f_frsize:
-                raise self._room_error(needed)
-        except OSError:
-            pass
-        store_uuid = None
-        for i in range(self.num_files):
-            fp = self.path / f"slab-{i:04d}.tds"
-            if fp.exists():
-                sb = self._read_super(fp, expect_index=i)
-                if sb[4] != self.slab_bytes or sb[3] != self._file_slabs(i):
-                    raise ConfigError(
-                        f"disk tier: {fp} was created with {sb[3]} slabs of {format_size(sb[4])}; "
-                        "use the same disk settings or empty the directory")
-                if store_uuid is None:
-                    store_uuid = sb[5]
-                elif sb[5] != store_uuid:
-                    raise NotASlabFileError(f"disk tier: {fp} belongs to another tierd store")
-            else:
-                store_uuid = store_uuid or uuid.uuid4().bytes
-                self._create_file(fp, i, store_uuid)
-            fd = os.open(fp, flags)
-            self._fds.append(fd)
-            want = self._file_size(i)
-            if os.fstat(fd).st_size < want:  # truncated by someone: give the space back
-                self._fallocate(fd, fp, want)
-        self.store_uuid = store_uuid
 
-    def _fallocate(self, fd: int, fp: Path, size: int) -> None:
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise self._room_error(size) from None
-            raise DiskTierError(f"disk tier: cannot allocate {fp}: {e.strerror}") from None
 
-    def _create_file(self, fp: Path, index: int, store_uuid: bytes) -> None:
-        tmp = fp.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            self._fallocate(fd, fp, self._file_size(index))
-            body = _SUPER.pack(FILE_MAGIC, FORMAT_VERSION, index, self._file_slabs(index),
-                               self.slab_bytes, store_uuid)
-            os.pwrite(fd, body + _CSUM.pack(_csum(body)), 0)
-            os.fdatasync(fd)
-        except BaseException:
-            os.close(fd)
-            os.unlink(tmp)
-            raise
-        os.close(fd)
-        os.rename(tmp, fp)
-        self._fsync_dir()
 
-    def _fsync_dir(self) -> None:
-        dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
 
-    # -- locations -------------------------------------------------------------------------
-    def _slab_loc(self, slab: int) -> tuple[int, int]:
-        if self._released:
-            raise OSError(errno.EBADF, f"disk tier {self.path} is closed")
-        return self._fds[slab // self.slabs_per_file], PAGE + (slab % self.slabs_per_file) * self.slab_bytes
 
-    def _slot_loc(self, slot: int) -> tuple[int, int]:
-        slab = SlabAllocator.slab_of(slot)
-        fd, base = self._slab_loc(slab)
-        return fd, base + (self.alloc.offset(slot) - slab * self.slab_bytes)
 
     @staticmethod
     def slot_bytes_for(block_bytes: int) -> int:
@@ -575,179 +357,15 @@ class DiskTier(Tier):
             for fd in list(self._fds):
                 os.fdatasync(fd)
 
-    # -- namespaces --------------------------------------------------------------------------
-    def _load_namespaces(self) -> dict[bytes, dict]:
-        p = self.path / NAMESPACES_NAME
-        try:
-            data = msgpack.unpackb(p.read_bytes(), raw=False, strict_map_key=False)
-            return {bytes(k): v for k, v in data.items()}
-        except FileNotFoundError:
-            return {}
-        except Exception:
-            log.warning("disk tier: %s is unreadable; namespace names are lost (blocks are not)", p)
-            return {}
 
-    def remember_namespace(self, ns_id: bytes, desc: dict) -> None:
-        """Persist a namespace description (atomic replace) the first time it reaches disk."""
-        if self.namespaces.get(ns_id) == desc:
-            return
-        known = {**self.namespaces, ns_id: desc}
-        self._atomic_write(NAMESPACES_NAME, msgpack.packb(known, use_bin_type=True))
-        self.namespaces = known   # only once it is on disk
 
-    def _atomic_write(self, name: str, data: bytes) -> None:
-        with self._io("meta"):
-            if self.faults:
-                self.faults.check("meta")
-            tmp = self.path / (name + ".tmp")
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o600)
-            os.rename(tmp, self.path / name)
-            self._fsync_dir()
 
-    # -- flush fences --------------------------------------------------------------------------
-    # A flush drops blocks from the index at once, but copies evicted earlier left valid headers
-    # behind, and any header could outlive the flush in a crash. So a flush records a fence:
-    # every copy of the namespace (or of all, key ALL_NAMESPACES) written with a sequence
-    # number below it is dead — at recovery and in the settle of writes in flight. Fences only
-    # grow, and sequence numbers continue above every fence after a restart.
-    def _load_fences(self) -> dict[bytes, int]:
-        p = self.path / FENCES_NAME
-        try:
-            raw = p.read_bytes()
-        except FileNotFoundError:
-            return {}
-        try:
-            body, (csum,) = raw[:-8], _CSUM.unpack(raw[-8:])
-            if _csum(body) != csum:
-                raise ValueError("checksum mismatch")
-            return {bytes(k): int(v) for k, v in msgpack.unpackb(body, raw=False, strict_map_key=False).items()}
-        except Exception as e:
-            # without its fences, flushed blocks could be served again: trust no copy at all
-            log.error("disk tier: %s (the record of flushes) is damaged (%s); every block on disk is "
-                      "dropped", p, e)
-            return {ALL_NAMESPACES: 1 << 62}
 
-    def set_fence(self, ns_id: bytes | None) -> int:
-        """(Store lock held; memory only.) Every copy of `ns_id` (None: of every namespace)
-        written before now is dead from now on. Returns the fence; `save_fences` makes it
-        durable."""
-        seq = self.next_seq()
-        key = ALL_NAMESPACES if ns_id is None else ns_id
-        self.fences = {**self.fences, key: max(self.fences.get(key, 0), seq)}
-        return seq
 
-    def save_fences(self) -> None:
-        """(No lock.) Write the fences durably (atomic replace, fsync)."""
-        with self._fence_lock:    # one writer of the file at a time; the newest fences win
-            body = msgpack.packb(self.fences, use_bin_type=True)
-            self._atomic_write(FENCES_NAME, body + _CSUM.pack(_csum(body)))
 
-    def fenced(self, ns_id: bytes, seq: int) -> bool:
-        """A copy of `ns_id` written with `seq` is below a flush's fence: never serve it."""
-        f = self.fences
-        return bool(f) and seq < max(f.get(ns_id, 0), f.get(ALL_NAMESPACES, 0))
 
-    # -- recovery ----------------------------------------------------------------------------
-    def _recover(self, io_threads: int) -> None:
-        ckpt = self.path / CHECKPOINT_NAME
-        entries = None
-        if ckpt.exists():
-            entries = self._load_checkpoint(ckpt)
-            # From here on the files change; a stale checkpoint must never be trusted.
-            ckpt.unlink()
-            self._fsync_dir()
-        if entries is None:
-            entries = self._scan(io_threads)
-            self.recovered_from = "scan" if any(self.alloc.slab_class) or entries else "new"
-        else:
-            self.recovered_from = "checkpoint"
-        best: dict[bytes, DiskEntry] = {}
-        for e in entries:
-            if self.fenced(e.ns_id, e.seq):
-                continue    # flushed: its slot is free for reuse
-            k = e.ns_id + e.key
-            old = best.get(k)
-            if old is None or e.seq > old.seq:
-                best[k] = e
-        self.alloc.take_many(e.slot for e in best.values())
-        self.recovered = list(best.values())
-        if self.fences.get(ALL_NAMESPACES) == 1 << 62:   # damaged record: one real fence above all
-            self.fences = {ALL_NAMESPACES: max([0, *(e.seq for e in entries), *self.slab_gen]) + 1}
-            self.save_fences()
-        top = max([0, *(e.seq for e in entries), *self.slab_gen, *self.fences.values()])
-        self._seq = itertools.count(top + 1)
 
-    def _load_checkpoint(self, ckpt: Path) -> list[DiskEntry] | None:
-        try:
-            raw = ckpt.read_bytes()
-            body, (csum,) = raw[:-8], _CSUM.unpack(raw[-8:])
-            if _csum(body) != csum:
-                raise ValueError("checksum")
-            d = msgpack.unpackb(body, raw=False)
-            if d["version"] != FORMAT_VERSION or d["uuid"] != self.store_uuid:
-                raise ValueError("version or store")
-            for slab, slot_bytes, gen in d["slabs"]:
-                self.alloc.assign_slab(slab, slot_bytes)
-                self.slab_gen[slab] = gen
-            return [DiskEntry(*row) for row in d["entries"]]
-        except Exception as ex:
-            log.warning("disk tier: checkpoint unusable (%s); scanning slot headers", ex)
-            self.alloc = SlabAllocator(self.num_slabs, self.slab_bytes, slab_header_bytes=PAGE,
-                                       capacity_bytes=self.capacity_bytes)
-            self.slab_gen = [0] * self.num_slabs
-            return None
 
-    def _scan(self, io_threads: int) -> list[DiskEntry]:
-        """Rebuild the index from slab and slot headers (header checksums verified here,
-        payload checksums at every read)."""
-        def scan_slab(slab: int) -> tuple[int, int, int, list[DiskEntry], int]:
-            fd, base = self._slab_loc(slab)
-            buf = _aligned(PAGE)
-            if os.preadv(fd, [buf], base) < PAGE:
-                return slab, 0, 0, [], 0
-            (csum,) = _CSUM.unpack_from(buf, _SLAB.size)
-            magic, ver, _, slot_bytes, gen = _SLAB.unpack_from(buf)
-            if (magic != SLAB_MAGIC or ver != FORMAT_VERSION or _csum(bytes(buf[:_SLAB.size])) != csum
-                    or slot_bytes == 0 or slot_bytes % PAGE or slot_bytes > self.slab_bytes - PAGE):
-                return slab, 0, 0, [], 0
-            found, bad = [], 0
-            file_size = os.fstat(fd).st_size
-            for i in range((self.slab_bytes - PAGE) // slot_bytes):
-                off = base + PAGE + i * slot_bytes
-                if os.preadv(fd, [buf], off) < PAGE:
-                    break
-                try:
-                    h = unpack_slot_header(buf)
-                except CorruptBlockError:
-                    bad += 1
-                    continue
-                if h is None or h[11] != gen:
-                    continue  # empty, or left over from an earlier use of this slab
-                _, _, codec, _, _, ns_id, key, parent, payload_len, raw_len, seq, _, _ = h
-                if payload_len > slot_bytes - PAGE or raw_len > slot_bytes - PAGE or \
-                        off + PAGE + payload_len > file_size:
-                    bad += 1
-                    continue
-                slot = (slab << 24) | i
-                parent = b"" if parent == b"\0" * 16 else parent
-                found.append(DiskEntry(slot, ns_id, key, seq, payload_len, raw_len, codec, parent))
-            return slab, slot_bytes, gen, found, bad
-
-        entries: list[DiskEntry] = []
-        with ThreadPoolExecutor(io_threads) as pool:
-            for slab, slot_bytes, gen, found, bad in pool.map(scan_slab, range(self.num_slabs)):
-                self.corrupt_at_open += bad
-                if slot_bytes:
-                    self.alloc.assign_slab(slab, slot_bytes)
-                    self.slab_gen[slab] = gen
-                    entries.extend(found)
-        if self.corrupt_at_open:
-            log.warning("disk tier: %d damaged slots dropped at open", self.corrupt_at_open)
-        return entries
 
     # -- closing -----------------------------------------------------------------------------
     def close(self, entries: list[DiskEntry] | None) -> None:
