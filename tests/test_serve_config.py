@@ -75,3 +75,13 @@ def test_the_event_loop_setting_is_checked():
     assert _loop_runner("auto") is not None
     with pytest.raises(ConfigError, match="event_loop"):
         _loop_runner("twisted")
+
+
+@pytest.mark.parametrize("text,want", [("false", False), ("0", False), ("no", False), ("true", True), ("on", True)])
+def test_remote_write_behind_parses_like_every_boolean(text, want):
+    """b90e890 parsed [remote] write_behind with Python's bool(): TIERD_REMOTE_WRITE_BEHIND=false
+    meant true."""
+    cfg = load_serve_config(None, env={"TIERD_REMOTE_WRITE_BEHIND": text})
+    assert cfg.store.remote_write_behind is want
+    with pytest.raises(ConfigError, match="true or false"):
+        load_serve_config(None, env={"TIERD_REMOTE_WRITE_BEHIND": "maybe"})
