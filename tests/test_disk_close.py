@@ -3,6 +3,8 @@ while the tier is abandoned (its directory vanished) or closed never lands in a 
 reused its descriptor number (S6)."""
 
 import os
+
+import numpy as np
 import threading
 import time
 
@@ -53,3 +55,30 @@ def test_a_tier_abandoned_under_a_hanging_write_keeps_its_files_open_until_the_w
     except OSError:
         pass                                     # refused: no new I/O on an abandoned tier
     store.close()
+
+
+def test_a_disk_directory_that_comes_back_joins_the_blocks_still_in_ram(tmp_path):
+    """S5: when a vanished disk directory came back with its files, b90e890 replaced the
+    records of blocks still in host RAM with disk-only ones, orphaning their host slots (never
+    freed again). Now the copies on disk join the records in RAM."""
+    from .helpers import wait_for
+    store = TieredStore(small_config(tmp_path, host_bytes="2MiB"))
+    ns = make_ns()
+    keys = chain(ns, 9, 6)
+    try:
+        store.put(ns, keys, [block_for(ns, k) for k in keys])
+        store.sync()
+        assert store.where(ns, keys) == ["host+disk"] * 6
+        disk_dir = tmp_path / "disk"
+        os.rename(disk_dir, tmp_path / "away")
+        wait_for(lambda: store.where(ns, keys) == ["host"] * 6, what="the disk copies forgotten")
+        os.rename(tmp_path / "away", disk_dir)          # the directory comes back, files and all
+        wait_for(lambda: store.where(ns, keys) == ["host+disk"] * 6, what="the copies joined again")
+        got = store.get(ns, keys)
+        assert all(np.array_equal(g, block_for(ns, k)) for g, k in zip(got, keys))
+        assert store.flush(tier="host") == 6
+        assert store.stats()["tiers"]["host"]["used_bytes"] == 0, "host slots were orphaned"
+        got = store.get(ns, keys)                      # served from the disk copies
+        assert len(got) == 6 and all(np.array_equal(g, block_for(ns, k)) for g, k in zip(got, keys))
+    finally:
+        store.close()
