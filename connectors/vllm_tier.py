@@ -3,12 +3,20 @@ tiering spec): vLLM keeps its GPU <-> CPU path and its CPU primary tier; tierd i
 persistent tier below it. Chunks cascade from vLLM's CPU tier into tierd slots, and a tierd hit
 is promoted back into the CPU tier.
 
-Configure (vLLM 0.32, `kv_connector_extra_config` of ``OffloadingConnector``)::
+Configure (vLLM 0.32): the connector is ``TierdOffloadingConnector`` (vLLM's ``OffloadingConnector``
+that also tells the tier each request's LoRA adapter; see below), with this
+`kv_connector_extra_config`::
 
-    {"spec_name": "TierdTieringSpec", "spec_module_path": "tierd.connectors.vllm_tier",
-     "cpu_bytes_to_use": 2147483648,
-     "secondary_tiers": [{"type": "TierdTier", "module_path": "tierd.connectors.vllm_tier",
-                          "url": "unix:///run/tierd/tierd.sock"}]}
+    --kv-transfer-config '{"kv_connector": "TierdOffloadingConnector",
+        "kv_connector_module_path": "tierd.connectors.vllm_tier", "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+          "spec_name": "TierdTieringSpec", "spec_module_path": "tierd.connectors.vllm_tier",
+          "cpu_bytes_to_use": 2147483648,
+          "secondary_tiers": [{"type": "TierdTier", "module_path": "tierd.connectors.vllm_tier",
+                               "url": "unix:///run/tierd/tierd.sock"}]}}'
+
+Under vLLM's plain ``OffloadingConnector`` the tier refuses to start (a clear error at engine
+start): vLLM's tiering API hands a secondary tier a request's id, never its LoRA adapter.
 
 `TierdTieringSpec` is vLLM's tiering spec; on GPU hosts it uses vLLM's own CUDA copy worker, on
 CPU-only hosts (where vLLM's worker refuses to start) a host-memory copy worker
@@ -22,8 +30,14 @@ What a tierd block is here: one vLLM offload chunk, all ranks' pages, in vLLM's 
 layout (on CPU: the attention backend's packing), so its namespace records that layout
 (`Namespace.layout` = ``vllm-offload/...``) and never mixes with the canonical blocks of the
 KV connector or the bundled engine. Keys are vLLM's offload keys (its block hash chain, which
-covers tokens, LoRA, multimodal inputs and cache salt) hashed to 16 bytes; vLLM's default
-sha256 chain is the same in every process, so a restarted or second engine finds the chunks.
+covers tokens, multimodal inputs, prompt embeddings and cache salt by content, but a LoRA
+adapter only by name and path) hashed to 16 bytes, with the request's LoRA adapter by content
+(adapter_config.json and every weight file's SHA-256, as the KV connector keys it,
+`connectors/vllm_keys.py`): tierd outlives engines and is shared by them, so an adapter
+retrained in place must not find its predecessor's KV. vLLM's default sha256 chain is the same
+in every process, so a restarted or second engine finds the chunks. A request whose adapter
+cannot be hashed, or that the tier was not told about (a request the engine did not make, such
+as a peer's), is neither served nor stored (logged once per reason).
 All tier methods run on vLLM's scheduler thread and return at once: lookups, copies and
 commits run on the tier's own threads, each with its own daemon connection.
 """
@@ -37,10 +51,12 @@ import queue
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.platforms import current_platform
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -67,13 +83,70 @@ from tierd.namespace import Namespace, canonical_dtype, model_fingerprint, read_
 
 from .link import DEFAULT_TIMEOUT_S, STORE_ERRORS, holding
 from .vllm import _open
+from .vllm_keys import adapter_identity
 
 log = logging.getLogger("tierd.connectors.vllm_tier")
 
 
-def tier_key(key: OffloadKey) -> bytes:
-    """The 16-byte tierd key of one vLLM offload key (block hash + KV group index)."""
-    return hashlib.blake2b(b"tierd-vllm-offload-v1\x00" + bytes(key), digest_size=16).digest()
+def tier_key(key: OffloadKey, adapter: bytes = b"") -> bytes:
+    """The 16-byte tierd key of one vLLM offload key (block hash + KV group index) of a request
+    with the LoRA adapter whose content identity is `adapter` (16 bytes; b"": the base model)."""
+    if not adapter:
+        return hashlib.blake2b(b"tierd-vllm-offload-v1\x00" + bytes(key), digest_size=16).digest()
+    if len(adapter) != 16:
+        raise ValueError("an adapter identity is 16 bytes")
+    return hashlib.blake2b(b"tierd-vllm-offload-lora-v1\x00" + adapter + bytes(key), digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class RequestKeying:
+    """What the tier keys one request's chunks with (kept in vLLM's `ReqContext`): `adapter` is
+    its LoRA adapter's content identity (b"" for the base model); `declined` says why the tier
+    neither serves nor stores the request ("" when it does)."""
+
+    adapter: bytes = b""
+    declined: str = ""
+
+
+_NOT_TOLD = RequestKeying(declined="the tier was not told which LoRA adapter the request uses "
+                                   "(a request the engine's TierdOffloadingConnector did not make)")
+# request id -> keying, while TierdOffloadingConnector.on_new_request hands the request to vLLM's
+# offloading (the tier's on_new_request runs inside that call, on the same thread)
+_announced: dict[str, RequestKeying] = {}
+_constructing = threading.local()      # depth of TierdOffloadingConnector constructions on this thread
+
+
+def request_keying(request) -> RequestKeying:
+    """The keying of a vLLM request: its LoRA adapter by content (`vllm_keys.adapter_identity`)."""
+    lora = getattr(request, "lora_request", None)
+    if lora is None:
+        return RequestKeying()
+    try:
+        return RequestKeying(adapter=adapter_identity(lora))
+    except (TierdError, OSError) as e:
+        name = getattr(lora, "lora_name", None) or getattr(lora, "name", None)
+        return RequestKeying(declined=f"LoRA adapter {name!r} cannot be keyed by its content ({e})")
+
+
+class TierdOffloadingConnector(OffloadingConnector):
+    """vLLM's `OffloadingConnector`, unchanged, except that it tells the tierd tier which LoRA
+    adapter (by content) each request uses: vLLM's tiering API gives a secondary tier only the
+    request's id, and vLLM's block hashes name an adapter by name and path."""
+
+    def __init__(self, vllm_config, role, kv_cache_config):
+        depth = getattr(_constructing, "depth", 0)
+        _constructing.depth = depth + 1
+        try:
+            super().__init__(vllm_config, role, kv_cache_config)
+        finally:
+            _constructing.depth = depth
+
+    def on_new_request(self, request) -> None:
+        _announced[request.request_id] = request_keying(request)
+        try:
+            super().on_new_request(request)
+        finally:
+            _announced.pop(request.request_id, None)
 
 
 def chunk_namespace(spec, model: str | None = None) -> Namespace:
@@ -111,6 +184,11 @@ def chunk_namespace(spec, model: str | None = None) -> Namespace:
             isa = "unknown"
     layout = (f"vllm-offload-v1/{type(current_platform).__name__}/{cfg.kv_cache_layout}/{isa}/"
               f"bs{group.tokens_per_block}/bpc{cfg.cache.blocks_per_chunk}/copies{copies}")
+    # context parallelism interleaves a chunk's tokens over ranks: the same bytes per chunk hold
+    # another arrangement, so the chunks of one topology never serve another
+    cp = (int(getattr(par, "dcp_size", 1) or 1), int(getattr(par, "pcp_size", 1) or 1))
+    if cp != (1, 1):
+        layout += f"/dcp{cp[0]}pcp{cp[1]}"
     ns = Namespace(model=fingerprint, kv_dtype=dtype, num_layers=len(group.layer_names),
                    num_kv_heads=per_rank_heads * copies, head_dim=head_dim,
                    block_tokens=group.tokens_per_block * cfg.cache.blocks_per_chunk, layout=layout)
@@ -127,11 +205,12 @@ class _Lookups(AsyncLookupManager):
         self._tier = tier
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        # `keys` are tier keys (adapter included): the tier asks its lookups by them
         store = self._tier._connect("lookup")
         if store is None:
             return [False] * len(keys)
         try:
-            found = store.where(self._tier.ns, [tier_key(k) for k in keys])
+            found = store.where(self._tier.ns, [bytes(k) for k in keys])
         except STORE_ERRORS as e:
             self._tier._failed("lookup", e)
             return [False] * len(keys)
@@ -147,6 +226,11 @@ class TierdTier(SecondaryTierManager):
     def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector=None, url: str | None = None, model: str | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, locality: str | None = None, **unknown: Any):
+        if not getattr(_constructing, "depth", 0):
+            raise TierdError("the tierd tier runs under kv_connector \"TierdOffloadingConnector\" "
+                             "(kv_connector_module_path \"tierd.connectors.vllm_tier\"), not vLLM's "
+                             "OffloadingConnector: vLLM tells a secondary tier no request's LoRA adapter, and "
+                             "tierd keys adapters by content (the rest of the configuration stays as it is)")
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if unknown:
             raise TierdError(f"unknown tierd tier options: {', '.join(sorted(unknown))}; "
@@ -164,11 +248,13 @@ class TierdTier(SecondaryTierManager):
         self._primary = arr
         self._row = self.block_size_bytes
         self._used = self.ns.block_bytes
-        self.stats = dict.fromkeys(("lookups", "stored", "present", "loaded", "load_missing", "failures"), 0)
+        self.stats = dict.fromkeys(("lookups", "stored", "present", "loaded", "load_missing", "failures",
+                                    "declined_requests"), 0)
         self._jobs: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
         self._pending = 0
-        self._load_keys: dict[int, list[OffloadKey]] = {}
+        self._load_keys: dict[int, tuple[list[OffloadKey], list[bytes]]] = {}
+        self._declines_logged: set[str] = set()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="tierd-vllm-tier", daemon=True)
         self._thread.start()
@@ -198,10 +284,32 @@ class TierdTier(SecondaryTierManager):
 
     # -- scheduler-thread API ----------------------------------------------------------------
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        keying = _announced.get(req_context.req_id, _NOT_TOLD)
+        req_context.set_state(keying)
+        if keying.declined:
+            self.stats["declined_requests"] += 1
+            if keying.declined not in self._declines_logged:
+                self._declines_logged.add(keying.declined)
+                log.warning("tierd tier: a request is neither served nor stored: %s", keying.declined)
         return RequestOffloadingContext()
 
+    @staticmethod
+    def _keying(req_context: ReqContext | None) -> RequestKeying:
+        keying = req_context.get_state(RequestKeying) if req_context is not None else None
+        return keying if keying is not None else _NOT_TOLD
+
+    def _tier_keys(self, keys, req_context: ReqContext | None) -> list[bytes] | None:
+        """The request's tier keys of `keys`, or None when the request is declined."""
+        keying = self._keying(req_context)
+        if keying.declined:
+            return None
+        return [tier_key(k, keying.adapter) for k in keys]
+
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        found = self._lookups.lookup(key, req_context)
+        tkeys = self._tier_keys((key,), req_context)
+        if tkeys is None:
+            return LookupResult.MISS
+        found = self._lookups.lookup(OffloadKey(tkeys[0]), req_context)
         if found is None:
             return LookupResult.RETRY
         return LookupResult.HIT if found else LookupResult.MISS
@@ -210,13 +318,19 @@ class TierdTier(SecondaryTierManager):
         self._submit(job_metadata)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        self._load_keys[job_metadata.job_id] = list(job_metadata.keys)
-        self._submit(job_metadata)
+        self._submit(job_metadata, load=True)
 
-    def _submit(self, job: TransferJob) -> None:
+    def _submit(self, job: TransferJob, load: bool = False) -> None:
+        keys = list(job.keys)
+        tkeys = self._tier_keys(keys, job.req_context)
+        if load:
+            self._load_keys[job.job_id] = (keys, tkeys or [])
+        if tkeys is None:          # a declined request: nothing is read or written
+            self._done.put((JobResult(job.job_id, False, transfer_bytes=0), 0))
+            return
         with self._lock:
             self._pending += 1
-        self._jobs.put(job)
+        self._jobs.put((job, tkeys))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         out = []
@@ -228,7 +342,7 @@ class TierdTier(SecondaryTierManager):
             keys = self._load_keys.pop(result.job_id, None)
             if keys is not None and not result.success:
                 ok = set(result.successful_keys or ())
-                self._lookups.mark_miss([k for k in keys if k not in ok])
+                self._lookups.mark_miss([OffloadKey(t) for k, t in zip(*keys) if k not in ok])
             out.append(result)
         return out
 
@@ -265,15 +379,16 @@ class TierdTier(SecondaryTierManager):
 
     def _loop(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is None:
+            item = self._jobs.get()
+            if item is None:
                 return
+            job, tkeys = item
             t0 = time.perf_counter()
             try:
                 if job.is_promotion:
-                    result = self._load(job)
+                    result = self._load(job, tkeys)
                 else:
-                    result = self._store(job)
+                    result = self._store(job, tkeys)
             except Exception:  # noqa: BLE001 - every job is reported, or vLLM waits forever
                 log.exception("tierd tier: job %s failed", job.job_id)
                 result = JobResult(job.job_id, False)
@@ -282,9 +397,8 @@ class TierdTier(SecondaryTierManager):
             with self._lock:
                 self._pending -= 1
 
-    def _store(self, job: TransferJob) -> JobResult:
+    def _store(self, job: TransferJob, keys: list[bytes]) -> JobResult:
         store = self._connect("transfer")
-        keys = [tier_key(k) for k in job.keys]
         if store is None:
             return JobResult(job.job_id, False)
         try:
@@ -314,7 +428,7 @@ class TierdTier(SecondaryTierManager):
         self.stats["present"] += sum(s == "present" for s in res.status)
         return JobResult(job.job_id, True, transfer_bytes=written * self._used)
 
-    def _load(self, job: TransferJob) -> JobResult:
+    def _load(self, job: TransferJob, tkeys: list[bytes]) -> JobResult:
         store = self._connect("transfer")
         keys = list(job.keys)
         if store is None:
@@ -325,7 +439,7 @@ class TierdTier(SecondaryTierManager):
         try:
             # keys are independent chunks: lease the longest present run, then continue after a gap
             while i < len(keys):
-                lease = store.acquire(self.ns, [tier_key(k) for k in keys[i:]])
+                lease = store.acquire(self.ns, tkeys[i:])
                 n = len(lease)
                 try:
                     with holding(store, lease):
@@ -454,5 +568,5 @@ class HostCPUOffloadingSpec(CPUOffloadingSpec):
         return self._worker
 
 
-__all__ = ["TierdTier", "TierdTieringSpec", "HostCPUOffloadingSpec", "HostCopyOffloadingWorker",
-           "chunk_namespace", "tier_key"]
+__all__ = ["TierdTier", "TierdOffloadingConnector", "TierdTieringSpec", "HostCPUOffloadingSpec",
+           "HostCopyOffloadingWorker", "RequestKeying", "chunk_namespace", "request_keying", "tier_key"]

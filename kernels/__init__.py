@@ -15,39 +15,17 @@ which runs where.
 
 from __future__ import annotations
 
-import torch
-
-from . import cases, ops, reference
-from .dispatch import KernelOp, close, same_bytes
-from .loader import available
-
-reshape_and_cache = KernelOp("reshape_and_cache", reference.reshape_and_cache, ops.reshape_and_cache,
-                             case=cases.reshape_self_check, available=available)
-paged_attention_decode = KernelOp("paged_attention_decode", reference.paged_attention_decode,
-                                  ops.paged_attention_decode, case=cases.attention_case,
-                                  compare=close(atol=1e-3), available=available)
-gather_blocks = KernelOp("gather_blocks", reference.gather_blocks, ops.gather_blocks, case=cases.gather_case,
-                         available=available)
-scatter_blocks = KernelOp("scatter_blocks", reference.scatter_blocks, ops.scatter_blocks, case=cases.scatter_case,
-                          available=available)
-quantize_fp8 = KernelOp("quantize_fp8", reference.quantize_fp8, ops.quantize_fp8, case=cases.quantize_case,
-                        available=available)
-dequantize_fp8 = KernelOp("dequantize_fp8", reference.dequantize_fp8, ops.dequantize_fp8,
-                          case=cases.dequantize_case, available=available)
-
-paged_attention_int4_decode = KernelOp("paged_attention_int4_decode", reference.paged_attention_int4_decode,
-                                       ops.paged_attention_int4_decode, case=cases.int4_case,
-                                       compare=close(atol=2e-2, rtol=1e-2), available=available)
-
-OPS = (reshape_and_cache, paged_attention_decode, gather_blocks, scatter_blocks, quantize_fp8, dequantize_fp8,
-       paged_attention_int4_decode)
-
-
-def status(device: torch.device | str = "cuda") -> dict[str, str]:
-    """op name -> "kernel", "reference: <why>" or "unchecked" for `device`."""
-    device = torch.device(device)
-    return {op.name: op.status(device) for op in OPS}
-
-
-__all__ = ["KernelOp", "close", "same_bytes", "available", "status", "reference", "ops", "cases",
-           *[op.name for op in OPS]]
+if __name__ == "kernels":
+    # This folder, imported under its bare name: a checkout's root is on sys.path (`python -c`,
+    # pytest). Hugging Face's `kernels` package has that name, and transformers looks for it with
+    # importlib.util.find_spec, then its dist-info version, and failing both imports it and takes
+    # a module with neither `__version__` nor `__file__` for a namespace package that shadows no
+    # real install. So: no file, no submodules, nothing imported (no torch, no tierd, which may
+    # not even be installed where the checkout is on the path). tierd's kernels are
+    # `tierd.kernels` only.
+    del __file__, annotations
+    __path__ = []
+    __all__: list[str] = []
+else:
+    from .registry import *  # noqa: F403
+    from .registry import OPS, __all__, status  # noqa: F401

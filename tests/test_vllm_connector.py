@@ -5,7 +5,6 @@ tests/vllm_check.py where vLLM is installed (see test_conformance_with_the_insta
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,22 +17,27 @@ from tierd.connectors import vllm as tv
 from tierd.errors import TierdError
 
 from . import vllm_driver as drv
+from . import vllm_wait
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def config(url: str, **extra) -> SimpleNamespace:
+def config(url: str, layout: str = "BHN2D", parallel: dict | None = None, **extra) -> SimpleNamespace:
+    """A stand-in VllmConfig: the connector's extra config, and per layer the attention backend
+    that reads `layout` (tests/vllm_driver.py LAYOUTS)."""
     ktc = SimpleNamespace(kv_connector="TierdConnector", kv_connector_module_path="tierd.connectors.vllm",
                           kv_role="kv_both", kv_load_failure_policy="recompute",
                           kv_connector_extra_config=drv.extra_config(url) | extra)
+    pc = dict(pipeline_parallel_size=1, tensor_parallel_size=1, decode_context_parallel_size=1,
+              prefill_context_parallel_size=1) | (parallel or {})
     return SimpleNamespace(kv_transfer_config=ktc, cache_config=SimpleNamespace(block_size=drv.BLOCK_SIZE),
-                           parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1),
-                           model_config=None)
+                           parallel_config=SimpleNamespace(**pc), model_config=None,
+                           compilation_config=SimpleNamespace(static_forward_context=drv.forward_context(layout)))
 
 
 def pair(url: str, layout: str = "BHN2D", **extra):
-    sched = tv.TierdConnector(config(url, **extra), tv.KVConnectorRole.SCHEDULER, None)
-    worker = tv.TierdConnector(config(url, **extra), tv.KVConnectorRole.WORKER, None)
+    sched = tv.TierdConnector(config(url, layout, **extra), tv.KVConnectorRole.SCHEDULER, None)
+    worker = tv.TierdConnector(config(url, layout, **extra), tv.KVConnectorRole.WORKER, None)
     worker.register_kv_caches(drv.paged_caches(layout))
     assert not worker.disabled, worker.disabled
     return sched, worker
@@ -48,8 +52,8 @@ def embedded_url(tmp_path):
         store.close()
 
 
-@pytest.mark.parametrize("layout,load_async", [("BHN2D", True), ("2BNHD", False), ("B2NHD", "auto"),
-                                               ("2BHND", False)])
+@pytest.mark.parametrize("layout,load_async", [("BHN2D", True), ("BNH2D", False), ("HBN2D", "auto"),
+                                               ("CPU", False)])
 def test_roundtrip_embedded_every_layout(embedded_url, layout, load_async):
     sched, worker = pair(embedded_url, layout, load_async=load_async)
     drv.run_roundtrip(sched, worker, drv.Objects(), tv._EMBEDDED[embedded_url])
@@ -72,7 +76,7 @@ def test_roundtrip_and_load_errors_through_the_daemon(daemon, load_async):
 
 def test_blocks_are_shared_with_the_bundled_engine_layout(embedded_url):
     """The tier block holds [layers, 2, tokens, kv_heads, head_dim], the bundled engine's layout."""
-    sched, worker = pair(embedded_url, "2BNHD")
+    sched, worker = pair(embedded_url, "BNH2D")
     objs = drv.Objects()
     prompt = list(range(1, 40))
     r = objs.request("X", prompt)
@@ -109,12 +113,33 @@ def test_bad_configuration_is_refused_or_disables_with_a_reason(embedded_url):
     worker.register_kv_caches({"model.layers.0.attn": torch.zeros(8, 3, 16, 16, dtype=torch.float16)})
     assert "tensors for a 4-layer namespace" in worker.disabled
     worker = tv.TierdConnector(config(embedded_url), tv.KVConnectorRole.WORKER, None)
-    worker.register_kv_caches({f"l.{i}": torch.zeros(8, 3, 16, 16, dtype=torch.float16) for i in range(4)})
-    assert "unknown paged KV cache layout" in worker.disabled
+    worker.register_kv_caches({n: torch.zeros(8, 3, 16, 16, dtype=torch.float16) for n in drv.layer_names()})
+    assert "FLASH_ATTN KV cache of shape (8, 3, 16, 16)" in worker.disabled
     hybrid = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=object())] * 2)
     c = tv.TierdConnector(config(embedded_url), tv.KVConnectorRole.SCHEDULER, hybrid)
     assert "hybrid" in c.disabled
     assert c.get_num_new_matched_tokens(drv.Objects().request("A", list(range(64))), 0) == (0, False)
+
+
+@pytest.mark.parametrize("attr", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallelism_is_declined_with_a_reason(embedded_url, attr):
+    """Review S2: context parallelism shards a sequence's KV over ranks, so a rank's block is not a
+    run of consecutive tokens; on b90e890 the connector keyed and copied such blocks anyway."""
+    sched = tv.TierdConnector(config(embedded_url, parallel={attr: 2}), tv.KVConnectorRole.SCHEDULER, None)
+    worker = tv.TierdConnector(config(embedded_url, parallel={attr: 2}), tv.KVConnectorRole.WORKER, None)
+    for c in (sched, worker):
+        assert c.disabled == f"{attr.split('_')[0]} context parallelism ({attr}=2) is not supported"
+    worker.register_kv_caches(drv.paged_caches())
+    assert worker._layers == []
+    objs = drv.Objects()
+    r = objs.request("A", list(range(100)))
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    meta = sched.build_connector_meta(objs.output([(r, range(7), 0, 100)]))
+    assert meta.loads == [] and meta.saves == []
+    store = tv._EMBEDDED[embedded_url]
+    assert store.stats()["reservations"] == 0
+    for c in (worker, sched):
+        c.shutdown()
 
 
 def test_layer_order_is_numeric():
@@ -135,6 +160,7 @@ def vllm_python(env: str = "cpu-build") -> str | None:
 
 
 @pytest.mark.parametrize("env", sorted(VLLM_ENVS))
+@pytest.mark.timeout(vllm_wait.SCRIPT_S + 120)
 def test_conformance_with_the_installed_vllm(tmp_path, env):
     """vLLM's real base class, factory, configs, requests and scheduler outputs, in both vLLM
     environments (`make vllm-env` builds them; CI builds them and fails if it cannot)."""
@@ -144,8 +170,8 @@ def test_conformance_with_the_installed_vllm(tmp_path, env):
             pytest.fail(f"the vLLM environment {VLLM_ENVS[env]} is part of this suite here, and it is missing")
         pytest.skip(f"no {VLLM_ENVS[env]} environment; `make vllm-env` builds it")
     env_vars = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING", TMPDIR=str(tmp_path))
-    r = subprocess.run([py, "-m", "tests.vllm_check"], cwd=ROOT, env=env_vars, capture_output=True, text=True,
-                       timeout=600)
+    r = vllm_wait.run_script([py, "-m", "tests.vllm_check"], f"tests/vllm_check.py in {VLLM_ENVS[env]}", cwd=ROOT,
+                             env=env_vars)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "vLLM connector conformance: OK" in r.stdout
     print(r.stdout.strip().splitlines()[-1], file=sys.stderr)
@@ -413,7 +439,7 @@ def _stored_then_lazy(url, *, skip_layer: int | None = None):
     runs queued copies only when waited for. Returns (sched, worker, objs, streams, stored)."""
     from tierd.kernels.transfer import BlockTransfer
     from tests.helpers import LazyStreams
-    sched, worker = pair(url, "2BHND", load_async=False)
+    sched, worker = pair(url, "HBN2D", load_async=False)
     objs = drv.Objects()
     prompt = list(range(1, 71))
     a = objs.request("A", prompt)
@@ -488,7 +514,7 @@ def test_a_forward_that_skips_a_layers_wait_gets_its_loaded_blocks_recomputed(em
 def test_a_save_commits_only_after_its_copy_has_run(embedded_url):
     from tierd.kernels.transfer import BlockTransfer
     from tests.helpers import LazyStreams
-    sched, worker = pair(embedded_url, "B2NHD", load_async=False)
+    sched, worker = pair(embedded_url, "CPU", load_async=False)
     sx = LazyStreams()
     worker._xfer = BlockTransfer(worker._xfer.k, worker._xfer.v, worker.ratio, streams=sx)
     objs = drv.Objects()
@@ -512,7 +538,7 @@ def test_a_save_commits_only_after_its_copy_has_run(embedded_url):
 def test_hbm_tier_copies_on_the_engines_device_are_loaded_device_to_device(tmp_path):
     url = f"embedded://?host=16MiB&gpu=1MiB&gpu_slab=256KiB&gpu_device=cpu&gpu_admit_hits=0&disk={tmp_path}/d&disk_bytes=64MiB"
     try:
-        sched, worker = pair(url, "2BNHD", load_async=False)
+        sched, worker = pair(url, "BNH2D", load_async=False)
         drv.run_roundtrip(sched, worker, drv.Objects(), tv._EMBEDDED[url])
         assert worker.stats["hbm_hit_blocks"] > 0
         assert tv._EMBEDDED[url].stats()["tiers"]["gpu"]["blocks"] > 0
@@ -526,12 +552,12 @@ def test_hbm_tier_copies_on_the_engines_device_are_loaded_device_to_device(tmp_p
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("layout", ["2BNHD", "B2NHD", "2BHND", "BHN2D"])
+@pytest.mark.parametrize("layout", sorted(set(drv.LAYOUTS) - {"CPU"}))   # the CPU backend's own on CPU
 def test_gpu_roundtrip_on_cuda_caches(embedded_url, layout):
     """vLLM's GPU cache layouts on a CUDA device: saves through the save stream, layer-by-layer
     loads through the load stream; the bytes loaded equal the bytes stored."""
-    sched = tv.TierdConnector(config(embedded_url, load_async=False), tv.KVConnectorRole.SCHEDULER, None)
-    worker = tv.TierdConnector(config(embedded_url, load_async=False), tv.KVConnectorRole.WORKER, None)
+    sched = tv.TierdConnector(config(embedded_url, layout, load_async=False), tv.KVConnectorRole.SCHEDULER, None)
+    worker = tv.TierdConnector(config(embedded_url, layout, load_async=False), tv.KVConnectorRole.WORKER, None)
     worker.register_kv_caches({n: t.cuda() for n, t in drv.paged_caches(layout).items()})
     assert not worker.disabled and worker._device.type == "cuda"
     drv.run_roundtrip(sched, worker, drv.Objects(), tv._EMBEDDED[embedded_url])

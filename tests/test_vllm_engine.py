@@ -6,10 +6,14 @@ One module-wide run does the work, so the suite starts three engines, not one pe
 - P1: vLLM with the connector and an empty daemon: stores blocks while generating;
 - the bundled engine stores one prompt and loads one that P1 stored (cross-engine);
 - P2: a fresh vLLM process with the connector: loads what P1 and the bundled engine stored, then
-  runs batches while the test stalls (SIGSTOP), kills and restarts the daemon.
+  runs batches while the test stalls (SIGSTOP), kills and restarts the daemon;
+- S1, S2: tierd as the secondary tier of vLLM's own offloading: S1 stores, a fresh S2 loads; one
+  LoRA adapter is retrained in place between them (same name and path, new weights).
 Every engine runs the same batches in the same order (fp32, greedy), with vLLM's own prefix cache
 off (hits are tierd's alone), a token budget below the prompt length (chunked prefill) and a KV
-cache small enough to force preemption.
+cache small enough to force preemption. Each engine's time is limited (tests/vllm_wait.py: a
+limit that fits a loaded 2-core machine, and an error naming the engine, its progress and its
+log's last lines).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import time
@@ -24,10 +29,12 @@ from pathlib import Path
 
 import pytest
 
+from . import vllm_wait
 from .daemon import DaemonProc
 from .test_vllm_connector import ROOT, vllm_python
 
-pytestmark = pytest.mark.slow
+# pytest's own limit sits above the engines' budget, so a slow machine gets vllm_wait's message
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(vllm_wait.BUDGET_S + 600)]
 
 BLOCK_TOKENS = 256
 # The lookup deadline of these engines. Above the 50 ms default: on two cores shared by an engine,
@@ -93,6 +100,15 @@ P2_BATCHES = [
     batch("kill", "F2", ("R2", {"salt": "tenant-a"}), pause=True),
     batch("restart", "F3", "R1", pause=True),
 ]
+# the secondary tier: S1 stores X with adapter A and Z with adapter B; then A is retrained in
+# place; a fresh S2 must find Z with B (unchanged) and must not find X with the new A
+S1_BATCHES = [batch("repeat", "R1", ("R2", {"salt": "tenant-a"})),
+              batch("tier_lora", ("X", {"lora": "A"}), ("Z", {"lora": "B"}))]
+S2_BATCHES = [batch("repeat", "R1", ("R2", {"salt": "tenant-a"})),
+              batch("tier_lora_b", ("Z", {"lora": "B"})),
+              batch("tier_lora_a", ("X", {"lora": "A"}))]
+# P0's references for them (the retrained A's weights are the adapter A2 there)
+REF_BATCHES = [batch("tier_lora_b", ("Z", {"lora": "B"})), batch("tier_lora_a", ("X", {"lora": "A2"}))]
 
 
 def _spec(tmp: Path, name: str, model: Path, loras: dict, batches: list, url: str | None,
@@ -118,14 +134,22 @@ def _start(py: str, spec: Path, log: Path) -> subprocess.Popen:
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT)
 
 
-def _finish(proc: subprocess.Popen, spec: Path, log: Path, timeout_s: float = 600) -> dict:
-    rc = proc.wait(timeout_s)
+def _finish(proc: subprocess.Popen, spec: Path, log: Path, budget: vllm_wait.Budget) -> dict:
+    out = Path(json.loads(spec.read_text())["out"])
+    rc = vllm_wait.wait(proc, f"vLLM engine {spec.name.split('.')[0]} (running its batches)", log, out=out,
+                        budget=budget)
     assert rc == 0, f"vLLM engine failed ({rc}):\n" + log.read_text()[-6000:]
-    return json.loads(Path(json.loads(spec.read_text())["out"]).read_text())
+    return json.loads(out.read_text())
 
 
-def _run(py: str, spec: Path, log: Path) -> dict:
-    return _finish(_start(py, spec, log), spec, log)
+def _run(py: str, spec: Path, log: Path, budget: vllm_wait.Budget) -> dict:
+    return _finish(_start(py, spec, log), spec, log, budget)
+
+
+def _retrain_in_place(adapter: Path, new_weights: Path) -> None:
+    """The adapter at `adapter` gets `new_weights`' files: same name and path, other content."""
+    for f in new_weights.iterdir():
+        shutil.copyfile(f, adapter / f.name)
 
 
 @pytest.fixture(scope="module")
@@ -143,16 +167,18 @@ def runs(tmp_path_factory):
                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                max_position_embeddings=4096, seed=5)
     loras = {"A": str(write_random_lora(tmp / "lora-a", model, seed=1)),
-             "B": str(write_random_lora(tmp / "lora-b", model, seed=2))}
+             "B": str(write_random_lora(tmp / "lora-b", model, seed=2)),
+             "A2": str(write_random_lora(tmp / "lora-a2", model, seed=3))}   # A retrained
+    budget = vllm_wait.Budget(what="the vLLM engines of test_vllm_engine.py")
     (tmp / "d").mkdir()
-    daemon = DaemonProc(tmp / "d", host_bytes="64MiB", disk_bytes="256MiB", toml=TOML).start()
+    daemon = DaemonProc(tmp / "d", host_bytes="64MiB", disk_bytes="256MiB", toml=TOML).start(timeout_s=120)
     url = daemon.url
     out: dict = {"daemon": daemon, "url": url}
     try:
         # P0 (reference) runs while nothing else does; then P1 stores
-        out["p0"] = _run(py, _spec(tmp, "p0", model, loras, P1_BATCHES + [dict(b, pause=False) for b in P2_BATCHES],
-                                   None), tmp / "p0.log")
-        out["p1"] = _run(py, _spec(tmp, "p1", model, loras, P1_BATCHES, url), tmp / "p1.log")
+        out["p0"] = _run(py, _spec(tmp, "p0", model, loras, P1_BATCHES + [dict(b, pause=False) for b in P2_BATCHES]
+                                   + REF_BATCHES, None), tmp / "p0.log", budget)
+        out["p1"] = _run(py, _spec(tmp, "p1", model, loras, P1_BATCHES, url), tmp / "p1.log", budget)
         out["stats_p1"] = _stats(url)
 
         # the bundled engine: stores Y; loads Z, which vLLM stored
@@ -171,13 +197,10 @@ def runs(tmp_path_factory):
         proc = _start(py, spec, tmp / "p2.log")
         res = Path(json.loads(spec.read_text())["out"])
 
-        def at(name, timeout_s=600):
-            deadline = time.monotonic() + timeout_s
+        def at(name):
             ready = Path(f"{res}.ready-{name}")
-            while not ready.exists():
-                assert proc.poll() is None, (tmp / "p2.log").read_text()[-6000:]
-                assert time.monotonic() < deadline, f"P2 never reached {name}"
-                time.sleep(0.05)
+            vllm_wait.until(ready.exists, proc, f"vLLM engine p2: waiting for it to reach batch {name!r}",
+                            tmp / "p2.log", out=res, budget=budget)
             return Path(f"{res}.go-{name}")
 
         go = at("stall")
@@ -190,14 +213,15 @@ def runs(tmp_path_factory):
         time.sleep(0.05)
         daemon.kill()                                  # mid-batch
         go = at("restart")
-        daemon.start()                                 # same disk, new arena and socket
+        daemon.start(timeout_s=120)                    # same disk, new arena and socket
         go.write_text("")
-        out["p2"] = _finish(proc, spec, tmp / "p2.log")
+        out["p2"] = _finish(proc, spec, tmp / "p2.log", budget)
 
         # tierd as the secondary tier of vLLM's own offloading: S1 cascades chunks into tierd, a
-        # fresh S2 (empty CPU tier) promotes them back
-        out["s1"] = _run(py, _spec(tmp, "s1", model, loras, P1_BATCHES[:1], url, tier=True), tmp / "s1.log")
-        out["s2"] = _run(py, _spec(tmp, "s2", model, loras, P1_BATCHES[:1], url, tier=True), tmp / "s2.log")
+        # fresh S2 (empty CPU tier) promotes them back; between them adapter A is retrained in place
+        out["s1"] = _run(py, _spec(tmp, "s1", model, loras, S1_BATCHES, url, tier=True), tmp / "s1.log", budget)
+        _retrain_in_place(tmp / "lora-a", tmp / "lora-a2")
+        out["s2"] = _run(py, _spec(tmp, "s2", model, loras, S2_BATCHES, url, tier=True), tmp / "s2.log", budget)
         out["stats_s2"] = _stats(url)
         yield out
     finally:
@@ -223,6 +247,12 @@ def _expected(runs, run: str, name: str) -> list[list[int]]:
         len(P1_BATCHES) + [b["name"] for b in P2_BATCHES].index(name)
     assert p0[i]["name"] == name
     return [o["tokens"] for o in p0[i]["outputs"]]
+
+
+def _reference(runs, name: str) -> list[list[int]]:
+    """P0's tokens for one of REF_BATCHES (names P0 runs once)."""
+    (b,) = [b for b in runs["p0"]["batches"] if b["name"] == name]
+    return [o["tokens"] for o in b["outputs"]]
 
 
 def _tokens(run: dict, name: str) -> list[list[int]]:
@@ -309,3 +339,16 @@ def test_tierd_as_vllm_secondary_tier(runs):
     assert _tokens(runs["s2"], "repeat") == expected
     layouts = [ns["description"].get("layout", "") for ns in runs["stats_s2"]["namespaces"].values()]
     assert any(lay.startswith("vllm-offload-v1/") for lay in layouts), layouts   # its own namespace
+
+
+def test_the_secondary_tier_keys_lora_adapters_by_content(runs):
+    """Review S1: vLLM's block hash names a LoRA adapter by name and path; on b90e890 the tier
+    keyed chunks by it alone, so an adapter retrained in place got its predecessor's KV."""
+    # S1 stored X with the first A and Z with B (P0's tokens for X with A are in its "lora" batch)
+    assert _tokens(runs["s1"], "tier_lora") == [_expected(runs, "p1", "lora")[1], _reference(runs, "tier_lora_b")[0]]
+    # the unchanged adapter B: its chunks come from tierd (a fresh engine, an empty CPU tier)
+    assert _external(runs["s2"], "tier_lora_b") == 512
+    assert _tokens(runs["s2"], "tier_lora_b") == _reference(runs, "tier_lora_b")
+    # A under the same name and path, retrained: nothing of the old A is served
+    assert _external(runs["s2"], "tier_lora_a") == 0
+    assert _tokens(runs["s2"], "tier_lora_a") == _reference(runs, "tier_lora_a")

@@ -54,6 +54,9 @@ def main() -> int:
                              dtype=torch.float16)
     kv_cache_config = KVCacheConfig(num_blocks=drv.NUM_BLOCKS, kv_cache_tensors=[],
                                     kv_cache_groups=[KVCacheGroupSpec(layer_names=layers, kv_cache_spec=spec)])
+    # per layer its attention backend, as the worker's forward context names it (vLLM's own
+    # FlashAttentionBackend where it imports here)
+    config.compilation_config.static_forward_context.update(drv.forward_context("BHN2D", layers))
     sched = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
     worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
     assert type(sched).__name__ == "TierdConnector" and not sched.disabled, sched.disabled
@@ -101,11 +104,53 @@ def main() -> int:
     worker.shutdown()
     sched.shutdown()
     store.close()
+    check_declines(ktc, kv_cache_config, layers)
     tier_checked = check_secondary_tier()
     print(f"vLLM connector conformance: OK (vLLM {vllm.__version__}, torch {torch.__version__}; "
           f"checked {len(checked)} overridden methods: {', '.join(sorted(checked))}; "
           f"secondary tier: {tier_checked})")
     return 0
+
+
+def check_declines(ktc, kv_cache_config, layers) -> None:
+    """What the connector declines, with vLLM's own configs and backend classes: context
+    parallelism (review S2), and a cache whose backend is not one it lists (review S12)."""
+    from types import SimpleNamespace
+
+    from vllm.config import DeviceConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tierd.connectors import vllm_layout
+
+    from . import vllm_driver as drv
+
+    for attr in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        assert hasattr(vllm_parallel_config(), attr), f"vLLM's ParallelConfig has no {attr}"
+        config = VllmConfig(device_config=DeviceConfig(device="cpu"), kv_transfer_config=ktc)
+        config.cache_config.block_size = drv.BLOCK_SIZE
+        setattr(config.parallel_config, attr, 2)
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            c = KVConnectorFactory.create_connector(config, role, kv_cache_config)
+            assert f"({attr}=2) is not supported" in c.disabled, (attr, c.disabled)
+            c.shutdown()
+
+    # vLLM's ROCm AITER flash attention answers to FLASH_ATTN too: known by its module, declined
+    try:
+        from vllm.v1.attention.backends.rocm_aiter_fa import AiterFlashAttentionBackend
+    except Exception:  # noqa: BLE001 - not importable in this build: the stand-in test covers it
+        return
+    cfg = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={
+        n: SimpleNamespace(attn_backend=AiterFlashAttentionBackend) for n in layers}))
+    name, _ = vllm_layout.backend_of(cfg, layers[0])
+    assert AiterFlashAttentionBackend.get_name() == "FLASH_ATTN" and name != "FLASH_ATTN", name
+    flash = drv.backend_class("FLASH_ATTN")
+    assert isinstance(flash, type) and not flash.__name__.startswith("StandIn"), flash
+
+
+def vllm_parallel_config():
+    from vllm.config import ParallelConfig
+    return ParallelConfig()
 
 
 def check_secondary_tier() -> str:
@@ -117,9 +162,14 @@ def check_secondary_tier() -> str:
 
     from tierd.connectors import vllm_tier as vt
 
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
     n = sum(len(same_signatures(ours, base)) for ours, base in (
         (vt.TierdTier, SecondaryTierManager), (vt.HostCopyOffloadingWorker, OffloadingWorker),
-        (vt.TierdTieringSpec, TieringOffloadingSpec)))
+        (vt.TierdTieringSpec, TieringOffloadingSpec), (vt.TierdOffloadingConnector, OffloadingConnector)))
+    ours = list(inspect.signature(vt.TierdOffloadingConnector.__init__).parameters)
+    theirs = list(inspect.signature(OffloadingConnector.__init__).parameters)
+    assert ours == theirs, (ours, theirs)       # vLLM's factory constructs it as it does vLLM's
     return f"{n} overridden methods"
 
 

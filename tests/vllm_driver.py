@@ -23,17 +23,59 @@ def extra_config(url: str, model: str = "vllm-driver-model") -> dict:
                           "head_dim": HEAD_DIM, "kv_dtype": "float16"}}
 
 
+# vLLM hands connectors every layer as its logical view (blocks, kv_heads, block_size, 2 * head_dim);
+# the physical order is in the strides (vLLM's kv_cache_layout). Each test layout: the backend
+# that reads it, and the physical order of the buffer behind the view.
+LAYOUTS = {
+    "BHN2D": ("FLASH_ATTN", None, (0, 1, 2, 3)),    # LBHNC: contiguous
+    "BNH2D": ("FLASH_ATTN", None, (0, 2, 1, 3)),    # LBNHC: token-major (NHD)
+    "HBN2D": ("TRITON_ATTN", None, (1, 0, 2, 3)),   # LHBNC: heads outermost
+    "CPU": ("CPU_ATTN", "vec", (0, 1, 2, 3)),        # vLLM's CPU backend: K transposed per (block, head)
+}
+
+
+def layer_names() -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
 def paged_caches(layout: str = "BHN2D", seed: int = 0) -> dict[str, torch.Tensor]:
-    """Per-layer paged caches in one of vLLM's layouts, filled with random values."""
+    """Per-layer paged caches as vLLM hands them to connectors, filled with random values."""
     g = torch.Generator().manual_seed(seed)
-    shapes = {
-        "BHN2D": (NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM),
-        "2BNHD": (2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM),
-        "B2NHD": (NUM_BLOCKS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM),
-        "2BHND": (2, NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, HEAD_DIM),
-    }
-    return {f"model.layers.{i}.self_attn.attn": torch.randn(shapes[layout], generator=g).half()
-            for i in range(LAYERS)}
+    order = LAYOUTS[layout][2]
+    logical = (NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
+    physical = tuple(logical[i] for i in order)
+    inverse = tuple(order.index(i) for i in range(4))
+    return {name: torch.randn(physical, generator=g).half().permute(*inverse) for name in layer_names()}
+
+
+def backend_class(name: str) -> type:
+    """vLLM's attention backend class of `name` where vLLM is installed, else a stand-in with its
+    name and module (what the connector identifies a backend by)."""
+    from tierd.connectors.vllm_layout import KNOWN_BACKENDS
+    module = KNOWN_BACKENDS[name]
+    try:
+        import importlib
+        mod = importlib.import_module(module)
+        for obj in vars(mod).values():
+            if isinstance(obj, type) and obj.__module__ == module and callable(getattr(obj, "get_name", None)):
+                try:
+                    if obj.get_name() == name:
+                        return obj
+                except Exception:  # noqa: BLE001 - an abstract or odd class: not this one
+                    continue
+    except Exception:  # noqa: BLE001 - no vLLM, or a backend whose module needs a GPU library
+        pass
+    return type(f"StandIn{name.title().replace('_', '')}Backend", (),
+                {"get_name": staticmethod(lambda: name), "__module__": module})
+
+
+def forward_context(layout: str = "BHN2D", names: list[str] | None = None) -> dict:
+    """vLLM's `compilation_config.static_forward_context` as the connector reads it: per layer its
+    attention backend (and the CPU backend's ISA)."""
+    from types import SimpleNamespace
+    backend, isa = LAYOUTS[layout][:2]
+    cls = backend_class(backend)
+    return {n: SimpleNamespace(attn_backend=cls, isa=isa) for n in (names or layer_names())}
 
 
 def block_kv(conn, block_id: int) -> torch.Tensor:

@@ -5,7 +5,8 @@ without `TierdConnector`, and writes what happened as JSON. Run in the vLLM envi
     python -m tests.vllm_engine SPEC.json
 
 SPEC: {"model": DIR, "out": PATH, "connector": null | {kv_connector_extra_config...},
-       "offload": null | {kv_connector_extra_config of vLLM's OffloadingConnector},
+       "offload": null | {kv_connector_extra_config of vLLM's OffloadingConnector (tierd's
+                  TierdOffloadingConnector where a secondary tier is tierd's)},
        "engine": {extra vllm.LLM arguments}, "loras": {name: dir},
        "batches": [{"name": ..., "prompts": [{"tokens": [...], "salt": s, "lora": name,
                     "max_tokens": n}], "pause": bool}]}
@@ -50,8 +51,14 @@ def main(spec_path: str) -> int:
             kv_connector="TierdConnector", kv_connector_module_path="tierd.connectors.vllm", kv_role="kv_both",
             kv_load_failure_policy="recompute", kv_connector_extra_config=spec["connector"])
     elif spec.get("offload") is not None:
+        # tierd's tier runs under TierdOffloadingConnector (vLLM's, telling the tier each request's
+        # LoRA adapter); vLLM's own tiers under vLLM's OffloadingConnector
+        tiers = spec["offload"].get("secondary_tiers") or ()
+        ours = any(t.get("module_path") == "tierd.connectors.vllm_tier" for t in tiers)
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=spec["offload"])
+            kv_connector="TierdOffloadingConnector" if ours else "OffloadingConnector",
+            kv_connector_module_path="tierd.connectors.vllm_tier" if ours else None,
+            kv_role="kv_both", kv_connector_extra_config=spec["offload"])
     loras = spec.get("loras") or {}
     if loras:
         kw.update(enable_lora=True, max_lora_rank=8, max_loras=2)
