@@ -164,15 +164,7 @@ class Demotion:
         if degraded and not disk.closed:
             # an explicit sync probes the disk at once (outside the lock): a disk that is back
             # takes the sync now, not at the maintainer's next probe
-            try:
-                disk.probe()
-            except OSError as e:
-                with self._cond:
-                    self._disk_error("probe", e)
-            else:
-                with self._cond:
-                    if not self._note_stall():
-                        self._disk_healthy()
+            self._probe_disk(disk)
         todo: list[Block] = []   # insertion order: a chain's ancestors before its descendants
         self._each_block(lambda b: todo.append(b) if self._unsynced(b) else None)
         todo = todo[:max_blocks] if max_blocks is not None else todo

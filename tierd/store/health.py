@@ -117,15 +117,7 @@ class DiskHealth:
                     pass
                 return
             if probe:
-                try:
-                    disk.probe()
-                except OSError as e:
-                    with self._cond:
-                        self._disk_error("probe", e)
-                else:
-                    with self._cond:
-                        if not self._note_stall():
-                            self._disk_healthy()
+                self._probe_disk(disk)
             return
         if reopen and os.path.isdir(self.config.disk_path):
             try:
@@ -138,6 +130,19 @@ class DiskHealth:
                 self.disk = new
                 self._adopt_recovered()
                 self._disk_healthy()
+
+    def _probe_disk(self, disk) -> None:
+        """(No lock.) Probe `disk` (a small durable write, read back): success ends a fault
+        episode, failure extends it."""
+        try:
+            disk.probe()
+        except OSError as e:
+            with self._cond:
+                self._disk_error("probe", e)
+        else:
+            with self._cond:
+                if not self._note_stall():
+                    self._disk_healthy()
 
     def _forget_disk(self) -> None:
         """(Lock held.) Forget every disk copy (their files are gone); the caller then
