@@ -121,3 +121,40 @@ def test_a_damaged_flush_record_drops_every_disk_block(tmp_path):
         assert third.lookup(ns, keys) == 4   # the fence replaced the record: new copies live
     finally:
         third.close()
+
+
+def test_a_flush_drops_pinned_copies_as_their_pins_go_and_never_serves_them_meanwhile(tmp_path):
+    """A block being read up from disk, or leased, when a flush comes: the flush drops it as
+    soon as its pins go, and from the flush on nobody else is served it (b90e890 skipped such
+    blocks, so a block the operator flushed could be served for as long as it stayed in RAM)."""
+    import threading
+    import time
+    faults = tmp_path / "faults"
+    store = TieredStore(small_config(tmp_path, disk_fault_file=str(faults), disk_stall_s=60.0))
+    ns = make_ns()
+    leased_keys = chain(ns, 7, 2)
+    (reading,) = chain(ns, 8, 1)
+    try:
+        store.put(ns, [reading], [block_for(ns, reading)])
+        store.sync()
+        store.flush(tier="host")                            # on disk only: an acquire reads it
+        store.put(ns, leased_keys, [block_for(ns, k) for k in leased_keys])
+        lease = store.acquire(ns, leased_keys)
+        faults.write_text("read=hang:10")
+        got = {}
+        t = threading.Thread(target=lambda: got.setdefault("n", len(store.acquire(ns, [reading]))))
+        t.start()
+        time.sleep(0.3)                                     # its read hangs
+        assert store.flush(tier="all") == 3
+        assert store.lookup(ns, leased_keys) == 0 and store.lookup(ns, [reading]) == 0
+        assert len(store.acquire(ns, leased_keys)) == 0     # not served to anyone else
+        for buf, k in zip(lease.buffers, leased_keys):      # the lease still reads its own bytes
+            assert np.array_equal(buf, block_for(ns, k))
+        faults.write_text("")
+        t.join(10)
+        assert got["n"] == 0, "a block flushed while it was read was served"
+        store.release(lease)
+        assert store.stats()["tiers"]["host"]["used_bytes"] == 0   # gone once unpinned
+        assert store.where(ns, leased_keys + [reading]) == ["", "", ""]
+    finally:
+        store.close()

@@ -9,7 +9,7 @@ hanging disks (requests then time out on some threads). After every step:
 - a flushed block is never served again (until put again), kill -9 included;
 - a synced block survives kill -9 (when the disk was healthy).
 
-`TEST_MODEL_EXAMPLES` scales it (default: 8 sequences of up to 25 steps here; a soak is the
+`TEST_MODEL_EXAMPLES` scales it (default: 12 sequences of up to 25 steps here; a soak is the
 same test with a larger value).
 """
 
@@ -33,7 +33,7 @@ from .helpers import block_for, chain, make_ns
 
 NS = make_ns(model="daemon-model")
 CHAINS = {c: chain(NS, 500 + c, 5) for c in range(4)}
-EXAMPLES = max(1, int(os.environ.get("TEST_MODEL_EXAMPLES", "60")) // 8)
+EXAMPLES = max(1, int(os.environ.get("TEST_MODEL_EXAMPLES", "60")) // 5)
 TRANSIENT = (DaemonUnavailableError, LeaseError, TimeoutError)
 
 

@@ -49,7 +49,7 @@ from .index import BlockIndex
 from .namespaces import NamespaceTable
 from .ownership import Lease, Ownership, Reservation
 from .promotion import Promotion
-from .records import ABSENT, LOADING, READY, RESERVED, Block, NsState, WouldBlock
+from .records import ABSENT, DOOM_DISK, DOOM_HOST, LOADING, READY, RESERVED, Block, NsState, WouldBlock
 from .remote import RemoteLink
 from .residency import Residency, Resident
 
@@ -194,6 +194,7 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
                         b = self._new_block(ikey, st, k)
                     b.host_slot, b.host_state, b.owner_res = slot, RESERVED, rid
                     b.decoded = False   # the writer's own bytes
+                    b.doomed = 0
                     self._rh.owner[slot] = b
                     status.append("reserved")
                     blocks.append(b)
@@ -293,9 +294,10 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
             n = n_host = 0
             for k in keys:
                 b = self._blocks.get(st.ns_id + k)
-                if b is None or not (b.host_state in (READY, LOADING) or (b.disk is not None and disk_ok)):
+                if b is None or not ((b.host_state in (READY, LOADING) and not b.doomed & DOOM_HOST)
+                                     or (self._disk_servable(b) and disk_ok)):
                     break
-                if n_host == n and b.host_state == READY:
+                if n_host == n and self._host_servable(b):
                     n_host += 1
                 n += 1
             rest = self.remote is not None and n < len(keys)
@@ -334,7 +336,8 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
 
     def flush(self, tier: str = "all", namespace=None) -> int:
         """Drop blocks from `tier` ("gpu", "host", "disk" or "all"), of one namespace or all.
-        Leased or in-flight blocks are skipped. Returns the number of blocks dropped."""
+        A copy that is pinned (leased, being read in, being written down) is dropped as soon as
+        its pins go and never served meanwhile. Returns the number of blocks dropped."""
         if tier not in ("host", "disk", "all", "gpu", "remote"):
             raise TierdError(f"flush: unknown tier {tier!r}; use gpu, host, disk, remote or all")
         if tier == "remote":
@@ -356,11 +359,17 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
             if tier == "gpu" and b.gpu_slot >= 0 and b.gpu_pins == 0:
                 self._drop_gpu(b, evicted=False)
                 hit = True
-            if tier in ("host", "all") and self._host_evictable(b):
-                self._drop_host(b, evicted=False)
+            if tier in ("host", "all") and b.host_state in (READY, LOADING):
+                if self._host_evictable(b):
+                    self._drop_host(b, evicted=False)
+                else:                     # leased, being read in or written down: goes after
+                    self._doom(b, DOOM_HOST)
                 hit = True
-            if tier in ("disk", "all") and disk is not None and b.disk is not None and b.disk_pins == 0:
-                self._drop_disk(b, evicted=False)   # its slot may be reused at once
+            if tier in ("disk", "all") and disk is not None and (b.disk is not None or b.disk_writing):
+                if b.disk is not None and b.disk_pins == 0 and not b.disk_writing:
+                    self._drop_disk(b, evicted=False)   # its slot may be reused at once
+                else:
+                    self._doom(b, DOOM_DISK)
                 hit = True
             dropped += hit
         self._each_block(one, ns_id)

@@ -122,6 +122,7 @@ class Demotion:
             b.disk_writing = False
             b.host_pins -= 1
             self._writes_in_flight -= 1
+            self._reap(b)
             if not isinstance(entry, DiskEntry):
                 disk.free_slot(slot)
                 if not failed:
@@ -135,6 +136,7 @@ class Demotion:
             self._rd.owner[slot] = b
             self._rd.policy.insert(b.ikey)
             self._enter(b, "disk")
+            self._reap(b)          # a flush came during the write: the new copy goes too
             c = self._rd.counters
             c["demotions"] += 1
             c["bytes_in"] += b.st.block_bytes

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from .records import ABSENT, LOADING, READY, Block, NsState
+from .records import ABSENT, DOOM_DISK, DOOM_HOST, LOADING, READY, Block, NsState
 
 
 class BlockIndex:
@@ -72,8 +72,37 @@ class BlockIndex:
 
     def _publish(self, b: Block) -> None:
         if self._index is not None:
-            self._index.set(b.st.ns_id, b.key, (b.host_state == READY) | ((b.disk is not None) << 1)
-                            | ((b.host_state == LOADING) << 2))
+            self._index.set(b.st.ns_id, b.key, self._host_servable(b) | (self._disk_servable(b) << 1)
+                            | ((b.host_state == LOADING and not b.doomed & DOOM_HOST) << 2))
+
+    @staticmethod
+    def _host_servable(b: Block) -> bool:
+        return b.host_state == READY and not b.doomed & DOOM_HOST
+
+    @staticmethod
+    def _disk_servable(b: Block) -> bool:
+        return b.disk is not None and not b.doomed & DOOM_DISK
+
+    def _doom(self, b: Block, copies: int) -> None:
+        """(Lock held.) A flush dropped these copies of `b` while they are pinned (leased, being
+        read or written): from now on they are not served, and they go when their pins do."""
+        b.doomed |= copies
+        self._publish(b)
+        self._reap(b)
+
+    def _reap(self, b: Block) -> None:
+        """(Lock held.) Drop the doomed copies of `b` whose pins are gone; called wherever a pin
+        of a block ends."""
+        if not b.doomed:
+            return
+        if b.doomed & DOOM_HOST and (b.host_state == ABSENT or self._host_evictable(b)):
+            b.doomed &= ~DOOM_HOST
+            if b.host_state != ABSENT:
+                self._drop_host(b, evicted=False)
+        if b.doomed & DOOM_DISK and (b.disk is None or (b.disk_pins == 0 and not b.disk_writing)):
+            b.doomed &= ~DOOM_DISK
+            if b.disk is not None:
+                self._drop_disk(b, evicted=False)
 
     def _enter(self, b: Block, tier: str, event: bool = True) -> None:
         self._publish(b)

@@ -131,6 +131,7 @@ class Ownership:
             b.host_pins -= 1
             if i < len(lease.gpu_offsets) and lease.gpu_offsets[i] >= 0:
                 b.gpu_pins -= 1
+            self._reap(b)
         lease._blocks = None
         self._cond.notify_all()
 

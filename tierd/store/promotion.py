@@ -11,7 +11,7 @@ from ..keys import check_keys
 from ..namespace import Namespace
 from ..tiers.disk import CorruptBlockError, DiskEntry, DiskTier
 from .ownership import Lease
-from .records import ABSENT, LOADING, READY, REMOTE, Block, NsState, WouldBlock
+from .records import ABSENT, DOOM_HOST, LOADING, READY, REMOTE, Block, NsState, WouldBlock
 
 log = logging.getLogger("tierd.store")
 
@@ -104,12 +104,22 @@ class Promotion:
                 if e is None:
                     continue
                 if e is REMOTE:
-                    if self._settle_remote(b, errors.get(id(b))):
+                    err = errors.get(id(b))
+                    if err is None and b.doomed & DOOM_HOST:
+                        err = KeyError("flushed while it was fetched")
+                    if self._settle_remote(b, err):
                         continue
                     cut = min(cut, i)
                     continue
                 b.disk_pins -= 1
                 err = errors.get(id(b))
+                if b.doomed & DOOM_HOST:          # flushed while it was read: not served
+                    cut = min(cut, i)
+                    b.host_pins -= 1
+                    b.doomed &= ~DOOM_HOST
+                    self._drop_host(b, evicted=False)
+                    self._reap(b)
+                    continue
                 if err is None:
                     b.host_state = READY
                     b.decoded = e.codec in _codec.LOSSY
@@ -129,9 +139,16 @@ class Promotion:
                             discard.append(self._unindex_disk(b))
                     else:
                         self._disk_error("read", err)   # a miss; the copy may read later
+            for i, (b, _) in enumerate(plan[:cut]):
+                if b.doomed & DOOM_HOST:          # flushed since it was planned: not served
+                    cut = i
+                    break
             for b, _ in plan[cut:]:
                 if b.host_state == READY:
                     b.host_pins -= 1
+                    self._reap(b)
+                elif b.disk is not None:
+                    self._reap(b)
             leased = [b for b, _ in plan[:cut]]
             for b in reversed(leased):  # ancestors touched last: they stay the most recent
                 b.hits += 1
@@ -188,10 +205,12 @@ class Promotion:
             if b is None:
                 break
             if b.host_state == READY:
+                if b.doomed & DOOM_HOST:    # flushed, still leased by someone: not served
+                    break
                 b.host_pins += 1
                 plan.append((b, None))
                 continue
-            if b.disk is None or self._note_stall():   # a stalled disk: a miss, not a wait
+            if not self._disk_servable(b) or self._note_stall():   # a stalled disk: a miss, not a wait
                 break
             b.disk_pins += 1  # making room may evict from disk: not this block
             try:
@@ -199,13 +218,13 @@ class Promotion:
             finally:
                 b.disk_pins -= 1
             b = self._blocks.get(ikey)
-            if b is not None and b.host_state == READY:  # promoted meanwhile
+            if b is not None and self._host_servable(b):  # promoted meanwhile
                 if slot is not None:
                     self.host.free_slot(slot)
                 b.host_pins += 1
                 plan.append((b, None))
                 continue
-            if b is None or b.disk is None or b.host_state != ABSENT or slot is None:
+            if b is None or not self._disk_servable(b) or b.host_state != ABSENT or slot is None:
                 if slot is not None:
                     self.host.free_slot(slot)
                 break
@@ -231,6 +250,7 @@ class Promotion:
                 b.disk_pins -= 1
             if b.host_state == LOADING:
                 self._drop_host(b, evicted=False)
+            self._reap(b)
         plan.clear()
         self._cond.notify_all()
 

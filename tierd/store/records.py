@@ -27,6 +27,7 @@ from ..tiers.disk import DiskEntry
 # host_state of a block
 ABSENT, RESERVED, LOADING, READY = 0, 1, 2, 3
 REMOTE = "remote"   # in an acquire's plan: a block fetched from the remote tier
+DOOM_HOST, DOOM_DISK = 1, 2   # Block.doomed: which copies a flush has dropped
 
 class WouldBlock(Exception):
     """(Internal.) An operation asked to run `inline` (on the daemon's event loop thread) would
@@ -90,3 +91,5 @@ class Block:
     gpu_pins: int = 0            # leases reading the HBM copy
     gpu_filling: bool = False    # its HBM copy is being made (outside the lock): not served yet
     decoded: bool = False        # its host bytes were decoded from a lossy copy: written exact
+    doomed: int = 0              # copies a flush dropped while pinned (DOOM_HOST | DOOM_DISK):
+    #                              never served again, dropped when their pins go (`_reap`)

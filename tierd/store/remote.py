@@ -58,6 +58,7 @@ class RemoteLink:
             now = time.monotonic()
             for b in blocks:
                 b.host_pins -= 1
+                self._reap(b)
             if err is None:
                 self._remote_timed(seconds)
                 for b in blocks:
