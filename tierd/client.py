@@ -9,12 +9,9 @@ repeated safely say so. Thread-safe: one request at a time per client.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
-import mmap
 import os
-import select
 import socket
 import threading
 import time
@@ -24,50 +21,13 @@ import numpy as np
 
 from . import errors as E
 from . import protocol as P
+from .connection import DaemonConnection, DaemonUnavailableError, _Link  # noqa: F401 -- DaemonUnavailableError is part of this API
 from .keys import check_keys
 from .namespace import Namespace
 from .transfer import as_u8, copy_out, fill_reservation
 
 log = logging.getLogger("tierd.client")
 
-_ERRORS = {cls.code: cls for cls in (
-    E.ConfigError, E.NamespaceError, E.UnknownNamespaceError, E.BlockError, E.KeyFormatError,
-    E.CapacityError, E.DiskTierError, E.DiskDegradedError, E.LeaseError, E.StoreClosedError,
-    E.NamespaceLimitError, E.ForbiddenError)}
-
-
-class DaemonUnavailableError(E.TierdError, ConnectionError):
-    """The daemon cannot be reached (not running, wrong socket, or it went away mid-call)."""
-
-    code = "unavailable"
-
-
-def _raise_remote(err: dict) -> None:
-    code = str(err.get("code", "internal"))
-    message = str(err.get("message", ""))
-    cls = _ERRORS.get(code)
-    if cls is not None:
-        raise cls(message)
-    raise P.RemoteError(code, message)
-
-
-class _Link:
-    """One connection to the daemon and the holds on it. The daemon reclaims a connection's
-    reservations and leases when its socket closes, so the socket is closed only once no hold
-    is left: a link given up (a timeout on one thread) while another thread still copies through
-    its slots stays open, unused, until that copy is done (`dead` and `holds > 0`)."""
-
-    __slots__ = ("sock", "holds", "dead", "_hup")
-
-    def __init__(self, sock: socket.socket):
-        self.sock, self.holds, self.dead = sock, 0, False
-        self._hup = select.poll()
-        self._hup.register(sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
-
-    def intact(self) -> bool:
-        """The daemon has not closed this connection (so it still honours its slots): one
-        poll(2) with no wait."""
-        return self.sock.fileno() >= 0 and not self._hup.poll(0)
 
 
 class ClientReservation:
@@ -107,7 +67,7 @@ class ClientLease:
             self._client.release(self)
 
 
-class Client:
+class Client(DaemonConnection):
     """A connection to `tierd serve` with the same interface as `TieredStore`."""
 
     RETRY_OPS = {"lookup", "lookup_all", "where", "acquire", "stats", "ping", "flush", "sync", "register"}
@@ -145,305 +105,7 @@ class Client:
             self._connect()
 
     # -- connection ------------------------------------------------------------------------------
-    def _connect(self) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        s.settimeout(self.connect_timeout_s)
-        try:
-            s.connect(self.path)
-        except OSError as e:
-            s.close()
-            raise DaemonUnavailableError(
-                f"cannot reach the tierd daemon at {self.path}: {e.strerror or e}; is `tierd serve` running?") from None
-        s.setblocking(False)
-        self._sock = s
-        self._link = _Link(s)
-        self._poller = select.poll()
-        self._poller.register(s, select.POLLIN)
-        self._rbuf = bytearray()
-        self._generation += 1
-        # A connection is either greeted and mapped, or closed: never left half-open (every
-        # later call would then fail with "send hello first").
-        try:
-            # this client's namespaces again (a restarted daemon knows none of them), in requests
-            # of at most NS_PER_REQUEST
-            known = [ns.to_dict() for ns in self._namespaces.values()]
-            reply = self._roundtrip({"op": "hello", "version": P.PROTOCOL_VERSION, "client": self.name,
-                                     "namespaces": known[:self.NS_PER_REQUEST]})
-            for i in range(self.NS_PER_REQUEST, len(known), self.NS_PER_REQUEST):
-                try:
-                    self._roundtrip({"op": "register", "namespaces": known[i:i + self.NS_PER_REQUEST]})
-                except E.NamespaceLimitError:
-                    break   # registered again when next used (and refused then, as a miss)
-            self.server_version = reply.get("server")
-            self.events = bool(reply.get("events"))   # the daemon publishes KV events: send token ids
-            self.limits = reply.get("limits", {})
-            self._map_arena(reply["arenas"][0])
-            self._map_index(reply.get("index"))
-            self._map_gpu([a for a in reply["arenas"][1:] if a.get("tier") == "gpu"])
-        except BaseException:
-            self._disconnect()
-            raise
 
-    def _map_gpu(self, descs: list[dict]) -> None:
-        """Map the daemon's HBM tier once per export: a reconnect to the same daemon keeps the
-        mapping (CUDA refuses to open one handle twice in a process); another export (a
-        restarted daemon) closes the old mapping first."""
-        if descs:
-            from .tiers.gpu import ipc_key, open_ipc   # torch and CuPy: only where the daemon has HBM
-            if self._gpu_map is not None and self._gpu_map.key == ipc_key(descs[0]):
-                return
-        if self._gpu_map is not None:
-            self._gpu_arena = None
-            self._gpu_map.close()
-            self._gpu_map = None
-        if descs:
-            self._gpu_map = open_ipc(descs[0])
-        self._gpu_arena = self._gpu_map.tensor if self._gpu_map is not None else None
-
-    def _map_arena(self, desc: dict) -> None:
-        if self._arena_mmap is not None:
-            self._arena = None
-            try:
-                self._arena_mmap.close()
-            except BufferError:
-                pass  # a caller still holds views of the old arena; it goes with them
-        try:
-            fd = os.open(desc["path"], os.O_RDWR | os.O_CLOEXEC)
-        except OSError as e:
-            raise DaemonUnavailableError(f"cannot map the daemon's host arena {desc['path']}: {e.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            if "ino" in desc and (st.st_dev, st.st_ino) != (desc["dev"], desc["ino"]):
-                # another process put a file at the daemon's path: its bytes are not the cache
-                raise DaemonUnavailableError(
-                    f"the host arena at {desc['path']} is not the one the daemon at {self.path} serves "
-                    "(was a second `tierd serve` started on this socket?); restart the daemon")
-            self._arena_mmap = mmap.mmap(fd, desc["capacity_bytes"], mmap.MAP_SHARED,
-                                         mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self._arena = np.frombuffer(self._arena_mmap, dtype=np.uint8)
-
-    def _map_index(self, desc: dict | None) -> None:
-        if self._index is not None:
-            self._index.close()
-            self._index = None
-        if desc and self.use_index:
-            from .index import SharedIndex
-            self._index = SharedIndex.open(desc["path"], int(desc["instance"]))
-        if self._index is not None:
-            self._hup = select.poll()
-            self._hup.register(self._sock, select.POLLRDHUP)
-
-    def _index_usable(self) -> bool:
-        """The shared index answers for the daemon only while this connection is up (a dead
-        daemon's table is frozen) and once this client's commits have been applied (a lookup
-        right after a put must see the blocks)."""
-        if self._index is None or self._sock is None:
-            return False
-        if not self._index.fresh() or self._hup.poll(0):
-            return False   # the daemon is stopped, stuck or gone: ask it (deadline, reconnect)
-        if self._deferred_commits:
-            try:
-                self._drain_deferred(time.monotonic() + self.timeout_s)
-            except (OSError, EOFError):
-                self._disconnect()
-                return False
-        return True
-
-    def _drain_deferred(self, deadline: float) -> None:
-        """Read the replies of the requests sent deferred (they come first, in order)."""
-        while self._deferred:
-            sent = self._deferred.pop(0)
-            r = self._read_reply(deadline)
-            if "error" in r:
-                log.warning("deferred %s failed: %s", sent["op"], r["error"].get("message"))
-        self._deferred_commits = 0
-
-    def _disconnect(self) -> None:
-        """Give up the connection for new requests (lock held). Its socket closes now, or —
-        when threads still hold its slots — when the last of them lets go."""
-        self._deferred = []
-        self._deferred_commits = 0
-        self._rbuf = bytearray()
-        if self._sock is not None:
-            link, self._sock, self._link = self._link, None, None
-            with self._hold_lock:
-                link.dead = True
-                if link.holds:
-                    return
-            link.sock.close()
-
-    def _pin(self) -> _Link | None:
-        """(Lock held.) Hold the current connection open: its slots stay this client's."""
-        link = self._link
-        if link is not None:
-            with self._hold_lock:
-                link.holds += 1
-        return link
-
-    def _unpin(self, link: _Link | None) -> None:
-        if link is None:
-            return
-        with self._hold_lock:
-            link.holds -= 1
-            close = link.dead and not link.holds
-        if close:
-            link.sock.close()   # the daemon reclaims what it held now, after every copy
-
-    @contextlib.contextmanager
-    def hold(self):
-        """Keep this connection's reservations and leases alive while the caller copies into or
-        out of their slots from another thread: a request that fails meanwhile (a timeout on
-        another thread) drops the connection for new requests, but its socket is closed — and
-        the daemon reclaims the slots — only once every holder is done. (Every open lease and
-        reservation holds its connection this way by itself; this is for callers that copy
-        through slots they track on their own.)"""
-        with self._lock:
-            link = self._pin()
-        try:
-            yield
-        finally:
-            self._unpin(link)
-
-    def reconnect(self) -> None:
-        """Connect again if the connection was lost (for callers that reconnect off their hot path)."""
-        with self._lock:
-            if self._sock is None:
-                self._connect()
-                self.reconnects += 1
-
-    def generation(self) -> int:
-        """Changes with every new connection: slots obtained under an older one are gone."""
-        return self._generation
-
-    def _send_deferred(self, msg: dict) -> bool:
-        """Send a request whose reply is read later (before the next reply). False if the
-        connection is gone (and with it whatever the request was about)."""
-        msg["id"] = next(self._ids)
-        try:
-            self._send(P.encode(msg), time.monotonic() + self.timeout_s)
-            self._deferred.append(msg)
-            return True
-        except (OSError, EOFError):
-            self._disconnect()
-            return False
-
-    # The socket is non-blocking; waiting is done here with poll(2), against a deadline for the
-    # whole exchange (no per-call settimeout, which costs two fcntl calls each time).
-    def _wait(self, events: int, deadline: float) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("timed out")
-        poller = self._poller
-        poller.modify(self._sock, events)
-        if not poller.poll(max(1, int(left * 1000 + 0.999))):
-            raise TimeoutError("timed out")
-
-    def _send(self, data: bytes, deadline: float) -> None:
-        view = memoryview(data)
-        while view:
-            try:
-                n = self._sock.send(view)
-            except BlockingIOError:
-                self._wait(select.POLLOUT, deadline)
-                continue
-            view = view[n:]
-
-    def _recv(self, deadline: float) -> bytes:
-        """Some bytes of the reply stream. A reply usually comes within microseconds: the
-        first wait spins (bounded by `spin_us`) before sleeping in poll, which saves a wake-up
-        on another CPU (tens of microseconds on virtual machines). The spin adapts: after one
-        that came up empty the next few requests sleep at once, so a busy host (more clients
-        than CPUs) does not burn CPU the daemon needs."""
-        sock = self._sock
-        try:
-            chunk = sock.recv(65536)
-        except BlockingIOError:
-            chunk = None
-            if self._spin_s and self._spin_skip <= 0:
-                end = time.perf_counter() + self._spin_s
-                while time.perf_counter() < end:
-                    try:
-                        chunk = sock.recv(65536)
-                        break
-                    except BlockingIOError:
-                        pass
-                if chunk is None:
-                    self._spin_skip = 8
-            else:
-                self._spin_skip -= 1
-            while chunk is None:
-                self._wait(select.POLLIN, deadline)
-                try:
-                    chunk = sock.recv(65536)
-                except BlockingIOError:
-                    pass
-        if not chunk:
-            raise EOFError("connection closed by the daemon")
-        return chunk
-
-    def _read_reply(self, deadline: float) -> dict:
-        """The next reply frame. Replies to pipelined requests may arrive together: what is read
-        past this frame stays in the receive buffer for the next call."""
-        buf = self._rbuf
-        while True:
-            if len(buf) >= 4:
-                (n,) = P.HEADER.unpack_from(buf)
-                if len(buf) >= 4 + n:
-                    msg = P.decode_body(bytes(memoryview(buf)[4:4 + n]))
-                    del buf[:4 + n]
-                    return msg
-            buf += self._recv(deadline)
-
-    def _roundtrip(self, msg: dict) -> dict:
-        """One request and its reply, all within `timeout_s` (a deadline for the whole exchange,
-        not per socket call: a daemon that trickles bytes cannot stretch it)."""
-        req_id = next(self._ids)
-        msg["id"] = req_id
-        deadline = time.monotonic() + self.timeout_s
-        try:
-            self._send(P.encode(msg), deadline)
-            self._drain_deferred(deadline)
-            reply = self._read_reply(deadline)
-        except (OSError, EOFError) as e:
-            self._disconnect()
-            raise DaemonUnavailableError(f"lost the tierd daemon at {self.path} during {msg['op']}: {e}") from None
-        if "error" in reply:
-            _raise_remote(reply["error"])
-        if reply.get("id") != req_id:
-            self._disconnect()
-            raise P.ProtocolError(f"reply id {reply.get('id')} does not match request {req_id}")
-        return reply
-
-    def _call(self, op: str, **fields) -> dict:
-        with self._lock:
-            for attempt in range(self.retries + 1):
-                if self._sock is None:
-                    self._connect()
-                    self.reconnects += 1
-                try:
-                    return self._roundtrip({"op": op, **fields})
-                except E.UnknownNamespaceError:
-                    # the daemon forgot an unused namespace of ours (its table is bounded):
-                    # register it again, once, and ask again
-                    if not self._register_again(fields):
-                        raise
-                    return self._roundtrip({"op": op, **fields})
-                except DaemonUnavailableError:
-                    if attempt == self.retries or op not in self.RETRY_OPS:
-                        raise
-                    time.sleep(0.05)
-            raise AssertionError("unreachable")
-
-    def _register_again(self, fields: dict) -> bool:
-        names = [fields.get("ns")] + [q.get("ns") for q in fields.get("queries", ()) if isinstance(q, dict)]
-        known = [self._namespaces[n].to_dict() for n in dict.fromkeys(names) if n in self._namespaces]
-        if not known:
-            return False
-        for i in range(0, len(known), self.NS_PER_REQUEST):
-            self._roundtrip({"op": "register", "namespaces": known[i:i + self.NS_PER_REQUEST]})
-        return True
 
     def _ns_name(self, ns) -> str:
         if isinstance(ns, Namespace):
@@ -473,19 +135,11 @@ class Client:
             v.flags.writeable = False
         return v
 
-    @property
-    def connected(self) -> bool:
-        return self._sock is not None
 
     def host_array(self) -> np.ndarray:
         """The daemon's host arena as mapped here, one uint8 array (for cudaHostRegister)."""
         return self._arena
 
-    @property
-    def arena_generation(self) -> int:
-        """Changes whenever the arena is mapped anew (a reconnect): page-locked ranges of an
-        earlier mapping are stale, even at the same address."""
-        return self._generation
 
     # -- Store interface -----------------------------------------------------------------------
     def register(self, ns: Namespace) -> None:

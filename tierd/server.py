@@ -29,19 +29,15 @@ from . import __version__
 from . import protocol as P
 from .arena import filesystem_type
 from .config import RELOADABLE, SERVE_KEYS, ServeConfig, load_serve_config, setting_value
-from .errors import ConfigError, ForbiddenError, InstanceLockedError, NamespaceLimitError, TierdError
+from .errors import ConfigError, InstanceLockedError, TierdError
 from .index import BEAT_S, SharedIndex
 from .instance import InstanceLock
 from .metrics import Metrics
-from .namespace import Namespace
 from .sdnotify import notify, watchdog_interval_s
+from .server_ops import Ops
 from .store import Lease, Reservation, TieredStore, WouldBlock
 
 log = logging.getLogger("tierd.server")
-# Namespaces (layouts) one uid may have registered at a time are bounded by the setting
-# limits.max_namespaces_per_uid: what clients can make the daemon hold. When a uid reaches it,
-# its namespaces without blocks are forgotten first.
-NAMESPACES_PER_REQUEST = 64
 
 # ops that never wait on disk I/O (only briefly on the store lock): served on the event loop
 # thread, saving a thread hop; the others (acquire may read disk, reserve may wait for room,
@@ -281,7 +277,7 @@ def check_socket_dir(path: str) -> None:
         raise ConfigError(f"socket directory {d} belongs to uid {st.st_uid}, not this user ({os.geteuid()})")
 
 
-class Daemon:
+class Daemon(Ops):
     """The daemon: one store served on one socket. Construction takes the instance lock first
     (tierd.instance) and touches no path before it holds it; `close` gives back everything it
     made, whatever stage construction or `run` reached."""
@@ -604,166 +600,6 @@ class Daemon:
             pass  # already reclaimed with the connection
 
     # -- ops (run on worker threads) -------------------------------------------------------------
-    def _ns(self, conn: _Conn, msg: dict) -> Namespace:
-        name = P.field(msg, "ns", str, what="a namespace name")
-        return self.store.namespace(name)
-
-    def _register(self, conn: _Conn, descs) -> list[str]:
-        if not isinstance(descs, list):
-            raise P.ProtocolError("namespaces must be a list of namespace descriptions")
-        names = []
-        if len(descs) > NAMESPACES_PER_REQUEST:
-            raise P.ProtocolError(f"at most {NAMESPACES_PER_REQUEST} namespaces per request")
-        for d in descs:
-            if not isinstance(d, dict):
-                raise P.ProtocolError("a namespace description must be a map")
-        for d in descs:
-            ns = Namespace.from_dict(d)
-            mine = self.uid_namespaces.setdefault(conn.uid, set())
-            limit = self.cfg.max_namespaces_per_uid
-            if ns.name not in mine and len(mine) >= limit:
-                mine.difference_update(self.store.forget_unused(list(mine)))
-                if len(mine) >= limit:
-                    raise NamespaceLimitError(
-                        f"uid {conn.uid} has {len(mine)} namespaces with blocks in the daemon (the limit); "
-                        f"namespace {ns.name} is refused: flush unused ones (tierd flush --namespace)")
-            self.store.register(ns)
-            mine.add(ns.name)
-            conn.namespaces.add(ns.name)
-            names.append(ns.name)
-        return names
-
-    def _op_hello(self, conn: _Conn, msg: dict) -> dict:
-        version = P.field(msg, "version", int)
-        if version != P.PROTOCOL_VERSION:
-            raise P.ProtocolError(f"protocol version {version} is not supported (this daemon speaks "
-                                  f"{P.PROTOCOL_VERSION})")
-        conn.name = str(msg.get("client", ""))[:64]
-        names = self._register(conn, msg.get("namespaces", []))
-        conn.greeted = True
-        host = self.store.host
-        dev, ino = host.arena.identity()
-        arenas = [{"tier": "host", "path": self.arena_path, "capacity_bytes": host.capacity_bytes,
-                   "dev": dev, "ino": ino}]
-        if self.gpu_descriptor is not None:
-            arenas.append(self.gpu_descriptor)
-        index = {"path": self.index_path, "instance": self.instance} if self.index is not None else None
-        return {"version": P.PROTOCOL_VERSION, "server": __version__, "pid": os.getpid(),
-                "namespaces": names,
-                "arenas": arenas,
-                "index": index,
-                # clients send the blocks' token ids only where events carry them (opt-in)
-                "events": self.events is not None and self.cfg.events_token_ids,
-                "limits": {"max_frame_bytes": self.cfg.max_frame_bytes,
-                           "max_keys_per_request": self.cfg.max_keys_per_request}}
-
-    def _op_register(self, conn: _Conn, msg: dict) -> dict:
-        return {"namespaces": self._register(conn, P.field(msg, "namespaces", list))}
-
-    def _op_lookup(self, conn: _Conn, msg: dict) -> dict:
-        ns = self._ns(conn, msg)
-        return {"n": self.store.lookup(ns, P.keys_field(msg, self.cfg.max_keys_per_request))}
-
-    def _op_lookup_all(self, conn: _Conn, msg: dict) -> dict:
-        queries = P.field(msg, "queries", list)
-        budget = self.cfg.max_keys_per_request
-        parsed = []
-        for q in queries:
-            if not isinstance(q, dict):
-                raise P.ProtocolError("lookup_all: each query is a map {ns, keys}")
-            keys = P.keys_field(q, budget)
-            budget -= len(keys)
-            parsed.append((self._ns(conn, q), keys))
-        if msg.get("host"):
-            pairs = self.store.lookup_all(parsed, host=True)
-            return {"n": [n for n, _ in pairs], "host": [h for _, h in pairs]}
-        return {"n": self.store.lookup_all(parsed)}
-
-    def _op_where(self, conn: _Conn, msg: dict) -> dict:
-        ns = self._ns(conn, msg)
-        return {"tiers": self.store.where(ns, P.keys_field(msg, self.cfg.max_keys_per_request))}
-
-    def _op_reserve(self, conn: _Conn, msg: dict) -> dict:
-        ns = self._ns(conn, msg)
-        keys = P.keys_field(msg, self.cfg.max_keys_per_request)
-        parent = P.field(msg, "parent", bytes, default=None)
-        if parent is not None and len(parent) != 16:
-            raise P.ProtocolError("parent must be a 16-byte key")
-        tokens = P.field(msg, "tokens", list, default=None)
-        if not self.cfg.events_token_ids:
-            tokens = None   # never recorded unless the operator opted in
-        if tokens is not None and (len(tokens) != len(keys) * ns.block_tokens
-                                   or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
-            raise P.ProtocolError(f"tokens must be {ns.block_tokens} integers per key")
-        res = self.store.reserve(ns, keys, parent=parent, owner=conn.id, token_ids=tokens,
-                                 inline=msg.get("_inline", False))
-        if res.id:
-            conn.held.add(("res", res.id))
-        slots = [[P.SLOT_STATUS[s], off] for s, off in zip(res.status, res.offsets)]
-        return {"res": res.id, "slots": slots, "_obj": res}
-
-    def _op_commit(self, conn: _Conn, msg: dict) -> dict:
-        rid = P.field(msg, "res", int)
-        if rid == 0:
-            return {"n": 0}   # a reservation of nothing (every block present or no room)
-        n = self.store.commit(self.store.find_reservation(rid, conn.id))
-        conn.held.discard(("res", rid))
-        return {"n": n}
-
-    def _op_abort(self, conn: _Conn, msg: dict) -> dict:
-        rid = P.field(msg, "res", int)
-        res = self.store.find_reservation(rid, conn.id, missing_ok=True) if rid else None
-        if res is not None:   # aborting twice is harmless; another client's, an error
-            self.store.abort(res)
-        conn.held.discard(("res", rid))
-        return {}
-
-    def _op_acquire(self, conn: _Conn, msg: dict) -> dict:
-        ns = self._ns(conn, msg)
-        gpu = P.field(msg, "gpu", bool, default=False)     # the client reads HBM copies
-        lease = self.store.acquire(ns, P.keys_field(msg, self.cfg.max_keys_per_request), owner=conn.id, gpu=gpu,
-                                   inline=msg.get("_inline", False))
-        if lease.id:
-            conn.held.add(("lease", lease.id))
-        reply = {"lease": lease.id, "offsets": lease.offsets, "tiers": lease.tiers, "_obj": lease}
-        if any(o >= 0 for o in lease.gpu_offsets):
-            reply["gpu_offsets"] = lease.gpu_offsets
-        return reply
-
-    def _op_release(self, conn: _Conn, msg: dict) -> dict:
-        lid = P.field(msg, "lease", int)
-        if lid:   # 0: a lease of nothing, never held
-            self.store.release(self.store.find_lease(lid, conn.id))
-            conn.held.discard(("lease", lid))
-        return {}
-
-    def _operator(self, uid: int, gid: int) -> bool:
-        return (uid in (os.geteuid(), 0) or uid in self.cfg.operator_uids
-                or gid in self.cfg.operator_gids)
-
-    def _op_flush(self, conn: _Conn, msg: dict) -> dict:
-        if not self._operator(conn.uid, conn.gid):
-            raise ForbiddenError(f"flush is an operator action; uid {conn.uid} is not an operator "
-                                 "(operator_uids / operator_gids)")
-        tier = P.field(msg, "tier", str, default="all")
-        namespace = P.field(msg, "namespace", str, default=None)
-        return {"dropped": self.store.flush(tier=tier, namespace=namespace)}
-
-    def _op_sync(self, conn: _Conn, msg: dict) -> dict:
-        limit = P.field(msg, "max_blocks", int, default=None)
-        if limit is not None and limit < 1:
-            raise P.ProtocolError("max_blocks must be >= 1")
-        remote = P.field(msg, "remote", bool, default=False)
-        written = self.store.sync(limit)
-        pushed = self.store.push_remote(limit) if remote else 0
-        return {"written": written, "remaining": self.store.unsynced_blocks(),
-                "remote_written": pushed, "remote_pending": self.store.remote_pending()}
-
-    def _op_stats(self, conn: _Conn, msg: dict) -> dict:
-        return {"stats": self.stats()}
-
-    def _op_ping(self, conn: _Conn, msg: dict) -> dict:
-        return {"pong": time.time(), "version": __version__}
 
 
 def _strip_private(reply: dict) -> dict:
