@@ -199,4 +199,4 @@ class StoreModel(RuleBasedStateMachine):
 
 StoreModel.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None,
                                         suppress_health_check=list(HealthCheck))
-test_store_against_the_model = StoreModel.TestCase
+test_store_against_the_model = pytest.mark.timeout(max(300, EXAMPLES // 5))(StoreModel.TestCase)

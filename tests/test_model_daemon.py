@@ -221,5 +221,6 @@ DaemonModel.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_co
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(max(300, 30 * EXAMPLES))   # a soak runs longer than one suite's test
 class TestDaemonAgainstTheModel(DaemonModel.TestCase):
     pass
