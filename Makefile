@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench venv vllm-env vllm-latest-env redis clean
+.PHONY: run test bench soak venv vllm-env vllm-latest-env redis clean
 
 venv: $(STAMP)
 
@@ -84,3 +84,9 @@ bench: $(STAMP) vllm-env redis
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_LATEST_VENV) build *.egg-info .pytest_cache
+
+# The model tests run longer: thousands of sequences against the embedded store and a real daemon
+# (not part of `make test`, which runs a few dozen of each).
+SOAK ?= 2000
+soak: $(STAMP)
+	TEST_MODEL_EXAMPLES=$(SOAK) $(PY) -m pytest -q -p no:cacheprovider tests/test_model.py tests/test_model_daemon.py
