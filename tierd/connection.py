@@ -49,17 +49,20 @@ class _Link:
     is left: a link given up (a timeout on one thread) while another thread still copies through
     its slots stays open, unused, until that copy is done (`dead` and `holds > 0`)."""
 
-    __slots__ = ("sock", "holds", "dead", "_hup")
+    __slots__ = ("sock", "holds", "dead")
 
     def __init__(self, sock: socket.socket):
         self.sock, self.holds, self.dead = sock, 0, False
-        self._hup = select.poll()
-        self._hup.register(sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
 
     def intact(self) -> bool:
         """The daemon has not closed this connection (so it still honours its slots): one
-        poll(2) with no wait."""
-        return self.sock.fileno() >= 0 and not self._hup.poll(0)
+        poll(2) with no wait, on a poll object of this call's own (threads call this at once,
+        and one poll object may not be polled by two threads)."""
+        if self.sock.fileno() < 0:
+            return False
+        p = select.poll()
+        p.register(self.sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        return not p.poll(0)
 
 
 class DaemonConnection:
