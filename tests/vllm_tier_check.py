@@ -12,6 +12,7 @@ neither served nor stored; under vLLM's plain OffloadingConnector the tier refus
 
 from __future__ import annotations
 
+import atexit
 import logging
 import shutil
 import sys
@@ -44,6 +45,7 @@ def main() -> int:
     from tierd.errors import TierdError
 
     tmp = Path(tempfile.mkdtemp(prefix="tierd-tier-check-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)   # also when a check fails
     model = write_random_model(tmp / "model", vocab_size=512, hidden_size=128, intermediate_size=256,
                                num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=KV_HEADS,
                                head_dim=HEAD_DIM, max_position_embeddings=2048, seed=5)
