@@ -183,6 +183,7 @@ def test_events_bind_to_loopback_and_carry_no_token_ids_unless_told(tmp_path):
 
 
 def test_subscribing_in_a_loop_gets_at_most_one_snapshot_a_second(tmp_path):
+    from tierd.events import EventPublisher
     addr = f"tcp://127.0.0.1:{free_port()}"
     d = DaemonProc(tmp_path, toml=f'events_addr = "{addr}"\n' + SMALL_TOML).start()
     try:
@@ -195,7 +196,8 @@ def test_subscribing_in_a_loop_gets_at_most_one_snapshot_a_second(tmp_path):
         elapsed = time.monotonic() - t0
         with Client(d.socket) as c:
             snaps = c.stats()["daemon"]["event_snapshots"]
-        assert 1 <= snaps <= elapsed / 1.0 + 2, f"{snaps} snapshots in {elapsed:.1f}s"
+        most = elapsed / EventPublisher.SNAPSHOT_INTERVAL_S + 2   # one per interval (+ both ends)
+        assert 1 <= snaps <= most, f"{snaps} snapshots in {elapsed:.1f}s"
     finally:
         for s in subs:
             s.close()

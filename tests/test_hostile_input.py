@@ -58,14 +58,14 @@ def test_repeated_keys_of_a_disk_only_block_are_refused_by_the_daemon_at_once(da
     t0 = time.monotonic()
     send(s, {"id": 2, "op": "acquire", "ns": ns.name, "keys": [k, k]})
     r = read_reply(s)
-    assert r["error"]["code"] == "bad_request" and "appears twice" in r["error"]["message"]
+    assert r["error"]["code"] == "bad_key" and "appears twice" in r["error"]["message"]
     assert time.monotonic() - t0 < 1.0
     for op in ("reserve", "lookup", "lookup_all"):
         msg = {"id": 3, "op": op, "ns": ns.name, "keys": [k, k]}
         if op == "lookup_all":
             msg = {"id": 3, "op": op, "queries": [{"ns": ns.name, "keys": [k, k]}]}
         send(s, msg)
-        assert read_reply(s)["error"]["code"] == "bad_request"
+        assert read_reply(s)["error"]["code"] == "bad_key"
     s.close()
     with Client(daemon.socket, timeout_s=5) as c:   # k is served as before, to everyone
         assert np.array_equal(c.get(ns, [k])[0], block_for(ns, k))

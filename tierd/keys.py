@@ -131,15 +131,11 @@ def check_keys(keys: Sequence[bytes]) -> list[bytes]:
                 raise KeyFormatError(f"a key must be {KEY_BYTES} bytes, got {k!r:.60}")
             out.append(bytes(k))
     if len(set(out)) != len(out):
-        raise KeyFormatError(repeated_keys_message(out))
+        seen = set()
+        for i, k in enumerate(out):
+            if k in seen:
+                raise KeyFormatError(f"key {k.hex()} appears twice (again at position {i}); a prefix chain "
+                                     "never repeats a key (each one hashes the one before), so a request "
+                                     "may name each key once")
+            seen.add(k)
     return out
-
-
-def repeated_keys_message(keys: Sequence[bytes]) -> str:
-    seen = set()
-    for i, k in enumerate(keys):
-        if k in seen:
-            return (f"key {k.hex()} appears twice (again at position {i}); a prefix chain never repeats "
-                    "a key (each one hashes the one before), so a request may name each key once")
-        seen.add(k)
-    return "keys repeat"

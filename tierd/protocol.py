@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 
 from .errors import TierdError
-from .keys import repeated_keys_message, well_formed
+from .keys import well_formed
 
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct(">I")
@@ -96,6 +96,4 @@ def keys_field(msg: dict, max_keys: int, name: str = "keys") -> list[bytes]:
         raise ProtocolError(f"{len(keys)} keys in one request; the limit is {max_keys}")
     if not well_formed(keys):
         raise ProtocolError("every key must be 16 bytes (msgpack bin)")
-    if len(set(keys)) != len(keys):
-        raise ProtocolError(repeated_keys_message(keys))
     return keys

@@ -201,7 +201,7 @@ class _Conn(asyncio.Protocol):
             d._inflight -= 1
             reply = f.result()   # _reply never raises
             if state["answered"] or self._closed:
-                d._undo_late(reply)   # nobody will use what it took
+                d._undo_late(reply, self)   # nobody will use what it took
                 return
             finish(reply)
 
@@ -586,11 +586,10 @@ class Daemon(Ops):
         except Exception:  # malformed: let the handler produce the error reply
             return True
 
-    def _undo_late(self, reply: dict) -> None:
-        """A request answered with a timeout finished later: give back what it took."""
+    def _undo_late(self, reply: dict, conn: "_Conn") -> None:
+        """A request of `conn` answered with a timeout finished later: give back what it took."""
         obj = reply.get("_obj")
-        for c in self.conns.values():
-            c.held.discard(("lease" if isinstance(obj, Lease) else "res", getattr(obj, "id", 0)))
+        conn.held.discard(("lease" if isinstance(obj, Lease) else "res", getattr(obj, "id", 0)))
         try:
             if isinstance(obj, Lease):
                 self.store.release(obj)
