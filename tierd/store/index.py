@@ -42,23 +42,36 @@ class BlockIndex:
                 self._publish(b)
             self._note_stall()
 
-    SCAN_CHUNK = 2048   # blocks an O(N) walk handles per hold of the lock (a few ms at most)
+    SCAN_CHUNK = 2048     # most blocks an O(N) walk handles per hold of the lock
+    SCAN_HOLD_S = 0.002   # and the longest it holds the lock at a time
+    SCAN_YIELD_S = 5e-5   # how long it stays out between holds, so that a waiter gets the lock
 
     def _each_block(self, fn, ns_id: bytes | None = None) -> None:
-        """Call `fn(block)` (lock held) for every block indexed now, `SCAN_CHUNK` at a time: the
-        lock is let go between chunks, so an O(N) walk (snapshots, flushes, syncs) never holds
-        it for more than a few milliseconds. A block that leaves meanwhile is skipped; one that
-        comes meanwhile may be missed."""
+        """Call `fn(block)` (lock held) for every block indexed now, a chunk at a time: the lock
+        is held for at most `SCAN_CHUNK` blocks or `SCAN_HOLD_S`, whichever comes first, then
+        let go for `SCAN_YIELD_S`, so an O(N) walk (snapshots, flushes, syncs) never keeps
+        other callers out for more than a few milliseconds. (Letting go and taking the lock at
+        once is not enough: `threading.Lock` is not fair, and the walker, already running,
+        takes it again before a woken waiter is scheduled.) A block that leaves meanwhile is
+        skipped; one that comes meanwhile may be missed."""
         with self._cond:
             ikeys = list(self._blocks)   # one C-level copy of the keys
-        for i in range(0, len(ikeys), self.SCAN_CHUNK):
+        i, n, clock = 0, len(ikeys), time.perf_counter
+        while i < n:
             with self._cond:
                 self._check_open()
-                for ikey in ikeys[i:i + self.SCAN_CHUNK]:
-                    b = self._blocks.get(ikey)
-                    if b is not None and (ns_id is None or b.st.ns_id == ns_id):
-                        fn(b)
-            time.sleep(0)    # let a waiting thread take the lock
+                deadline = clock() + self.SCAN_HOLD_S
+                end = min(n, i + self.SCAN_CHUNK)
+                while i < end:
+                    for ikey in ikeys[i:min(end, i + 64)]:
+                        b = self._blocks.get(ikey)
+                        if b is not None and (ns_id is None or b.st.ns_id == ns_id):
+                            fn(b)
+                    i = min(end, i + 64)
+                    if clock() >= deadline:
+                        break
+            if i < n:
+                time.sleep(self.SCAN_YIELD_S)
 
     def refresh_health(self) -> None:
         """Notice a stalled disk now (the daemon calls this with its heartbeat, so the shared
