@@ -36,7 +36,7 @@ def test_repeated_keys_are_refused_by_every_store_operation(store):
         t0 = time.monotonic()
         with pytest.raises(KeyFormatError, match="appears twice"):
             call()
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < 2.0
     got = store.get(ns, [k])                  # nothing was left LOADING or pinned
     assert np.array_equal(got[0], block_for(ns, k))
     assert nothing_pinned(store)
@@ -59,7 +59,7 @@ def test_repeated_keys_of_a_disk_only_block_are_refused_by_the_daemon_at_once(da
     send(s, {"id": 2, "op": "acquire", "ns": ns.name, "keys": [k, k]})
     r = read_reply(s)
     assert r["error"]["code"] == "bad_key" and "appears twice" in r["error"]["message"]
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 3.0
     for op in ("reserve", "lookup", "lookup_all"):
         msg = {"id": 3, "op": op, "ns": ns.name, "keys": [k, k]}
         if op == "lookup_all":
@@ -89,7 +89,7 @@ def test_a_failure_between_plan_and_settle_leaves_no_block_loading(tmp_path, mon
         monkeypatch.setattr(store.disk, "read", real)
         t0 = time.monotonic()
         got = store.get(ns, keys)
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 3.0
         assert [np.array_equal(g, block_for(ns, k)) for g, k in zip(got, keys)] == [True] * 3
         assert nothing_pinned(store)
         assert store.flush(tier="all") == 3       # no pin left behind: everything can go

@@ -375,7 +375,7 @@ def test_a_stalled_daemon_costs_a_save_at_most_the_wait(daemon):
     try:
         t0 = time.perf_counter()
         drv.step(sched, worker, objs.output([(r, range(7), 0, 100)]))
-        assert time.perf_counter() - t0 < 0.05 + 0.2
+        assert time.perf_counter() - t0 < 0.05 + 1.0     # the wait, not the 10 s request timeout
         assert worker.stats["stores_dropped"] == 3
         assert worker.save_link.backing_off           # later steps drop at once
     finally:
