@@ -412,6 +412,15 @@ def test_flushing_the_remote_tier_publishes_its_removals_and_snapshots_list_remo
             put(c, ns, keys)
             wait_for(lambda: remote_stats(c)["writes"] == 5, what="write-behind")
             wait_for(lambda: r.exists(b"tierd:probe"), what="the probe key")
+            # every live event so far has gone out (to nobody) before the subscriber connects:
+            # what it gets of the remote tier is the snapshot's (on a loaded machine the
+            # publisher could otherwise send the live BlockStored events after it connected)
+            published = []
+
+            def settled():
+                published.append(c.stats()["daemon"]["events_published"])
+                return len(published) > 3 and published[-1] >= 10 and published[-1] == published[-4]
+            wait_for(settled, what="the live events to go out")
             sub = Subscriber(addr)                 # subscribes now: gets a snapshot
             time.sleep(1.0)
 
