@@ -19,6 +19,9 @@ backend's:
   dim=2)`); for the ISAs "vec", "vec16" and "vxe" (and "neon" for fp16/fp32) K[t, d] is at
   `d * N + t` and V[t, d] at `N * D + t * D + d`. The "amx" ISA (and NEON's bf16 path) pack K
   and V into tiles: declined.
+- CPU_MLA (MLA on vLLM's CPU build): one row of kv_lora_rank + rope dims (512 + 64) per token,
+  `(blocks, block_size, 576)`, the same on every tensor-parallel rank; a latent namespace
+  (`planes=1`). Other MLA backends are declined.
 - Everything else is declined: ROCM_ATTN (x-packed K), ROCm's AITER flash attention (its class
   also calls itself FLASH_ATTN, and folds the heads into C when its shuffled layout is on), MLA
   and quantized backends, and any backend class vLLM does not define under that name. A
@@ -42,7 +45,9 @@ PLAIN_BACKENDS = {
 }
 CPU_BACKEND = "CPU_ATTN"
 CPU_PLAIN_ISAS = frozenset({"vec", "vec16", "vxe"})
-KNOWN_BACKENDS = {**PLAIN_BACKENDS, CPU_BACKEND: _BACKENDS + "cpu_attn"}
+# MLA backends whose cache is a plain row of kv_lora_rank + rope dims per token
+LATENT_BACKENDS = {"CPU_MLA": _BACKENDS + "mla.cpu_mla"}
+KNOWN_BACKENDS = {**PLAIN_BACKENDS, CPU_BACKEND: _BACKENDS + "cpu_attn", **LATENT_BACKENDS}
 
 
 def backend_of(vllm_config, layer_name: str) -> tuple[str | None, str | None]:
@@ -111,6 +116,24 @@ def kv_views(t: torch.Tensor, backend: str | None, isa: str | None, block_size: 
         raise TierdError("the layer's attention backend is not known (no vLLM forward context names it), "
                          "so neither is its KV layout; declining")
     raise TierdError(f"attention backend {backend} stores KV in a layout the connector does not know; declining")
+
+
+def latent_view(t: torch.Tensor, backend: str | None, block_size: int, latent: int) -> torch.Tensor:
+    """The (num_blocks, block_size, 1, latent) view of one MLA layer's paged cache: a row of
+    kv_lora_rank + rope dims per token (vLLM hands it over as (blocks, block_size, latent) or
+    (blocks, 1, block_size, latent)). Raises TierdError for a backend or shape not known."""
+    if backend not in LATENT_BACKENDS:
+        if backend is None:
+            raise TierdError("the layer's MLA backend is not known (no vLLM forward context names it), "
+                             "so neither is its cache layout; declining")
+        raise TierdError(f"MLA backend {backend} stores its cache in a layout the connector does not know; declining")
+    shape = tuple(t.shape)
+    if shape[-2:] != (block_size, latent) or not (t.dim() == 3 or (t.dim() == 4 and shape[1] == 1)):
+        raise TierdError(f"{backend} cache of shape {shape}, expected (blocks, {block_size}, {latent}); declining")
+    try:      # rows of `latent` contiguous values, as the backend reads them
+        return t.view(shape[0], block_size, 1, latent)
+    except RuntimeError:
+        raise TierdError(f"{backend} cache with strides {t.stride()} is not a run of rows; declining") from None
 
 
 def _check_shape(t: torch.Tensor, backend: str, heads: int, n: int, d: int) -> None:

@@ -149,8 +149,14 @@ class TierdOffloadingConnector(OffloadingConnector):
             _announced.pop(request.request_id, None)
 
 
+class Declined(TierdError):
+    """A model the tier does not serve: the tier stays inert (misses, stores nothing) and vLLM
+    runs with its own tiers as without tierd."""
+
+
 def chunk_namespace(spec, model: str | None = None) -> Namespace:
-    """The namespace of the chunks an offloading spec produces (see the module docstring)."""
+    """The namespace of the chunks an offloading spec produces (see the module docstring);
+    `Declined` for a model whose chunks it cannot key."""
     cfg = spec.config
     name = cfg.model.name
     if model:
@@ -166,7 +172,8 @@ def chunk_namespace(spec, model: str | None = None) -> Namespace:
     kv_heads = int(mc.get("num_key_value_heads") or heads)
     head_dim = int(mc.get("head_dim") or int(mc.get("hidden_size") or heads) // heads)
     if len(cfg.groups) != 1:
-        raise TierdError(f"{len(cfg.groups)} KV cache groups: the tierd tier supports one")
+        raise Declined(f"{len(cfg.groups)} KV cache groups (a hybrid model under vLLM's hybrid KV cache "
+                       "manager): the tierd tier supports one; use TierdConnector for these models")
     group = cfg.groups[0]
     par = cfg.parallel
     copies = 1 if spec.replicated_layout else par.world_size
@@ -194,8 +201,8 @@ def chunk_namespace(spec, model: str | None = None) -> Namespace:
                    block_tokens=group.tokens_per_block * cfg.cache.blocks_per_chunk, layout=layout)
     used = spec.cpu_page_size_per_worker * copies
     if ns.block_bytes != used:
-        raise TierdError(f"a vLLM offload chunk holds {used} bytes, but its tierd namespace computes "
-                         f"{ns.block_bytes}; this model's KV layout is not supported by the tierd tier")
+        raise Declined(f"a vLLM offload chunk holds {used} bytes, but its tierd namespace computes "
+                       f"{ns.block_bytes}; this model's KV layout is not supported by the tierd tier")
     return ns
 
 
@@ -206,7 +213,7 @@ class _Lookups(AsyncLookupManager):
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         # `keys` are tier keys (adapter included): the tier asks its lookups by them
-        store = self._tier._connect("lookup")
+        store = self._tier._connect("lookup") if self._tier.ns is not None else None
         if store is None:
             return [False] * len(keys)
         try:
@@ -235,7 +242,12 @@ class TierdTier(SecondaryTierManager):
         if unknown:
             raise TierdError(f"unknown tierd tier options: {', '.join(sorted(unknown))}; "
                              "known: url, model, timeout_s, locality")
-        self.ns = chunk_namespace(offloading_spec, model)
+        self.declined = ""
+        try:
+            self.ns = chunk_namespace(offloading_spec, model)
+        except Declined as e:    # vLLM runs on, with its own tiers: one line says why not tierd's
+            self.declined, self.ns = str(e), None
+            log.warning("tierd tier declined: %s; it stores and serves nothing", e)
         url = url or os.environ.get("TIERD_URL", "unix:///run/tierd/tierd.sock")
         if url.startswith("unix:") and "timeout_s=" not in url:
             url += ("&" if "?" in url else "?") + f"timeout_s={timeout_s:g}"
@@ -247,7 +259,7 @@ class TierdTier(SecondaryTierManager):
                             dtype=np.uint8)
         self._primary = arr
         self._row = self.block_size_bytes
-        self._used = self.ns.block_bytes
+        self._used = self.ns.block_bytes if self.ns is not None else 0
         self.stats = dict.fromkeys(("lookups", "stored", "present", "loaded", "load_missing", "failures",
                                     "declined_requests"), 0)
         self._jobs: queue.Queue = queue.Queue()
@@ -259,7 +271,8 @@ class TierdTier(SecondaryTierManager):
         self._thread = threading.Thread(target=self._loop, name="tierd-vllm-tier", daemon=True)
         self._thread.start()
         self._lookups = _Lookups(self)
-        log.info("tierd tier: namespace %s, %d-byte chunks (row %d)", self.ns.name, self._used, self._row)
+        if self.ns is not None:
+            log.info("tierd tier: namespace %s, %d-byte chunks (row %d)", self.ns.name, self._used, self._row)
 
     # -- connections -------------------------------------------------------------------------
     def _connect(self, role: str):
@@ -299,9 +312,9 @@ class TierdTier(SecondaryTierManager):
         return keying if keying is not None else _NOT_TOLD
 
     def _tier_keys(self, keys, req_context: ReqContext | None) -> list[bytes] | None:
-        """The request's tier keys of `keys`, or None when the request is declined."""
+        """The request's tier keys of `keys`, or None when the request (or the model) is declined."""
         keying = self._keying(req_context)
-        if keying.declined:
+        if keying.declined or self.ns is None:
             return None
         return [tier_key(k, keying.adapter) for k in keys]
 

@@ -117,7 +117,9 @@ def reshape_self_check(device, fn):
 
 def block_copy_case(device, fn, *, scatter: bool, layers: int = 3, ratio: int = 2, block_size: int = 16,
                     kv_heads: int = 2, head_dim: int = 64, num_blocks: int = 24, n_tier: int = 5,
-                    dtype: torch.dtype = torch.float16, seed: int = 7, layout: str = "contiguous"):
+                    dtype: torch.dtype = torch.float16, seed: int = 7, layout: str = "contiguous",
+                    latent: bool = False):
+    """`latent`: one plane (MLA's caches, a row per token), no V: `fn(ks, None, ...)`."""
     g = _gen(seed)
     tensors, ks, vs = [], [], []
     for _ in range(layers):
@@ -129,18 +131,21 @@ def block_copy_case(device, fn, *, scatter: bool, layers: int = 3, ratio: int = 
     ids = torch.randperm(num_blocks, generator=g)[:n_tier * ratio].view(n_tier, ratio)
     ids[1, 0] = -1                                    # a part the engine already holds
     unit = block_size * kv_heads * head_dim
-    slots = [torch.randn((layers * 2 * ratio * unit,), generator=g).to(dtype).to(device) for _ in range(n_tier)]
-    fn(ks, vs, ids, slots)
+    planes = 1 if latent else 2
+    slots = [torch.randn((layers * planes * ratio * unit,), generator=g).to(dtype).to(device) for _ in range(n_tier)]
+    fn(ks, None if latent else vs, ids, slots)
     return [*tensors, *slots]
 
 
 def gather_case(device, fn):
-    return [*block_copy_case(device, fn, scatter=False), *block_copy_case(device, fn, scatter=False, layout="b2hnd")]
+    return [*block_copy_case(device, fn, scatter=False), *block_copy_case(device, fn, scatter=False, layout="b2hnd"),
+            *block_copy_case(device, fn, scatter=False, kv_heads=1, head_dim=576, latent=True, seed=21)]
 
 
 def scatter_case(device, fn):
     return [*block_copy_case(device, fn, scatter=True, dtype=torch.bfloat16, seed=8),
-            *block_copy_case(device, fn, scatter=True, layout="bhn2d", seed=14)]
+            *block_copy_case(device, fn, scatter=True, layout="bhn2d", seed=14),
+            *block_copy_case(device, fn, scatter=True, kv_heads=1, head_dim=576, latent=True, seed=22)]
 
 
 def quantize_case(device, fn):

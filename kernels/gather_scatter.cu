@@ -15,7 +15,9 @@
 //                   (device memory, or host memory mapped into the device's address space);
 // A slot may also be one layer's part of a tier block ([2, ratio * block_size, heads, head_dim]),
 // with one layer's K and V: a layer-by-layer copy.
-// Grid: (n_tier * ratio, num_layers * 2); each thread block copies one unit, with 16-byte
+// planes: 2 (K and V, as above) or 1 (a latent cache, MLA's: one row per token, one "head";
+// the tier block is [num_layers, 1, ratio * block_size, 1, latent]; v_ptrs is not read).
+// Grid: (n_tier * ratio, num_layers * planes); each thread block copies one unit, with 16-byte
 // accesses when every address and stride allows, bytewise otherwise.
 #include "common.cuh"
 
@@ -49,29 +51,29 @@ __device__ __forceinline__ void copy_unit(u8* __restrict__ cache, u8* __restrict
 
 template <bool TO_SLOT>
 __device__ __forceinline__ void block_copy(const u64* k_ptrs, const u64* v_ptrs, const i64* ids_slots, int n_tier,
-                                           const Geometry& g) {
+                                           int planes, const Geometry& g) {
     const i64 i = blockIdx.x;
-    const int layer = blockIdx.y >> 1, kv = blockIdx.y & 1;
+    const int layer = blockIdx.y / planes, kv = blockIdx.y - layer * planes;
     const i64 block = ids_slots[i];
     if (block < 0) return;
     const i64 tier = i / g.ratio, part = i - tier * g.ratio;
     const i64 unit = (i64)g.block_size * g.heads * g.row_bytes;
     u8* cache = reinterpret_cast<u8*>((kv ? v_ptrs : k_ptrs)[layer]) + block * g.s_block;
     u8* slot = reinterpret_cast<u8*>(ids_slots[(i64)n_tier * g.ratio + tier])
-               + ((i64)(layer * 2 + kv) * g.ratio + part) * unit;
+               + ((i64)(layer * planes + kv) * g.ratio + part) * unit;
     copy_unit<TO_SLOT>(cache, slot, g);
 }
 
 extern "C" __global__ void gather_blocks(const u64* k_ptrs, const u64* v_ptrs, const i64* ids_slots, int n_tier,
                                          int ratio, int block_size, int heads, i64 row_bytes,
-                                         i64 s_block, i64 s_token, i64 s_head) {
+                                         i64 s_block, i64 s_token, i64 s_head, int planes) {
     const Geometry g{ratio, block_size, heads, row_bytes, s_block, s_token, s_head};
-    block_copy<true>(k_ptrs, v_ptrs, ids_slots, n_tier, g);
+    block_copy<true>(k_ptrs, v_ptrs, ids_slots, n_tier, planes, g);
 }
 
 extern "C" __global__ void scatter_blocks(const u64* k_ptrs, const u64* v_ptrs, const i64* ids_slots, int n_tier,
                                           int ratio, int block_size, int heads, i64 row_bytes,
-                                          i64 s_block, i64 s_token, i64 s_head) {
+                                          i64 s_block, i64 s_token, i64 s_head, int planes) {
     const Geometry g{ratio, block_size, heads, row_bytes, s_block, s_token, s_head};
-    block_copy<false>(k_ptrs, v_ptrs, ids_slots, n_tier, g);
+    block_copy<false>(k_ptrs, v_ptrs, ids_slots, n_tier, planes, g);
 }

@@ -49,7 +49,9 @@ def gather_blocks(k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Ten
     kv_heads, head_dim), contiguous or views of a cache laid out otherwise; block_ids: (n_tier,
     ratio) engine block per part of each tier block (-1: leave that part of the slot as it is);
     slots[t]: the tier block's slot, any tensor of its bytes (viewed as [layers, 2, ratio,
-    block_size, kv_heads, head_dim]); with one layer's caches, that layer's part of a slot."""
+    block_size, kv_heads, head_dim]); with one layer's caches, that layer's part of a slot.
+    v_caches None: latent caches (MLA's, one row per token as a single "head"), one plane:
+    slots are [layers, 1, ratio, block_size, 1, latent]."""
     _copy_blocks(k_caches, v_caches, block_ids, slots, to_slots=True)
 
 
@@ -62,7 +64,8 @@ def scatter_blocks(k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Te
 def _copy_blocks(k_caches, v_caches, block_ids, slots, *, to_slots: bool) -> None:
     if k_caches[0].element_size() == 1 and k_caches[0].dtype != torch.uint8:   # fp8: copy as bytes
         k_caches = [c.view(torch.uint8) for c in k_caches]
-        v_caches = [c.view(torch.uint8) for c in v_caches]
+        v_caches = None if v_caches is None else [c.view(torch.uint8) for c in v_caches]
+    planes = ((0, k_caches),) if v_caches is None else ((0, k_caches), (1, v_caches))
     layers, ratio = len(k_caches), block_ids.shape[1]
     unit = k_caches[0].shape[1:]
     device = k_caches[0].device
@@ -70,7 +73,7 @@ def _copy_blocks(k_caches, v_caches, block_ids, slots, *, to_slots: bool) -> Non
         parts = [r for r in range(ratio) if row[r] >= 0]
         if not parts:
             continue
-        s = _slot_view(slots[t], layers, ratio, unit, k_caches[0].dtype)
+        s = _slot_view(slots[t], layers, ratio, unit, k_caches[0].dtype, len(planes))
         whole = len(parts) == ratio
         ids = [row[r] for r in parts]
         if whole and ids == list(range(ids[0], ids[0] + ratio)):
@@ -78,7 +81,7 @@ def _copy_blocks(k_caches, v_caches, block_ids, slots, *, to_slots: bool) -> Non
         else:
             idx = torch.tensor(ids, dtype=torch.long, device=device)
         for layer in range(layers):
-            for kv, caches in ((0, k_caches), (1, v_caches)):
+            for kv, caches in planes:
                 cache = caches[layer]
                 if to_slots and whole:
                     s[layer, kv].copy_(cache[idx])
@@ -90,8 +93,9 @@ def _copy_blocks(k_caches, v_caches, block_ids, slots, *, to_slots: bool) -> Non
                     cache[idx] = s[layer, kv, parts].to(device)
 
 
-def _slot_view(slot: torch.Tensor, layers: int, ratio: int, unit: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    return slot.reshape(-1).view(torch.uint8).view(dtype).view(layers, 2, ratio, *unit)
+def _slot_view(slot: torch.Tensor, layers: int, ratio: int, unit: torch.Size, dtype: torch.dtype,
+               planes: int = 2) -> torch.Tensor:
+    return slot.reshape(-1).view(torch.uint8).view(dtype).view(layers, planes, ratio, *unit)
 
 
 def paged_attention_int4_decode(q: torch.Tensor, k_q: torch.Tensor, k_min: torch.Tensor, k_step: torch.Tensor,

@@ -25,7 +25,19 @@ bytes.
 
 Engine caches: lists of K and V views (num_blocks, block_size, kv_heads, head_dim) with
 head_dim contiguous (contiguous per layer, or views of one tensor in another layout);
-`block_ids` (n, ratio): the engine blocks of each tier block, -1 for a part not to copy.
+`block_ids` (n, ratio): the engine blocks of each tier block, -1 for a part not to copy (a load
+leaves that part of the engine's block as it is; a save writes zeros there, so a slot never
+keeps another block's bytes).
+
+Layer groups (an engine with several KV cache groups, e.g. vLLM's hybrid manager: sliding-window
+and full-attention layers, each group with block ids of its own from one pool, layers of
+different groups aliasing the same memory): `BlockTransfer(..., layer_groups=[g0, g1, ...])`
+names each layer's group, and `block_ids` is then (n, groups, ratio): layer l is copied through
+`block_ids[:, layer_groups[l]]`.
+
+Latent caches (MLA: one row of kv_lora_rank + rope dims per token, the same on every rank):
+`BlockTransfer(latents, None, ratio)`, each view (num_blocks, block_size, 1, latent); a tier
+block is then [layers, 1, block_tokens, 1, latent] (a namespace with `planes=1`).
 """
 
 from __future__ import annotations
@@ -119,14 +131,24 @@ class LoadJob:
 
 
 class BlockTransfer:
-    def __init__(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor], ratio: int,
-                 *, pinning=None, streams=None):
-        self.k, self.v, self.ratio = list(k_caches), list(v_caches), ratio
+    def __init__(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor] | None, ratio: int,
+                 *, pinning=None, streams=None, layer_groups: Sequence[int] | None = None):
+        # v_caches None: latent caches (MLA's: a row per token), one plane per layer in a tier block
+        self.k, self.ratio = list(k_caches), ratio
+        self.v = None if v_caches is None else list(v_caches)
+        self.planes = 1 if self.v is None else 2
+        if layer_groups is not None:
+            layer_groups = [int(g) for g in layer_groups]
+            if len(layer_groups) != len(self.k) or min(layer_groups) < 0:
+                raise ValueError(f"layer_groups names {len(layer_groups)} layers' groups for {len(self.k)} layers")
+            if len(set(layer_groups)) == 1 and layer_groups[0] == 0:
+                layer_groups = None      # one group: (n, 1, ratio) ids are taken as (n, ratio)
+        self.layer_groups = layer_groups
         self.device = self.k[0].device
         k0 = self.k[0]
         unit = k0[0].numel() * k0.element_size()
         self.layers = len(self.k)
-        self.layer_bytes = 2 * ratio * unit             # one layer's K and V in a tier block
+        self.layer_bytes = self.planes * ratio * unit   # one layer's K and V (or latent) in a tier block
         self.block_bytes = self.layers * self.layer_bytes
         self.cuda = self.device.type == "cuda"
         # who page-locks host memory: the CUDA runtime on a CUDA device, nobody on CPU (a test
@@ -198,6 +220,49 @@ class BlockTransfer:
             self._pinned.clear()
             self._mapping.clear()
 
+    # -- block ids per layer group ----------------------------------------------------------------
+    def _flat_ids(self, block_ids: torch.Tensor) -> torch.Tensor:
+        if block_ids.dim() == 3 and self.layer_groups is None:
+            if block_ids.shape[1] != 1:
+                raise ValueError(f"block ids for {block_ids.shape[1]} groups, and the layers form one")
+            return block_ids[:, 0]
+        if self.layer_groups is not None and (block_ids.dim() != 3 or block_ids.shape[1] <= max(self.layer_groups)):
+            raise ValueError(f"block ids of shape {tuple(block_ids.shape)} for layers in "
+                             f"{max(self.layer_groups) + 1} groups: (n, groups, ratio) expected")
+        return block_ids
+
+    def _layer_ids(self, block_ids: torch.Tensor, layer: int) -> torch.Tensor:
+        return block_ids if self.layer_groups is None else block_ids[:, self.layer_groups[layer]]
+
+    def _copy(self, fn, block_ids: torch.Tensor, slots: Sequence[torch.Tensor], layers: Sequence[int] | None = None,
+              whole: bool = True) -> None:
+        """`fn` (gather_blocks / scatter_blocks) over `layers` (all by default): in one call when
+        every layer uses the same ids, else layer by layer, each through its group's ids.
+        `whole`: `slots` hold every layer (else the one layer of `layers`)."""
+        layers = range(self.layers) if layers is None else layers
+        v = self.v
+        if self.layer_groups is None:
+            ks, vs = [self.k[i] for i in layers], None if v is None else [v[i] for i in layers]
+            if len(ks) == self.layers or not whole:
+                fn(ks, vs, block_ids, slots)
+                return
+        lb = self.layer_bytes
+        for i in layers:
+            part = [s[i * lb:(i + 1) * lb] for s in slots] if whole else slots
+            fn([self.k[i]], None if v is None else [v[i]], self._layer_ids(block_ids, i), part)
+
+    def _zero_skipped(self, block_ids: torch.Tensor, slots: Sequence[torch.Tensor]) -> None:
+        """Zeros in the parts of `slots` (host, whole tier blocks) that no engine block fills."""
+        if not bool((block_ids < 0).any()):
+            return
+        unit = self.layer_bytes // (self.planes * self.ratio)
+        for i in range(self.layers):
+            ids = self._layer_ids(block_ids, i)
+            for t, r in (ids < 0).nonzero().tolist():
+                for kv in range(self.planes):
+                    lo = i * self.layer_bytes + (kv * self.ratio + r) * unit
+                    slots[t][lo:lo + unit].zero_()
+
     # -- the two directions -----------------------------------------------------------------------
     def save_async(self, block_ids: torch.Tensor, buffers: Sequence[np.ndarray]):
         """Start copying engine blocks into host buffers (one per tier block). Returns the event
@@ -205,15 +270,19 @@ class BlockTransfer:
         for the gather (a device-to-device copy) only, not for the copy to the host: work queued
         later may reuse the blocks."""
         host = [host_tensor(b) for b in buffers]
+        block_ids = self._flat_ids(block_ids)
         sx = self.streams
         if sx is None:
-            gather_blocks(self.k, self.v, block_ids, host)
+            self._zero_skipped(block_ids, host)
+            self._copy(gather_blocks, block_ids, host)
             return None
         staging: list = []
+        skipped = bool((block_ids < 0).any())
 
         def gather():
-            buf = torch.empty((len(host), self.block_bytes), dtype=torch.uint8, device=self.device)
-            gather_blocks(self.k, self.v, block_ids, list(buf))
+            alloc = torch.zeros if skipped else torch.empty      # skipped parts go down as zeros
+            buf = alloc((len(host), self.block_bytes), dtype=torch.uint8, device=self.device)
+            self._copy(gather_blocks, block_ids, list(buf))
             staging[:] = [buf]
 
         def copy_down():
@@ -239,6 +308,7 @@ class BlockTransfer:
         device-to-device. With `layered`, one event per layer. The compute stream waits for
         nothing yet: `job.wait_layer(i)` / `job.wait_all()`."""
         n = len(buffers)
+        block_ids = self._flat_ids(block_ids)
         srcs: list = []
         for t in range(n):
             d = device_buffers[t] if device_buffers is not None and t < len(device_buffers) else None
@@ -246,7 +316,7 @@ class BlockTransfer:
         up = [i for i, src in enumerate(srcs) if src.device != self.device]   # host blocks to copy up
         sx = self.streams
         if sx is None:
-            scatter_blocks(self.k, self.v, block_ids, srcs)
+            self._copy(scatter_blocks, block_ids, srcs)
             return LoadJob(device_blocks=n - len(up))
         staging: list = []
         events = []
@@ -270,8 +340,8 @@ class BlockTransfer:
                     else:
                         slots.append(staging[0][j])
                         j += 1
-                ks, vs = (self.k, self.v) if layer is None else ([self.k[layer]], [self.v[layer]])
-                scatter_blocks(ks, vs, block_ids, slots)
+                self._copy(scatter_blocks, block_ids, slots, None if layer is None else [layer],
+                           whole=layer is None)
             return work
 
         with self._pin_lock:         # queued whole: an arena re-mapped meanwhile waits for it

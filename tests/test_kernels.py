@@ -592,3 +592,88 @@ def test_gpu_layered_load_and_async_save_with_real_streams(layout):
     for layer in range(layers):
         assert same_bytes(got[layer][0], tr.k[layer][ids.flatten().cuda()])
         assert same_bytes(got[layer][1], tr.v[layer][ids.flatten().cuda()])
+
+
+# -- layer groups (vLLM's hybrid manager: per-group block ids from one pool, aliased layers) ---------
+@pytest.mark.parametrize("staged", [False, True])
+def test_layer_groups_copy_each_layer_through_its_groups_blocks_and_save_zeros_for_skipped_parts(staged):
+    """Layers 0 and 2 form group 0, layers 1 and 3 group 1, and layer 0 aliases layer 1's memory
+    (layer 2 layer 3's), as vLLM lays a hybrid model out: block 5 belongs to group 0, block 6 to
+    group 1. A save reads each layer through its group's ids and writes zeros for a skipped part
+    (a slot that held another block's bytes keeps none of them); a load writes each layer only
+    into its group's blocks, never into another group's, which the aliasing would overwrite."""
+    from tierd.kernels.transfer import BlockTransfer
+
+    from .helpers import LazyStreams
+    ratio, bs, h, d, nb = 2, 16, 2, 32, 12
+    g = torch.Generator().manual_seed(7)
+    mem = [torch.randn((nb, 2, bs, h, d), generator=g).half() for _ in range(2)]   # two allocations
+    ks = [mem[0][:, 0], mem[0][:, 0], mem[1][:, 0], mem[1][:, 0]]                  # layer i -> mem[i // 2]
+    vs = [mem[0][:, 1], mem[0][:, 1], mem[1][:, 1], mem[1][:, 1]]
+    sx = LazyStreams() if staged else None
+    tr = BlockTransfer(ks, vs, ratio, layer_groups=[0, 1, 0, 1], streams=sx)
+    ids = torch.tensor([[[5, 2], [6, 3]], [[-1, 9], [7, 8]]])       # (tier blocks, groups, ratio)
+    bufs = [np.full(tr.block_bytes, 0xAB, dtype=np.uint8) for _ in range(2)]     # stale slot bytes
+    ev = tr.save_async(ids, bufs)
+    if staged:
+        sx.synchronize(ev)
+    got = [torch.from_numpy(b).view(torch.float16).view(4, 2, ratio, bs, h, d) for b in bufs]
+    for layer in range(4):
+        grp = [0, 1, 0, 1][layer]
+        for t in range(2):
+            for r in range(ratio):
+                b = int(ids[t, grp, r])
+                for kv, caches in ((0, ks), (1, vs)):
+                    if b < 0:
+                        assert not got[t][layer, kv, r].view(torch.uint8).any(), (layer, t, r)
+                    else:
+                        assert same_bytes(got[t][layer, kv, r], caches[layer][b]), (layer, t, r)
+    # load into other blocks of each group; everything else, in either group, stays as it was
+    before = [m.clone() for m in mem]
+    dst = torch.tensor([[[10, 11], [1, 0]], [[4, -1], [-1, 2]]])
+    job = tr.load_layers(dst, bufs, layered=staged)
+    job.wait_all()
+    if staged:
+        sx.settle()
+    job.synchronize()
+    written = {(layer // 2, int(dst[t, layer % 2, r])) for layer in range(4) for t in range(2) for r in range(ratio)
+               if dst[t, layer % 2, r] >= 0}
+    for layer in range(4):
+        for t in range(2):
+            for r in range(ratio):
+                b = int(dst[t, layer % 2, r])
+                if b >= 0:
+                    assert same_bytes(ks[layer][b], got[t][layer, 0, r]) and same_bytes(vs[layer][b], got[t][layer, 1, r])
+    for m in range(2):
+        for b in range(nb):
+            if (m, b) not in written:
+                assert same_bytes(mem[m][b], before[m][b]), (m, b)
+    with pytest.raises(ValueError, match="groups"):
+        tr.load_layers(torch.tensor([[5, 2]]), bufs[:1])               # flat ids for grouped layers
+
+
+def test_latent_caches_round_trip_as_one_plane_per_layer(host_store):
+    """MLA's caches (a row of kv_lora_rank + rope dims per token, no V): a tier block is
+    [layers, block_tokens, latent], token-major per layer, as a latent namespace says."""
+    from tierd import Namespace
+    from tierd.kernels.transfer import BlockTransfer
+    layers, ratio, bs, latent = 3, 2, 16, 576
+    ns = Namespace("latent-test", "float16", layers, 1, latent, block_tokens=ratio * bs, planes=1)
+    assert ns.block_shape == (layers, 1, ratio * bs, 1, latent) and ns.block_bytes == layers * ratio * bs * latent * 2
+    g = torch.Generator().manual_seed(11)
+    caches = [torch.randn((20, 1, bs, latent), generator=g).half() for _ in range(layers)]   # vLLM's (B, 1, N, C)
+    views = [c.view(20, bs, 1, latent) for c in caches]
+    tr = BlockTransfer(views, None, ratio)
+    assert tr.block_bytes == ns.block_bytes
+    keys = ns.block_keys(list(range(2 * ratio * bs)))
+    assert tr.store(host_store, ns, keys, torch.tensor([[3, 9], [12, 1]])) == 2
+    (got,) = host_store.get(ns, keys[1:2])
+    t = torch.from_numpy(got).view(torch.float16).view(layers, ratio * bs, latent)
+    for layer in range(layers):
+        assert torch.equal(t[layer], torch.cat([caches[layer][12, 0], caches[layer][1, 0]]))
+    dst = [torch.zeros_like(v) for v in views]
+    back = BlockTransfer(dst, None, ratio)
+    assert back.load(host_store, ns, keys, torch.tensor([[5, 6], [-1, 8]])) == 2
+    for layer in range(layers):
+        assert torch.equal(dst[layer][5], views[layer][3]) and torch.equal(dst[layer][8], views[layer][1])
+        assert not dst[layer][7].any()

@@ -198,3 +198,30 @@ def test_no_cache_salt_can_alias_another_namespace():
     assert forged.id != target.id
     assert Namespace(**base, cache_salt="a\x1fb").id != Namespace(**base, cache_salt="a", layout="b").id
     assert Namespace(**base, cache_salt="").id != Namespace(**base, cache_salt="\x00").id
+
+
+def test_the_fields_of_hybrid_latent_and_staged_models_are_identity_and_leave_other_ids_alone():
+    """`attention` (KV cache groups), `planes` (MLA's latent rows) and `layers` (a pipeline
+    stage's): each makes another namespace, none can be spelled by another, each survives the
+    wire (to_dict / from_dict), and a namespace without them keeps the id it had before they
+    existed (the v2 identity over the other fields alone)."""
+    base = dict(model="m", kv_dtype="float16", num_layers=4, num_kv_heads=1, head_dim=576)
+    plain = Namespace(**base)
+    v2 = b"".join(len(v).to_bytes(4, "little") + v for v in (str(x).encode() for x in (
+        "tierd-ns-v2", "m", "float16", 4, 1, 576, 256, 0, 1, "", "", "", "")))
+    assert plain.id == hashlib.blake2b(v2, digest_size=16).digest()      # ids of before are kept
+    variants = [plain, Namespace(**base, attention="vllm-groups-v1/full:0,1;sliding128:2,3"),
+                Namespace(**base, planes=1), Namespace(**base, attention="planes=1"),
+                Namespace(**dict(base, num_layers=2), layers="0-2/4"), Namespace(**dict(base, num_layers=2), layers="2-4/4"),
+                Namespace(**dict(base, num_layers=2)), Namespace(**base, planes=1, attention="x")]
+    assert len({ns.id for ns in variants}) == len(variants)
+    for ns in variants:
+        assert Namespace.from_dict(ns.to_dict()) == ns and Namespace.from_dict(ns.to_dict()).id == ns.id
+    latent = Namespace(**base, planes=1)
+    assert latent.block_shape == (4, 1, 256, 1, 576) and latent.block_bytes == 4 * 256 * 576 * 2
+    assert plain.block_bytes == 2 * latent.block_bytes
+    for bad in (dict(base, planes=3), dict(base, num_kv_heads=2, planes=1), dict(base, layers="0-2/4"),
+                dict(base, num_layers=2, layers="2-1/4"), dict(base, num_layers=2, layers="3-5/4"),
+                dict(base, layers="all")):
+        with pytest.raises(NamespaceError):
+            Namespace(**bad)

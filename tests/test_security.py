@@ -67,7 +67,7 @@ def test_flush_is_an_operator_action(operator):
     base = Path(tempfile.mkdtemp(prefix="tierd-op-"))   # reachable by uid 65534
     base.chmod(0o755)
     (base / "run").mkdir(mode=0o755)
-    toml = 'socket_mode = "0666"\nallowed_uids = [65534]\n' + (f"operator_uids = [65534]\n" if operator else "")
+    toml = 'socket_mode = "0666"\nallowed_uids = [65534]\n' + ("operator_uids = [65534]\n" if operator else "")
     d = DaemonProc(base, toml=toml).start()
     ns = make_ns()
     keys = chain(ns, 1, 2)

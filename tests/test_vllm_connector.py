@@ -115,9 +115,10 @@ def test_bad_configuration_is_refused_or_disables_with_a_reason(embedded_url):
     worker = tv.TierdConnector(config(embedded_url), tv.KVConnectorRole.WORKER, None)
     worker.register_kv_caches({n: torch.zeros(8, 3, 16, 16, dtype=torch.float16) for n in drv.layer_names()})
     assert "FLASH_ATTN KV cache of shape (8, 3, 16, 16)" in worker.disabled
-    hybrid = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=object())] * 2)
+    mamba = type("MambaSpec", (), {"block_size": 16})()
+    hybrid = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=mamba, layer_names=["a"])] * 2)
     c = tv.TierdConnector(config(embedded_url), tv.KVConnectorRole.SCHEDULER, hybrid)
-    assert "hybrid" in c.disabled
+    assert "Mamba and linear-attention state" in c.disabled
     assert c.get_num_new_matched_tokens(drv.Objects().request("A", list(range(64))), 0) == (0, False)
 
 
@@ -159,16 +160,23 @@ def vllm_python(env: str = "cpu-build") -> str | None:
     return str(py) if py.exists() else None
 
 
-@pytest.mark.parametrize("env", sorted(VLLM_ENVS))
-@pytest.mark.timeout(vllm_wait.SCRIPT_S + 120)
-def test_conformance_with_the_installed_vllm(tmp_path, env):
-    """vLLM's real base class, factory, configs, requests and scheduler outputs, in both vLLM
-    environments (`make vllm-env` builds them; CI builds them and fails if it cannot)."""
+def required_vllm_python(env: str = "cpu-build") -> str:
+    """`vllm_python(env)`, or the test fails (where the environment is part of the suite:
+    TEST_REQUIRE_VLLM, as in CI) or is skipped."""
     py = vllm_python(env)
     if py is None:
         if os.environ.get("TEST_REQUIRE_VLLM"):
             pytest.fail(f"the vLLM environment {VLLM_ENVS[env]} is part of this suite here, and it is missing")
         pytest.skip(f"no {VLLM_ENVS[env]} environment; `make vllm-env` builds it")
+    return py
+
+
+@pytest.mark.parametrize("env", sorted(VLLM_ENVS))
+@pytest.mark.timeout(vllm_wait.SCRIPT_S + 120)
+def test_conformance_with_the_installed_vllm(tmp_path, env):
+    """vLLM's real base class, factory, configs, requests and scheduler outputs, in both vLLM
+    environments (`make vllm-env` builds them; CI builds them and fails if it cannot)."""
+    py = required_vllm_python(env)
     env_vars = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING", TMPDIR=str(tmp_path))
     r = vllm_wait.run_script([py, "-m", "tests.vllm_check"], f"tests/vllm_check.py in {VLLM_ENVS[env]}", cwd=ROOT,
                              env=env_vars)
@@ -185,6 +193,22 @@ def _stored(sched, worker, objs, prompt, rid="A"):
     drv.step(sched, worker, objs.output([(r, range(nb), 0, len(prompt))]))
     assert worker.flush(30)
     return r
+
+
+def step_workers(sched, workers, out, flush: bool = True) -> None:
+    """One engine step with several workers (tensor-parallel ranks, pipeline stages): the same
+    metadata to each, each loads and saves; no load errors; then (`flush`) every save is in."""
+    meta = sched.build_connector_meta(out)
+    for w in workers:
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        w.wait_for_save()
+        w.get_finished(set())
+        assert w.get_block_ids_with_load_errors() == set()
+        w.clear_connector_metadata()
+    if flush:
+        for w in workers:
+            assert w.flush(30)
 
 
 # -- tensor parallelism ---------------------------------------------------------------------------
@@ -204,15 +228,7 @@ def test_every_tensor_parallel_rank_counts_and_a_missing_rank_heals(daemon):
     sched, workers = _tp(daemon.url), [_tp(daemon.url, r) for r in (0, 1)]
 
     def step(out):
-        meta = sched.build_connector_meta(out)
-        for w in workers:
-            w.bind_connector_metadata(meta)
-            w.start_load_kv(None)
-            w.wait_for_save()
-            assert w.get_block_ids_with_load_errors() == set()
-            w.clear_connector_metadata()
-        for w in workers:
-            assert w.flush(30)
+        step_workers(sched, workers, out)
 
     objs = drv.Objects()
     prompt = list(range(1, 71))                       # two full tier blocks of 32 tokens
@@ -580,3 +596,165 @@ def test_a_device_error_while_loading_is_reported_for_recompute_not_raised(embed
     assert tv._EMBEDDED[embedded_url].stats()["leases"] == 0
     worker.shutdown()
     sched.shutdown()
+
+
+# -- hybrid models (vLLM's hybrid KV cache manager) ------------------------------------------------
+def test_hybrid_groups_are_copied_through_their_own_block_ids(embedded_url):
+    """Sliding-window and full-attention layers with block ids per group from one pool and
+    aliased memory: each layer goes through its group's ids, null blocks are skipped, a
+    window's freed blocks are stored as zeros, never as another request's bytes."""
+    groups = drv.hybrid_kv_cache_config()
+    sched = tv.TierdConnector(config(embedded_url), tv.KVConnectorRole.SCHEDULER, groups)
+    worker = tv.TierdConnector(config(embedded_url), tv.KVConnectorRole.WORKER, groups)
+    assert not sched.disabled and not worker.disabled, (sched.disabled, worker.disabled)
+    assert isinstance(sched, tv.SupportsHMA)
+    worker.register_kv_caches(drv.hybrid_paged_caches())
+    assert not worker.disabled, worker.disabled
+    try:
+        drv.run_hybrid(sched, worker, drv.GroupObjects(), tv._EMBEDDED[embedded_url])
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
+def test_the_group_structure_is_part_of_the_namespace(embedded_url):
+    """The same model cached with the hybrid manager on (windows kept, zeros outside them) and
+    off (one group, every token kept) never shares blocks."""
+    hybrid = tv.TierdConnector(config(embedded_url), tv.KVConnectorRole.SCHEDULER, drv.hybrid_kv_cache_config())
+    one = SimpleNamespace(kv_cache_groups=[SimpleNamespace(
+        kv_cache_spec=type("FullAttentionSpec", (), {"block_size": drv.BLOCK_SIZE, "sliding_window": drv.WINDOW})(),
+        layer_names=drv.layer_names())])
+    plain = tv.TierdConnector(config(embedded_url), tv.KVConnectorRole.SCHEDULER, one)
+    unknown = tv.TierdConnector(config(embedded_url), tv.KVConnectorRole.SCHEDULER, None)
+    assert hybrid.namespace("").id != plain.namespace("").id
+    assert plain.namespace("").id == unknown.namespace("").id      # every token kept: the same bytes
+    for c in (hybrid, plain, unknown):
+        c.shutdown()
+
+
+def test_a_sliding_model_without_vllms_live_block_table_saves_nothing(embedded_url):
+    """A table kept from step outputs may name blocks a window has freed (and vLLM has given to
+    another request): without vLLM's live table, a model with windows stores nothing."""
+    groups = drv.hybrid_kv_cache_config()
+    sched = tv.TierdConnector(config(embedded_url), tv.KVConnectorRole.SCHEDULER, groups)
+    objs = drv.GroupObjects()
+    a = objs.request("HC", list(range(64)))
+    table = ([1, 2, 3, 4], [5, 6, 7, 8])
+    drv.admit(sched, objs, a, 0, table)
+    out = objs.live_output([(a, table, 0, 64)])
+    out.kv_connector_block_state = None
+    assert sched.build_connector_meta(out).saves == []
+    assert sched.stats["stores_skipped"] == 2
+    sched.shutdown()
+
+
+# -- MLA: one latent row per token, the same on every tensor-parallel rank -------------------------
+LATENT = 576      # DeepSeek's kv_lora_rank 512 + rope 64, the only size vLLM's CPU MLA runs
+
+
+def test_mla_latent_rows_are_stored_once_by_rank_0_and_loaded_by_every_rank(embedded_url):
+    """Two tensor-parallel workers of an MLA model (vLLM's CPU_MLA cache: a row per token):
+    one namespace for both, rank 0 alone writes, both load; a tier block is
+    [layers, block_tokens, latent], token-major per layer."""
+    def cfg(rank):
+        c = config(embedded_url)
+        ns = c.kv_transfer_config.kv_connector_extra_config["namespace"]
+        c.kv_transfer_config.kv_connector_extra_config["namespace"] = dict(
+            ns, num_kv_heads=1, head_dim=LATENT, planes=1, tp_rank=rank)
+        c.compilation_config.static_forward_context = {
+            n: SimpleNamespace(attn_backend=drv.backend_class("CPU_MLA"), isa=None) for n in drv.layer_names()}
+        return c
+
+    g = torch.Generator().manual_seed(4)
+    sched = tv.TierdConnector(cfg(0), tv.KVConnectorRole.SCHEDULER, None)
+    workers = [tv.TierdConnector(cfg(r), tv.KVConnectorRole.WORKER, None) for r in (0, 1)]
+    caches = [{n: torch.randn((drv.NUM_BLOCKS, drv.BLOCK_SIZE, LATENT), generator=g).half() for n in drv.layer_names()}
+              for _ in workers]
+    for w, c in zip(workers, caches):
+        w.register_kv_caches(c)
+        assert not w.disabled, w.disabled
+    assert sched.key_ranks == 1 and sched.namespace("").planes == 1
+
+    def step(out):
+        step_workers(sched, workers, out, flush=False)
+
+    objs = drv.Objects()
+    prompt = torch.randint(0, 32000, (100,), generator=g).tolist()
+    a = objs.request("MA", prompt)
+    assert drv.admit(sched, objs, a, 0, list(range(7))) == 0
+    step(objs.output([(a, range(7), 0, 100)]))
+    for w in workers:
+        assert w.flush(30)
+    assert workers[0].stats["stored_blocks"] == 3 and workers[1].stats.get("stored_blocks", 0) == 0
+    sched.request_finished_all_groups(a, (list(range(7)),))
+    ns = workers[0].namespace("")
+    store = tv._EMBEDDED[embedded_url]
+    (block,) = store.get(ns, ns.block_keys(prompt[:96])[1:2])
+    rows = torch.from_numpy(block).view(torch.float16).view(drv.LAYERS, drv.BLOCK_TOKENS, LATENT)
+    for i, n in enumerate(drv.layer_names()):
+        assert torch.equal(rows[i], torch.cat([caches[0][n][2], caches[0][n][3]]))
+    # a fresh request with the prefix: both ranks load rank 0's rows into blocks 10..15
+    b = objs.request("MB", prompt[:96] + [5] * 8)
+    assert drv.admit(sched, objs, b, 0, list(range(10, 17))) == 96
+    step(objs.output([(b, range(10, 17), 96, 8)]))
+    for c in caches:
+        for n in drv.layer_names():
+            assert torch.equal(c[n][10:16], caches[0][n][0:6]), n
+    for w in (*workers, sched):
+        w.shutdown()
+
+
+# -- pipeline parallelism: each stage its layers, a hit only where every stage holds it ------------
+def test_pipeline_stages_store_their_own_layers_and_a_hit_needs_every_stage(daemon):
+    names = drv.layer_names()
+
+    def conn(stage=None):
+        ns = dict(drv.extra_config(daemon.url)["namespace"], pp_size=2)
+        if stage is not None:
+            ns["pp_rank"] = stage
+        role = tv.KVConnectorRole.SCHEDULER if stage is None else tv.KVConnectorRole.WORKER
+        c = tv.TierdConnector(config(daemon.url, namespace=ns, load_async=False), role, None)
+        if stage is not None:       # a stage's worker gets its own layers only (global names)
+            caches = drv.paged_caches(seed=20 + stage)
+            c.register_kv_caches({n: caches[n] for n in names[2 * stage:2 * stage + 2]})
+            assert not c.disabled, c.disabled
+        return c
+
+    sched, stages = conn(), [conn(0), conn(1)]
+    assert sched.stages == [(0, 2), (2, 4)] and sched.key_ranks == 2
+
+    def step(out):
+        step_workers(sched, stages, out)
+
+    objs = drv.Objects()
+    prompt = list(range(1, 71))
+    a = objs.request("PA", prompt)
+    assert drv.admit(sched, objs, a, 0, list(range(5))) == 0
+    step(objs.output([(a, range(5), 0, 70)]))
+    sched.request_finished(a, list(range(5)))
+    nss = [w.namespace("") for w in stages]
+    assert [ns.layers for ns in nss] == ["0-2/4", "2-4/4"] and nss[0].id != nss[1].id
+    assert nss == [sched.namespace("", 0), sched.namespace("", 1)]    # the scheduler keys every stage
+    # a fresh request loads both stages' layers into its blocks
+    b = objs.request("PB", prompt[:64] + [9] * 6)
+    assert drv.admit(sched, objs, b, 0, list(range(10, 15))) == 64
+    step(objs.output([(b, range(10, 15), 64, 6)]))
+    for w in stages:
+        for k, v in w._layers:
+            assert torch.equal(k[10:14], k[0:4]) and torch.equal(v[10:14], v[0:4])
+    sched.request_finished(b, list(range(10, 15)))
+    with tierd.connect(daemon.url) as admin:
+        admin.flush(namespace=nss[1])                     # stage 1 loses its blocks
+        c = objs.request("PC", prompt)
+        assert drv.admit(sched, objs, c, 0, list(range(20, 25))) == 0    # stage 0's alone: no hit
+        sched.request_finished(c, list(range(20, 25)))
+    for w in (*stages, sched):
+        w.shutdown()
+
+
+def test_pipeline_parallelism_with_sliding_windows_is_declined(embedded_url):
+    ns = dict(drv.extra_config(embedded_url)["namespace"], pp_size=2)
+    c = tv.TierdConnector(config(embedded_url, namespace=ns), tv.KVConnectorRole.SCHEDULER,
+                          drv.hybrid_kv_cache_config())
+    assert "pipeline parallelism with several KV cache groups" in c.disabled
+    c.shutdown()

@@ -31,7 +31,7 @@ import pytest
 
 from . import vllm_wait
 from .daemon import DaemonProc
-from .test_vllm_connector import ROOT, vllm_python
+from .test_vllm_connector import ROOT, required_vllm_python
 
 # pytest's own limit sits above the engines' budget, so a slow machine gets vllm_wait's message
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(vllm_wait.BUDGET_S + 600)]
@@ -154,11 +154,7 @@ def _retrain_in_place(adapter: Path, new_weights: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    py = vllm_python()
-    if py is None:
-        if os.environ.get("TEST_REQUIRE_VLLM"):
-            pytest.fail("the vLLM environment is part of this suite here, and it is missing")
-        pytest.skip("no vLLM environment (.venv-vllm); `make vllm-env` builds one")
+    py = required_vllm_python()
     from tierd.engine import LLM, SamplingParams
     from tierd.engine.random_model import write_random_lora, write_random_model
 

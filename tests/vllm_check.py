@@ -36,6 +36,10 @@ def main() -> int:
     # -- the class itself -----------------------------------------------------------------------
     assert tv.HAVE_VLLM, "tierd.connectors.vllm did not pick up vLLM's base class"
     checked = same_signatures(tv.TierdConnector, KVConnectorBase_V1)
+    # vLLM keeps its hybrid KV cache manager on only for SupportsHMA connectors
+    from vllm.distributed.kv_transfer.kv_connector.v1 import SupportsHMA
+    checked += same_signatures(tv.TierdConnector, SupportsHMA)
+    assert "request_finished_all_groups" in checked
     missing = {"get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                "request_finished", "register_kv_caches", "start_load_kv", "wait_for_layer_load",
                "save_kv_layer", "wait_for_save", "get_finished"} - set(checked)
@@ -103,6 +107,7 @@ def main() -> int:
     drv.run_load_error(sched, worker, objs, store)
     worker.shutdown()
     sched.shutdown()
+    check_hybrid(config, layers, objs, store)
     store.close()
     check_declines(ktc, kv_cache_config, layers)
     tier_checked = check_secondary_tier()
@@ -110,6 +115,66 @@ def main() -> int:
           f"checked {len(checked)} overridden methods: {', '.join(sorted(checked))}; "
           f"secondary tier: {tier_checked})")
     return 0
+
+
+def check_hybrid(config, layers, objs, store) -> None:
+    """vLLM's hybrid KV cache manager, with its own classes: its KVCacheConfig of a sliding-
+    window group and a full-attention group, per-group block tables with the null block, the
+    live table it offers connectors, and request_finished_all_groups (drv.run_hybrid)."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import CachedRequestData, KVConnectorBlockState, NewRequestData, SchedulerOutput
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    from . import vllm_driver as drv
+
+    common = dict(block_size=drv.BLOCK_SIZE, num_kv_heads=drv.KV_HEADS, head_size=drv.HEAD_DIM, dtype=torch.float16)
+    groups = [KVCacheGroupSpec(layer_names=[layers[i] for i in drv.SLIDING_LAYERS],
+                               kv_cache_spec=SlidingWindowSpec(sliding_window=drv.WINDOW, **common)),
+              KVCacheGroupSpec(layer_names=[layers[i] for i in drv.FULL_LAYERS], kv_cache_spec=FullAttentionSpec(**common))]
+    kv_cache_config = KVCacheConfig(num_blocks=drv.NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+    sched = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+    assert not sched.disabled and not worker.disabled, (sched.disabled, worker.disabled)
+    worker.register_kv_caches(drv.hybrid_paged_caches())
+    assert not worker.disabled, worker.disabled
+
+    class VllmGroupObjects(drv.GroupObjects):
+        request = type(objs).request
+
+        def blocks(self, table):
+            return KVCacheBlocks(blocks=tuple([KVCacheBlock(block_id=b) for b in row] for row in table))
+
+        def live_output(self, new, cached=(), live=None):
+            live = {k: tuple(list(r) for r in v) for k, v in (live or {}).items()}
+            new_reqs = []
+            for r, t, c, _ in new:
+                r.num_computed_tokens = c
+                new_reqs.append(NewRequestData.from_request(r, tuple(list(x) for x in t)))
+            cached_reqs = CachedRequestData(
+                req_ids=[c[0] for c in cached], resumed_req_ids=set(), new_token_ids=[[] for _ in cached],
+                all_token_ids={}, new_block_ids=[tuple(list(x) for x in c[1]) if c[1] else None for c in cached],
+                num_computed_tokens=[c[2] for c in cached], num_output_tokens=[1 for _ in cached])
+            sched_tokens = {r.request_id: s for r, _, _, s in new} | {c[0]: c[3] for c in cached}
+            return SchedulerOutput(
+                scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
+                num_scheduled_tokens=sched_tokens, total_num_scheduled_tokens=sum(sched_tokens.values()),
+                scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
+                free_encoder_mm_hashes=[],
+                kv_connector_block_state=KVConnectorBlockState(req_ids=set(live), resolve_block_ids=live.__getitem__,
+                                                               boundary_state_offloads={}))
+
+    drv.run_hybrid(sched, worker, VllmGroupObjects(), store)
+    worker.shutdown()
+    sched.shutdown()
 
 
 def check_declines(ktc, kv_cache_config, layers) -> None:
@@ -180,7 +245,12 @@ def same_signatures(ours: type, base: type) -> list[str]:
     assert issubclass(ours, base), (ours, base)
     assert not ours.__abstractmethods__, (ours, ours.__abstractmethods__)
     checked = []
-    for name, member in vars(ours).items():
+    # the class and the halves it is made of (tierd's own classes in its MRO; the nearest wins)
+    members: dict = {}
+    for klass in reversed(ours.__mro__):
+        if klass.__module__.startswith("tierd."):
+            members.update(vars(klass))
+    for name, member in members.items():
         theirs = getattr(base, name, None)
         if name.startswith("_") or not callable(member) or theirs is None:
             continue

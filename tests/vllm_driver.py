@@ -242,3 +242,126 @@ def run_load_error(sched, worker, objs: Objects, store) -> None:
     step(sched, worker, objs, objs.output([]))
     assert objs.take_errors() == set()                        # reported once
     sched.request_finished(b, list(range(50, 55)))
+
+
+# -- hybrid models: a sliding-window group and a full-attention group (vLLM's hybrid manager) -----
+WINDOW = 8                      # tokens of the sliding window (less than a tier block: parts go)
+SLIDING_LAYERS, FULL_LAYERS = (0, 2), (1, 3)
+
+
+def hybrid_kv_cache_config(objs=None):
+    """Groups as vLLM's hybrid manager makes them for a model of window and full layers; `objs`
+    may supply vLLM's own spec classes (objs.hybrid_specs())."""
+    from types import SimpleNamespace
+    names = layer_names()
+    if objs is not None and hasattr(objs, "hybrid_specs"):
+        sliding, full = objs.hybrid_specs()
+    else:
+        sliding = type("SlidingWindowSpec", (), {"block_size": BLOCK_SIZE, "sliding_window": WINDOW})()
+        full = type("FullAttentionSpec", (), {"block_size": BLOCK_SIZE})()
+    return SimpleNamespace(kv_cache_groups=[
+        SimpleNamespace(kv_cache_spec=sliding, layer_names=[names[i] for i in SLIDING_LAYERS]),
+        SimpleNamespace(kv_cache_spec=full, layer_names=[names[i] for i in FULL_LAYERS])])
+
+
+def hybrid_paged_caches(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Layers 0 and 1 share one allocation, layers 2 and 3 another, as vLLM lays out a hybrid
+    model: a block id is one group's at a time, and the other group's layer aliases its bytes."""
+    one, two = paged_caches("BHN2D", seed)["model.layers.0.self_attn.attn"], \
+        paged_caches("BHN2D", seed + 1)["model.layers.0.self_attn.attn"]
+    names = layer_names()
+    return {names[0]: one, names[1]: one, names[2]: two, names[3]: two}
+
+
+def layer_block(conn, layer: int, block_id: int) -> torch.Tensor:
+    k, v = conn._layers[layer]
+    return torch.stack([k[block_id], v[block_id]]).clone()
+
+
+class GroupObjects(Objects):
+    """Block tables per KV cache group, and vLLM's live table in the scheduler output."""
+
+    def blocks(self, table):
+        from types import SimpleNamespace
+        return SimpleNamespace(get_block_ids=lambda: tuple(list(r) for r in table))
+
+    def live_output(self, new, cached=(), live=None):
+        """new: (request, table, num_computed, num_scheduled); cached: (req_id, new_table or None,
+        num_computed, num_scheduled); live: {req_id: table} as vLLM's manager holds it now."""
+        from types import SimpleNamespace
+        live = dict(live or {})
+        new_reqs = [SimpleNamespace(req_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
+                                    block_ids=tuple(list(x) for x in t), num_computed_tokens=c) for r, t, c, _ in new]
+        cached_reqs = SimpleNamespace(req_ids=[c[0] for c in cached], resumed_req_ids=set(),
+                                      new_block_ids=[tuple(list(x) for x in c[1]) if c[1] else None for c in cached],
+                                      num_computed_tokens=[c[2] for c in cached])
+        sched = {r.request_id: s for r, _, _, s in new} | {c[0]: c[3] for c in cached}
+        state = SimpleNamespace(get_block_ids=lambda rid: tuple(list(x) for x in live[rid]) if rid in live else None)
+        return SimpleNamespace(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
+                               num_scheduled_tokens=sched, finished_req_ids=set(),
+                               kv_connector_block_state=state)
+
+
+def run_hybrid(sched, worker, objs: GroupObjects, store) -> None:
+    """A sliding-window group (layers 0, 2; window 8) beside a full-attention group (1, 3), block
+    ids per group from one pool, the groups' layers aliasing each other's memory.
+
+    A stores 100 tokens in two chunks (56, then 44 tokens): by the second step the window has
+    freed A's sliding blocks 0-2, and block 3 already holds another request's bytes. A fresh
+    request B loads the prefix: each layer is written only through its group's ids, the sliding
+    layers only into the window's tail, and nothing of another group or request changes."""
+    torch.manual_seed(3)
+    prompt = torch.randint(0, 32000, (100,)).tolist()
+    a = objs.request("HA", prompt)
+    slide, full = [1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14]
+    assert admit(sched, objs, a, 0, (slide[:4], full[:4]), worker) == 0
+    step(sched, worker, objs.live_output([(a, (slide[:4], full[:4]), 0, 56)], live={"HA": (slide[:4], full[:4])}))
+    assert worker.flush(30)
+    assert worker.stats["stored_blocks"] == 1            # tier block 0 (tokens 0-31)
+    kept = {(layer, b): layer_block(worker, layer, b) for layer in range(LAYERS) for b in range(NUM_BLOCKS)}
+    # step 2 (C = 56): vLLM freed the sliding blocks wholly before token 56 - 8 + 1 (ids 1, 2, 3)
+    # and gave block 3 to another request, which wrote it
+    for k, v in (worker._layers[i] for i in SLIDING_LAYERS):
+        k[3].fill_(9.0)
+        v[3].fill_(-9.0)
+    live = ([0, 0, 0] + slide[3:], full)
+    step(sched, worker, objs.live_output([], cached=[("HA", (slide[4:], full[4:]), 56, 44)], live={"HA": live}))
+    assert worker.flush(30)
+    assert worker.stats["stored_blocks"] == 3            # tier blocks 1 and 2
+    sched.request_finished_all_groups(a, live)
+    # tier block 1 (tokens 32-63): its sliding layers hold zeros for tokens 32-47 (gone by
+    # then), A's bytes for 48-63 (the window of any hit ending at 64 or later)
+    ns = worker.namespace("")
+    assert ns.attention.startswith("vllm-groups-v1/"), ns.attention
+    keys = ns.block_keys(prompt[:96])
+    got = torch.from_numpy(store.get(ns, keys[1:2])[0]).view(torch.float16).view(
+        LAYERS, 2, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    for layer in SLIDING_LAYERS:
+        assert not got[layer, :, 0].any(), "a freed block's (another request's) bytes were stored"
+        assert torch.equal(got[layer, 0, 1], kept[(layer, 4)][0]) and torch.equal(got[layer, 1, 1], kept[(layer, 4)][1])
+    for layer in FULL_LAYERS:
+        assert torch.equal(got[layer, 0, 0], kept[(layer, 10)][0]) and torch.equal(got[layer, 1, 1], kept[(layer, 11)][1])
+    stored_a = {(layer, b): layer_block(worker, layer, b) for layer in range(LAYERS) for b in range(NUM_BLOCKS)}
+
+    # B: the same 100 tokens, fresh; the hit is 96 tokens (3 tier blocks); vLLM's table for the
+    # sliding group has nulls for blocks 0-4 (before token 96 - 8 + 1) and blocks 21, 22
+    b = objs.request("HB", prompt)
+    table = ([0, 0, 0, 0, 0, 21, 22], [30, 31, 32, 33, 34, 35, 36])
+    before = {(layer, blk): layer_block(worker, layer, blk) for layer in range(LAYERS) for blk in range(NUM_BLOCKS)}
+    assert admit(sched, objs, b, 0, table, worker) == 96
+    step(sched, worker, objs.live_output([(b, table, 96, 4)], live={"HB": table}))
+    assert objs.take_errors() == set()
+    written = {(layer, blk) for layer in SLIDING_LAYERS for blk in (21,)} | \
+              {(layer, blk) for layer in FULL_LAYERS for blk in range(30, 36)}
+    for layer in SLIDING_LAYERS:                      # the window's tail: A's block of tokens 80-95
+        assert torch.equal(layer_block(worker, layer, 21), stored_a[(layer, 6)])
+    for layer in FULL_LAYERS:
+        for i in range(6):
+            assert torch.equal(layer_block(worker, layer, 30 + i), stored_a[(layer, full[i])])
+    # the aliasing: layer 0 is layer 1's memory (2 is 3's); a block is one group's at a time
+    for layer in range(LAYERS):
+        alias = layer ^ 1
+        for blk in range(NUM_BLOCKS):
+            if (layer, blk) not in written and (alias, blk) not in written:
+                assert torch.equal(layer_block(worker, layer, blk), before[(layer, blk)]), (layer, blk)
+    sched.request_finished_all_groups(b, table)

@@ -5,6 +5,8 @@ without `TierdConnector`, and writes what happened as JSON. Run in the vLLM envi
     python -m tests.vllm_engine SPEC.json
 
 SPEC: {"model": DIR, "out": PATH, "connector": null | {kv_connector_extra_config...},
+       "connector_module": the connector's module (tierd.connectors.vllm by default),
+       "env": {environment variables for vLLM, set before it is imported},
        "offload": null | {kv_connector_extra_config of vLLM's OffloadingConnector (tierd's
                   TierdOffloadingConnector where a secondary tier is tierd's)},
        "engine": {extra vllm.LLM arguments}, "loras": {name: dir},
@@ -36,6 +38,7 @@ def _counters(llm) -> dict[str, float]:
 
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
+    os.environ.update(spec.get("env") or {})                      # before vLLM reads its settings
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")   # same threads with and without a connector
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")         # GiB
     from vllm import LLM, SamplingParams
@@ -48,7 +51,8 @@ def main(spec_path: str) -> int:
     kw.update(spec.get("engine", {}))
     if spec.get("connector") is not None:
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="TierdConnector", kv_connector_module_path="tierd.connectors.vllm", kv_role="kv_both",
+            kv_connector="TierdConnector", kv_role="kv_both",
+            kv_connector_module_path=spec.get("connector_module") or "tierd.connectors.vllm",
             kv_load_failure_policy="recompute", kv_connector_extra_config=spec["connector"])
     elif spec.get("offload") is not None:
         # tierd's tier runs under TierdOffloadingConnector (vLLM's, telling the tier each request's

@@ -71,6 +71,13 @@ class Namespace:
     layout: str = ""        # "" = the canonical layout above; else the engine layout the bytes are in
     kv_scales: str = ""     # "" = unit scales (or none: not a quantized dtype); else their digest
     tier_codec: str = ""    # "" = exact on every tier; "fp8" / "int4[:GROUP]": lossy on disk and remote
+    attention: str = ""     # "" = every layer keeps every token; else the engine's layer groups
+    #                         (sliding windows: which tokens of a block are there, see
+    #                         connectors/vllm_groups.py)
+    planes: int = 2         # 2: K and V per head; 1: one row per token (MLA's latent: one "head"
+    #                         of head_dim = kv_lora_rank + rope dims), [layers, block_tokens, latent]
+    layers: str = ""        # "" = every layer of the model; "A-B/N": layers A..B-1 of N (a
+    #                         pipeline-parallel stage's), num_layers = B - A
     _id: bytes = field(init=False, repr=False, compare=False, default=b"")
 
     def __post_init__(self) -> None:
@@ -81,9 +88,18 @@ class Namespace:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise NamespaceError(f"namespace {name} must be a positive integer, got {v!r}")
+        if self.layers:
+            m = re.fullmatch(r"(\d+)-(\d+)/(\d+)", self.layers)
+            if m is None or not int(m[1]) < int(m[2]) <= int(m[3]) or int(m[2]) - int(m[1]) != self.num_layers:
+                raise NamespaceError(f"namespace layers {self.layers!r}: 'A-B/N' with A < B <= N and "
+                                     f"B - A = num_layers ({self.num_layers})")
+        if self.planes not in (1, 2) or isinstance(self.planes, bool):
+            raise NamespaceError(f"namespace planes must be 2 (K and V) or 1 (a latent row), got {self.planes!r}")
+        if self.planes == 1 and self.num_kv_heads != 1:
+            raise NamespaceError("a latent (one-plane) namespace has one KV head: its head_dim is the latent size")
         if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
             raise NamespaceError(f"tp_rank {self.tp_rank!r} must lie in [0, tp_size={self.tp_size})")
-        for name in ("cache_salt", "layout", "kv_scales", "tier_codec"):
+        for name in ("cache_salt", "layout", "kv_scales", "tier_codec", "attention", "layers"):
             if not isinstance(getattr(self, name), str):
                 raise NamespaceError(f"namespace {name} must be a string")
         if self.tier_codec:
@@ -99,11 +115,19 @@ class Namespace:
             raise NamespaceError(f"namespace block of {self.block_bytes} bytes is absurd; check the shape")
         # Every field length-prefixed: no value (a tenant's cache_salt, say) can end one field
         # and start another, so no two namespaces share an identity string (v1 joined fields
-        # with a separator a salt could contain).
-        ident = b"".join(len(v).to_bytes(4, "little") + v for v in (str(x).encode() for x in (
-            "tierd-ns-v2", self.model, self.kv_dtype, self.num_layers, self.num_kv_heads,
-            self.head_dim, self.block_tokens, self.tp_rank, self.tp_size, self.cache_salt,
-            self.layout, self.kv_scales, self.tier_codec)))
+        # with a separator a salt could contain). `attention` joins the fields only when set, so
+        # the namespaces of models whose layers all keep every token keep their ids; a sequence
+        # of length-prefixed fields is read back one way only, so one more field cannot alias.
+        fields = ["tierd-ns-v2", self.model, self.kv_dtype, self.num_layers, self.num_kv_heads,
+                  self.head_dim, self.block_tokens, self.tp_rank, self.tp_size, self.cache_salt,
+                  self.layout, self.kv_scales, self.tier_codec]
+        if self.attention or self.planes != 2:
+            fields.append(self.attention)
+        if self.planes != 2 or self.layers:
+            fields.append(f"planes={self.planes}")
+        if self.layers:
+            fields.append(f"layers={self.layers}")
+        ident = b"".join(len(v).to_bytes(4, "little") + v for v in (str(x).encode() for x in fields))
         object.__setattr__(self, "_id", hashlib.blake2b(ident, digest_size=16).digest())
 
     # -- identity -------------------------------------------------------------------------
@@ -132,12 +156,13 @@ class Namespace:
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        """(num_layers, 2, block_tokens, num_kv_heads, head_dim)"""
-        return (self.num_layers, 2, self.block_tokens, self.num_kv_heads, self.head_dim)
+        """(num_layers, planes, block_tokens, num_kv_heads, head_dim): planes 2 (K, V), or 1
+        (a latent namespace: (num_layers, 1, block_tokens, 1, latent))"""
+        return (self.num_layers, self.planes, self.block_tokens, self.num_kv_heads, self.head_dim)
 
     @property
     def bytes_per_token(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return self.num_layers * self.planes * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @property
     def block_bytes(self) -> int:
@@ -146,15 +171,18 @@ class Namespace:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("_id", None)
-        for name in ("layout", "kv_scales", "tier_codec"):
+        for name in ("layout", "kv_scales", "tier_codec", "attention", "layers"):
             if not d[name]:
                 del d[name]
+        if d["planes"] == 2:
+            del d["planes"]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Namespace":
         allowed = {"model", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "block_tokens",
-                   "tp_rank", "tp_size", "cache_salt", "layout", "kv_scales", "tier_codec"}
+                   "tp_rank", "tp_size", "cache_salt", "layout", "kv_scales", "tier_codec",
+                   "attention", "planes", "layers"}
         unknown = set(d) - allowed
         if unknown:
             raise NamespaceError(f"unknown namespace fields: {', '.join(sorted(unknown))}")

@@ -30,7 +30,12 @@ def write_random_model(path: str | Path, *, architecture: str = "llama", seed: i
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               # for engines other than the bundled one (vLLM's tests): window + full layers, MoE
+               "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+               "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+               "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+               "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
     cfg_name, model_name = classes[architecture]
     defaults = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,

@@ -1,0 +1,61 @@
+"""vLLM's connector base classes where vLLM is installed, stand-ins where it is not: the
+connector's modules import without vLLM, so their logic is tested everywhere."""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+
+try:  # vLLM is optional: the real base classes where it is installed
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+    HAVE_VLLM = True
+except ImportError:
+    HAVE_VLLM = False
+
+    class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]
+        SCHEDULER = 0
+        WORKER = 1
+
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        """Stand-in for vLLM's (empty) metadata base class."""
+
+    class KVConnectorBase_V1:  # type: ignore[no-redef]
+        """Stand-in for the part of vLLM's base class this connector relies on."""
+
+        def __init__(self, vllm_config, role, kv_cache_config):
+            self._connector_metadata = None
+            self._vllm_config = vllm_config
+            self._kv_transfer_config = vllm_config.kv_transfer_config
+            self._kv_cache_config = kv_cache_config
+            self._role = role
+
+        @property
+        def role(self):
+            return self._role
+
+        def bind_connector_metadata(self, connector_metadata) -> None:
+            self._connector_metadata = connector_metadata
+
+        def clear_connector_metadata(self) -> None:
+            self._connector_metadata = None
+
+        def _get_connector_metadata(self):
+            assert self._connector_metadata is not None
+            return self._connector_metadata
+
+        def has_connector_metadata(self) -> bool:
+            return self._connector_metadata is not None
+
+try:  # the hybrid KV cache manager's interface (vLLM keeps the manager on only for its subclasses)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:
+    class SupportsHMA(ABC):  # type: ignore[no-redef]
+        """Stand-in for vLLM's mark of a connector that takes block ids per KV cache group."""
+
+        @abstractmethod
+        def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
+            raise NotImplementedError

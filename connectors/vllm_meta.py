@@ -1,0 +1,50 @@
+"""What the vLLM connector's scheduler half hands its workers each step (pickled)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .vllm_base import KVConnectorMetadata
+
+
+@dataclass
+class LoadSpec:
+    """Load tier blocks `keys[rank]` (the first is tier block `first_tier`) into the request's
+    vLLM blocks `first_block` .. `first_block + n - 1`: `block_ids[group]` per KV cache group,
+    -1 where a group has nothing to write (the null block of a sliding window)."""
+
+    req_id: str
+    salt: str
+    keys: list[list[bytes]]      # per tensor-parallel rank
+    first_tier: int
+    first_block: int
+    block_ids: list[list[int]]   # per KV cache group
+    is_async: bool = False
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids[0])
+
+    def real_ids(self, since: int = 0) -> set[int]:
+        """The vLLM blocks written from the request's block `since` on (every group)."""
+        lo = max(0, since - self.first_block)
+        return {b for row in self.block_ids for b in row[lo:] if b >= 0}
+
+
+@dataclass
+class SaveSpec:
+    """Store the vLLM blocks `block_ids[group]` (`ratio` per tier block, in order; -1: zeros,
+    a sliding window's tokens that are gone) under consecutive tier keys `keys[rank]`, the first
+    chained to `parents[rank]`."""
+
+    salt: str
+    keys: list[list[bytes]]
+    parents: list[bytes | None]
+    block_ids: list[list[int]]   # per KV cache group
+    token_ids: list[int] | None = None   # the blocks' tokens, for tierd's KV events
+
+
+@dataclass
+class TierdConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)

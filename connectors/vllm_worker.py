@@ -1,0 +1,483 @@
+"""The vLLM connector's worker half: the paged cache's layout, the copies between it and tier
+slots, leases and reservations (`TierdConnector` in connectors/vllm.py combines it with the
+scheduler half).
+
+Loads: one `acquire`, a copy into the paged cache (by default layer by layer, each layer's
+attention waiting for its own copy), and a confirmed `release`: a lease lost meanwhile is a
+load error, never a silent success. Asynchronous loads run on a loader thread and are reported
+through `get_finished`. Saves reserve their slots while the step's forward runs, copy the
+completed tier blocks straight from the paged cache into the reserved shared-memory slots at
+`wait_for_save`, and commit from a save thread. Every layer is copied through its own KV cache
+group's block ids (connectors/vllm_groups.py); a part a group has no block for is skipped on a
+load and zeros on a save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from tierd.errors import TierdError
+from tierd.kernels.transfer import BlockTransfer, LoadJob
+from tierd.namespace import Namespace
+
+from . import vllm_layout
+from .link import STORE_ERRORS, acquire_for, drain_quietly, holding
+from .vllm_groups import KVGroups
+from .vllm_meta import LoadSpec, SaveSpec
+
+log = logging.getLogger("tierd.connectors.vllm")
+
+
+class _Pending:
+    """A reservation being asked for on the save thread, awaited at the end of the step."""
+
+    __slots__ = ("spec", "ns", "bytes", "event", "res", "abandoned", "copied", "hold")
+
+    def __init__(self, spec: SaveSpec, ns: Namespace, nbytes: int):
+        self.spec, self.ns, self.bytes = spec, ns, nbytes
+        self.event = threading.Event()
+        self.res = None
+        self.abandoned = False
+        self.copied = None       # the device event after which the slots hold the bytes (None: they do)
+        self.hold = contextlib.ExitStack()   # keeps the slots' connection while the copy runs
+
+
+class _Loading:
+    """A synchronous load whose copies run during the step's forward."""
+
+    __slots__ = ("spec", "store", "lease", "loaded", "job", "hold", "t0")
+
+    def __init__(self, spec: LoadSpec, store, lease, loaded: int, job: LoadJob, hold, t0: float):
+        self.spec, self.store, self.lease, self.loaded, self.job, self.hold, self.t0 = \
+            spec, store, lease, loaded, job, hold, t0
+
+
+class WorkerHalf:
+    """Part of `TierdConnector`: the methods vLLM calls on a worker's connector."""
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        if self.disabled:
+            return
+        rank = self._worker_rank()
+        # the namespace this worker reads and writes: its stage's and rank's, or (MLA) its
+        # stage's for all ranks, which rank 0 alone writes (every rank holds the same latent rows)
+        self._rank = self._worker_stage() * self.tp_keys + (0 if self.latent else rank)
+        self._writer = rank == 0 or not self.latent
+        ns = self.namespace("")
+        groups = self.groups if self.groups.names else KVGroups.single(kv_caches)
+        names = groups.names
+        if len(names) != ns.num_layers:
+            return self._decline(f"{len(names)} KV cache tensors for a {ns.num_layers}-layer namespace")
+        absent = [n for n in names if n not in kv_caches]
+        if absent:
+            return self._decline(f"no KV cache tensor for layer {absent[0]} of the KV cache groups")
+        layers = []
+        try:
+            for n in names:
+                backend, isa = vllm_layout.backend_of(self._vllm_config, n)
+                if self.latent:
+                    layers.append((vllm_layout.latent_view(kv_caches[n], backend, self.block_size, ns.head_dim), None))
+                else:
+                    layers.append(vllm_layout.kv_views(kv_caches[n], backend, isa, self.block_size,
+                                                       ns.num_kv_heads, ns.head_dim))
+        except TierdError as e:
+            return self._decline(str(e))
+        k0 = layers[0][0]
+        if k0.element_size() != ns.dtype_bytes:
+            return self._decline(f"KV cache dtype {k0.dtype} does not match the namespace's {ns.kv_dtype}")
+        if ns.kv_dtype.startswith("float8") and not ns.kv_scales:
+            scales = self._layer_scales(names)
+            if any(s != (1.0, 1.0) for s in scales):
+                return self._decline("fp8 KV scales other than 1.0 that the namespace does not record")
+        self._layers = layers
+        self._device = k0.device
+        # copies between these views and tier slots: gather/scatter kernels on a GPU (on their own
+        # streams, loads layer by layer), their references on CPU
+        self._xfer = BlockTransfer([k for k, _ in layers], None if self.latent else [v for _, v in layers],
+                                   self.ratio, layer_groups=groups.layer_group)
+        self._layer_idx = {n: i for i, n in enumerate(names)}
+
+    def _layer_scales(self, names: list[str]) -> list[tuple[float, float]]:
+        ctx = getattr(getattr(self._vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+        out = []
+        for n in names:
+            layer = ctx.get(n)
+            out.append((float(getattr(layer, "_k_scale_float", 1.0)), float(getattr(layer, "_v_scale_float", 1.0))))
+        return out
+
+    def _decline(self, reason: str) -> None:
+        self.disabled = reason
+        self._layers = []
+        log.warning("tierd connector disabled: %s", reason)
+
+    # -- loads --------------------------------------------------------------------------------
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        # per-layer waits only once a forward has asked for every layer (a model whose attention
+        # never calls wait_for_layer_load gets its loads waited for as a whole, before the forward)
+        self._layerwise = bool(self._layer_idx) and self._waited >= self._layer_idx.keys()
+        self._waited = set()
+        if not self.has_connector_metadata():
+            return
+        for spec in getattr(self._get_connector_metadata(), "loads", ()):
+            if not spec.is_async:
+                if not self._layers:     # declined here (the scheduler could not tell): recompute
+                    with self._lock:
+                        self._load_errors.update(spec.real_ids())
+                    continue
+                started = self._begin_load(spec)
+                if isinstance(started, _Loading):
+                    self._loading.append(started)
+                    if not self._layerwise:
+                        started.job.wait_all()
+                else:
+                    with self._lock:
+                        self._load_errors.update(started)
+                continue
+            if not self._layers:     # declined: the request still has to be reported, as failed
+                with self._lock:
+                    self._done_loads[spec.req_id] = spec.real_ids()
+                continue
+            if self._loader is None:
+                self._loader = threading.Thread(target=self._load_loop, name="tierd-vllm-loader", daemon=True)
+                self._loader.start()
+            with self._lock:
+                self._queued.add(spec.req_id)
+            self._load_q.put(spec)
+
+    def _load_loop(self) -> None:
+        while True:
+            spec = self._load_q.get()
+            if spec is None:
+                return
+            with self._lock:
+                cancelled = spec.req_id in self._cancelled
+                self._cancelled.discard(spec.req_id)
+            try:
+                errors = set() if cancelled else self._load(spec)
+            except Exception:  # noqa: BLE001 - never lose the report: vLLM would wait forever
+                log.exception("tierd load of request %s failed", spec.req_id)
+                errors = spec.real_ids()
+            with self._lock:
+                self._queued.discard(spec.req_id)
+                self._cancelled.discard(spec.req_id)
+                self._done_loads[spec.req_id] = errors
+
+    def _load(self, spec: LoadSpec) -> set[int]:
+        """Load `spec` to the end (the asynchronous path: its blocks are outside the batch);
+        returns the block ids that could not be loaded (vLLM recomputes them)."""
+        started = self._begin_load(spec)
+        if not isinstance(started, _Loading):
+            return started
+        return self._end_load(started)
+
+    def _begin_load(self, spec: LoadSpec) -> _Loading | set[int]:
+        """Acquire the tier blocks of `spec` and start copying them into its vLLM blocks (on a
+        GPU: on the load stream, layer by layer; HBM-tier copies on this device device-to-device).
+        Returns the load in flight, or the block ids that cannot be loaded."""
+        t0 = time.perf_counter()
+        store = self.link.get()
+        lease = None
+        keys = spec.keys[self._rank]
+        if store is not None:
+            try:
+                lease = acquire_for(store, self.namespace(spec.salt), keys, self._device)
+                self.link.ok()
+            except STORE_ERRORS as e:
+                self.stats["load_failures"] += 1
+                self.link.failed(e, "load")
+        loaded = len(lease) if lease is not None else 0
+        if loaded:
+            hold = contextlib.ExitStack()
+            try:    # the bytes count only if the lease holds from before the copy until its end
+                hold.enter_context(holding(store, lease))
+                self._xfer.attach(store)
+                ids = self._load_ids(spec, loaded)
+                gpu = list(getattr(lease, "gpu_buffers", None) or ())[:loaded] or None
+                job = self._xfer.load_layers(ids, lease.buffers[:loaded], gpu, layered=True)
+                self.stats["hbm_hit_blocks"] += job.device_blocks
+                return _Loading(spec, store, lease, loaded, job, hold, t0)
+            except STORE_ERRORS as e:
+                hold.close()
+                self.stats["lost_leases"] += 1
+                log.warning("tierd lease lost before a load (%s); the blocks are recomputed", e)
+                loaded = 0
+            except Exception:  # noqa: BLE001 - a failed copy must not reach vLLM: recompute
+                log.exception("tierd: starting a load's copies failed; the blocks are recomputed")
+                drain_quietly(self._xfer)
+                hold.close()
+                loaded = 0
+        if lease is not None:
+            self._release_quietly(store, lease)
+        self.stats["load_s"] += time.perf_counter() - t0
+        return self._missing(spec, loaded)
+
+    def _end_load(self, ld: _Loading, *, unsafe: bool = False) -> set[int]:
+        """Wait for a load's copies, confirm its lease and end it; returns the blocks to recompute.
+        `unsafe`: the forward may have read the blocks before they arrived (not every layer
+        waited for its copy): all of them are recomputed."""
+        loaded = ld.loaded
+        try:
+            ld.job.synchronize()
+            lease, ld.lease = ld.lease, None
+            ld.store.release(lease, confirm=True)
+        except STORE_ERRORS as e:
+            self.stats["lost_leases"] += 1
+            log.warning("tierd lease lost during a load (%s); the blocks are recomputed", e)
+            loaded = 0
+        except Exception:  # noqa: BLE001 - a failed copy must not reach vLLM: recompute
+            log.exception("tierd: a load's copies failed; the blocks are recomputed")
+            loaded = 0
+        finally:
+            ld.hold.close()
+            if ld.lease is not None:
+                self._release_quietly(ld.store, ld.lease)
+            self.stats["load_s"] += time.perf_counter() - ld.t0
+        if unsafe and ld.job.events:
+            self.stats["loads_unordered"] += 1
+            loaded = 0
+        if loaded:
+            self.stats["loaded_bytes"] += loaded * self.namespace(ld.spec.salt).block_bytes
+        return self._missing(ld.spec, loaded)
+
+    def _missing(self, spec: LoadSpec, loaded: int) -> set[int]:
+        """The vLLM blocks of `spec` past its first `loaded` tier blocks (vLLM recomputes them)."""
+        missing = spec.real_ids((spec.first_tier + loaded) * self.ratio)
+        if missing:
+            self.stats["load_failures"] += 1
+        return missing
+
+    def _release_quietly(self, store, lease) -> None:
+        try:
+            store.release(lease)
+        except STORE_ERRORS:
+            pass
+
+    def _load_ids(self, spec: LoadSpec, loaded: int) -> torch.Tensor:
+        """(loaded, groups, ratio) vLLM block per group and part of each leased tier block
+        ((loaded, ratio) for one group); -1 for parts vLLM's own prefix cache already holds,
+        past the request's blocks, or a group's null block."""
+        groups = len(spec.block_ids)
+        ids = torch.full((loaded, groups, self.ratio), -1, dtype=torch.long)
+        last = spec.first_block + spec.num_blocks
+        for j in range(loaded):
+            for r in range(self.ratio):
+                b = (spec.first_tier + j) * self.ratio + r
+                if spec.first_block <= b < last:
+                    for g in range(groups):
+                        ids[j, g, r] = spec.block_ids[g][b - spec.first_block]
+        return ids[:, 0] if groups == 1 else ids
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Before layer `layer_name`'s attention: the compute stream waits for that layer's copies
+        (and no others). Asynchronous loads complete outside the batch."""
+        self._waited.add(layer_name)
+        if not self._loading or not self._layerwise:
+            return
+        i = self._layer_idx.get(layer_name)
+        for ld in self._loading:
+            if i is None:
+                ld.job.wait_all()
+            else:
+                ld.job.wait_layer(i)
+
+    def _finish_loads(self) -> None:
+        """End this step's synchronous loads (after the forward was queued): their lease is
+        confirmed once the copies have run; a lost one, or a forward that did not wait for
+        every layer, reports the blocks for recomputation."""
+        loading, self._loading = self._loading, []
+        if not loading:
+            return
+        unsafe = self._layerwise and not self._waited >= self._layer_idx.keys()
+        errors: set[int] = set()
+        for ld in loading:
+            errors |= self._end_load(ld, unsafe=unsafe)
+        with self._lock:
+            self._load_errors.update(errors)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._finish_loads()
+        with self._lock:
+            # requests aborted before their load started: nothing is written, report them at once
+            for req_id in finished_req_ids or ():
+                if req_id in self._queued:
+                    self._cancelled.add(req_id)
+            done, self._done_loads = self._done_loads, {}
+            for errors in done.values():
+                self._load_errors.update(errors)   # reported in this same step, before the request
+        return None, (set(done) or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_loads()
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- saves --------------------------------------------------------------------------------
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        saves = getattr(connector_metadata, "saves", None)
+        if not saves or not self._layers or not self._writer:    # (MLA: rank 0 writes for all)
+            return
+        # Ask for the slots now, so the round trip overlaps this step's forward.
+        for spec in saves:
+            ns = self.namespace(spec.salt)
+            nbytes = len(spec.keys[self._rank]) * ns.block_bytes
+            if self.save_link.backing_off:
+                self.stats["stores_dropped"] += len(spec.keys[self._rank])
+                continue
+            with self._lock:
+                if self._inflight + nbytes > self.max_inflight_bytes:
+                    self.stats["stores_dropped"] += len(spec.keys[self._rank])
+                    continue
+                self._inflight += nbytes
+            p = _Pending(spec, ns, nbytes)
+            self._step_saves.append(p)
+            self._save_q.put(("reserve", p))
+        if self._saver is None:
+            self._saver = threading.Thread(target=self._save_loop, name="tierd-vllm-saver", daemon=True)
+            self._saver.start()
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return  # whole tier blocks are copied out in wait_for_save, once every layer is written
+
+    def wait_for_save(self):
+        self._finish_loads()
+        pending, self._step_saves = self._step_saves, []
+        if not pending:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._wait_and_copy(pending)
+        finally:
+            self.stats["save_s"] += time.perf_counter() - t0
+
+    def _wait_and_copy(self, pending: list[_Pending]) -> None:
+        deadline = time.monotonic() + self.save_wait_s
+        for p in pending:
+            if not p.event.wait(max(0.0, deadline - time.monotonic())):
+                with self._lock:
+                    if not p.event.is_set():      # the save thread aborts it when it arrives
+                        p.abandoned = True
+                if p.abandoned:
+                    self.stats["stores_dropped"] += len(p.spec.keys[self._rank])
+                    self.save_link.failed(TimeoutError(f"no reservation within {self.save_wait_s * 1000:.0f} ms"),
+                                          "store")
+                    continue
+            res = p.res
+            if res is None:                        # the reservation failed (counted there)
+                continue
+            try:
+                self._start_copy(res, p)
+            except Exception:  # noqa: BLE001 - a failed copy must not reach vLLM
+                log.exception("tierd: copying blocks into reserved slots failed")
+                p.hold.close()
+                self._save_q.put(("abort", p))
+                continue
+            self._save_q.put(("commit", p))       # after the copy's event, on the save thread
+
+    def _start_copy(self, res, p: _Pending) -> None:
+        """Start copying the reserved tier blocks of `p` from the paged cache straight into their
+        slots (on a GPU: gather + D2H on the save stream, after this step's forward); the save
+        thread commits once the copy's event has fired. The slots' connection is held until then."""
+        p.hold.enter_context(holding(self.save_link.store, res))
+        todo = [j for j, status in enumerate(res.status) if status == "reserved"]
+        if not todo:
+            return
+        self._xfer.attach(self.save_link.store)
+        n = len(res.status)
+        ids = torch.tensor([row[:n * self.ratio] for row in p.spec.block_ids], dtype=torch.long)
+        ids = ids.view(len(p.spec.block_ids), n, self.ratio).permute(1, 0, 2)    # (n, groups, ratio)
+        ids = ids[:, 0] if ids.shape[1] == 1 else ids
+        p.copied = self._xfer.save_async(ids[todo], [res.buffers[j] for j in todo])
+
+    def _save_loop(self) -> None:
+        while True:
+            item = self._save_q.get()
+            if item is None:
+                return
+            op, p = item
+            try:
+                if op == "reserve":
+                    self._reserve(p)
+                elif op == "commit":
+                    self._finish(p, commit=True)
+                else:
+                    self._finish(p, commit=False)
+            except Exception:  # noqa: BLE001 - never let the save thread die
+                log.exception("tierd save thread: unexpected error")
+
+    def _reserve(self, p: _Pending) -> None:
+        store = self.save_link.get()
+        res = None
+        n = len(p.spec.keys[self._rank])
+        if store is None:
+            self.stats["stores_dropped"] += n
+        else:
+            try:
+                res = store.reserve(p.ns, p.spec.keys[self._rank], parent=p.spec.parents[self._rank],
+                                    token_ids=p.spec.token_ids)
+                self.save_link.ok()
+            except STORE_ERRORS as e:
+                self.stats["store_failures"] += n
+                self.save_link.failed(e, "store")
+        with self._lock:
+            p.res = res
+            abandoned = p.abandoned
+            p.event.set()
+        if res is None or abandoned:
+            if res is not None:
+                self._abort(store, res)
+            self._settle(p)
+
+    def _finish(self, p: _Pending, commit: bool) -> None:
+        store, res = self.save_link.store, p.res
+        try:
+            if commit and p.copied is not None:
+                try:
+                    self._xfer.streams.synchronize(p.copied)     # the slots hold the bytes now
+                except Exception:  # noqa: BLE001 - a device error: the blocks are not stored
+                    log.exception("tierd: a copy into reserved slots failed")
+                    commit = False
+            if not commit:
+                self._abort(store, res)
+            elif not res.num_reserved:
+                self.stats["stores_present"] += len(res.keys)
+                self._abort(store, res)           # nothing to make visible; close it
+            else:
+                try:
+                    n = store.commit(res)
+                    self.stats["stored_blocks"] += n
+                    self.stats["stores_present"] += sum(s == "present" for s in res.status)
+                    self.save_link.ok()
+                except STORE_ERRORS as e:
+                    self.stats["store_failures"] += res.num_reserved
+                    self.save_link.failed(e, "store")
+        finally:
+            p.hold.close()
+            self._settle(p)
+
+    def _abort(self, store, res) -> None:
+        try:
+            store.abort(res)
+        except STORE_ERRORS:
+            pass
+
+    def _settle(self, p: _Pending) -> None:
+        with self._lock:
+            self._inflight -= p.bytes
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until the save thread has committed everything handed to it (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._inflight and self._save_q.empty():
+                    return True
+            time.sleep(0.005)
+        return False
