@@ -59,7 +59,8 @@ def run_engine(py: str, work: Path, name: str, model: Path, batches: list, *, co
             "batches": batches}
     path = work / f"{name}.spec.json"
     path.write_text(json.dumps(spec))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING")
+    # TMPDIR: vLLM's IPC sockets go with the run's directory
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING", TMPDIR=str(work))
     log = work / f"{name}.log"
     with open(log, "wb") as f:
         rc = subprocess.run([py, "-m", "tests.vllm_engine", str(path)], cwd=ROOT, env=env, stdout=f,

@@ -129,7 +129,8 @@ def _spec(tmp: Path, name: str, model: Path, loras: dict, batches: list, url: st
 
 
 def _start(py: str, spec: Path, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING")
+    # TMPDIR: vLLM's IPC sockets land in the test's directory and go with it
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING", TMPDIR=str(spec.parent))
     return subprocess.Popen([py, "-m", "tests.vllm_engine", str(spec)], cwd=ROOT, env=env,
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT)
 
@@ -224,6 +225,7 @@ def runs(tmp_path_factory):
         if daemon.alive():
             daemon.signal(signal.SIGCONT)
             daemon.stop()
+        shutil.rmtree(tmp, ignore_errors=True)     # checkpoints, slab files: the disk is shared
 
 
 def _stats(url: str) -> dict:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,7 @@ def runs(tmp_path_factory):
                                num_experts_per_tok=2, moe_intermediate_size=128,
                                shared_expert_intermediate_size=128)
     budget = vllm_wait.Budget(what="the vLLM engines of test_vllm_models.py")
+    shm_before = set(Path("/dev/shm").glob("vllm_*")) if Path("/dev/shm").is_dir() else set()
     (tmp / "d").mkdir()
     daemon = DaemonProc(tmp / "d", host_bytes="64MiB", disk_bytes="256MiB", toml=TOML).start(timeout_s=120)
     url = daemon.url
@@ -162,6 +164,10 @@ def runs(tmp_path_factory):
         yield out
     finally:
         daemon.stop()
+        shutil.rmtree(tmp, ignore_errors=True)     # checkpoints, slab files: the disk is shared
+        # vLLM's pipeline stages leave their shared-memory channels behind when an engine exits
+        for f in set(Path("/dev/shm").glob("vllm_*")) - shm_before:
+            f.unlink(missing_ok=True)
 
 
 def _latent_rows(dump: Path) -> dict:
