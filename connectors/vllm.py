@@ -180,8 +180,6 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
             mc = getattr(vllm_config, "model_config", None)
             if isa is not None and not vllm_layout.cpu_isa_supported(isa, getattr(mc, "dtype", None)):
                 self.disabled = f"vLLM's CPU attention ISA {isa!r} packs KV in a layout the connector does not convert"
-        if self.disabled:
-            log.warning("tierd connector disabled: %s", self.disabled)
         # namespaces per request: one per pipeline stage and tensor-parallel rank (one for all
         # ranks of a stage with MLA's latent rows, which every rank holds alike)
         self.tp_keys = int(self._ns_args.get("tp_size", 1))
@@ -191,6 +189,7 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
         if not self.disabled and len(self.stages) > 1 and self.groups.descriptor:
             # the scheduler sees stage 0's groups only, and a stage's group positions are its own
             self.disabled = "pipeline parallelism with several KV cache groups (windows, hybrid models) is not supported"
+        if self.disabled:
             log.warning("tierd connector disabled: %s", self.disabled)
         self._namespaces: dict[tuple[str, int], Namespace] = {}
         url = _extra(ktc, "url", os.environ.get("TIERD_URL", DEFAULT_URL))

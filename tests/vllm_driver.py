@@ -249,16 +249,13 @@ WINDOW = 8                      # tokens of the sliding window (less than a tier
 SLIDING_LAYERS, FULL_LAYERS = (0, 2), (1, 3)
 
 
-def hybrid_kv_cache_config(objs=None):
-    """Groups as vLLM's hybrid manager makes them for a model of window and full layers; `objs`
-    may supply vLLM's own spec classes (objs.hybrid_specs())."""
+def hybrid_kv_cache_config():
+    """Groups as vLLM's hybrid manager makes them for a model of window and full layers
+    (stand-ins of its spec classes; tests/vllm_check.py uses vLLM's own)."""
     from types import SimpleNamespace
     names = layer_names()
-    if objs is not None and hasattr(objs, "hybrid_specs"):
-        sliding, full = objs.hybrid_specs()
-    else:
-        sliding = type("SlidingWindowSpec", (), {"block_size": BLOCK_SIZE, "sliding_window": WINDOW})()
-        full = type("FullAttentionSpec", (), {"block_size": BLOCK_SIZE})()
+    sliding = type("SlidingWindowSpec", (), {"block_size": BLOCK_SIZE, "sliding_window": WINDOW})()
+    full = type("FullAttentionSpec", (), {"block_size": BLOCK_SIZE})()
     return SimpleNamespace(kv_cache_groups=[
         SimpleNamespace(kv_cache_spec=sliding, layer_names=[names[i] for i in SLIDING_LAYERS]),
         SimpleNamespace(kv_cache_spec=full, layer_names=[names[i] for i in FULL_LAYERS])])
