@@ -17,8 +17,12 @@ vLLM's own prefix cache off so that every hit is the connector's or the offloadi
 - the cost when nothing hits: unique prompts with the connector on vs off;
 - a gpt-oss-like model (sliding-window and full-attention layers alternating, MoE; vLLM's hybrid
   KV cache manager on, a KV cache group per kind): its tierd host hit from a fresh engine beside
-  its own recompute. (No MLA row: the connector declines MLA on vLLM's CPU build, whose MLA
-  attention over a loaded prefix is not right; docs/vllm.md.)
+  its own recompute (loads of models with several KV cache groups are asynchronous);
+- a Qwen3-Next-like model (linear-attention layers beside full attention, MoE, bf16, vLLM's
+  prefix caching on for its block-boundary states): its tierd host hit (the attention KV and
+  the recurrent state at the hit's end) beside its own recompute.
+(No MLA row: the connector declines MLA on vLLM's CPU build, whose MLA attention over a loaded
+prefix is not right; docs/vllm.md.)
 Each prompt runs alone (TTFT is the engine's first-token latency); medians over the prompts.
 
     python -m benchmarks.vllm_ttft [--json PATH] [--quick]
@@ -156,6 +160,26 @@ def main() -> None:
         hy_base = run_engine(py, work, "gptoss-recompute", hybrid, singles("h", hit_prompts))
         run_engine(py, work, "gptoss-fill", hybrid, singles("h", hit_prompts), connector=conn)
         hy_host = run_engine(py, work, "gptoss-host", hybrid, singles("h", hit_prompts), connector=conn)
+        # linear attention beside full attention: the KV and the recurrent state at the hit's end
+        # (bf16: vLLM's CPU GDN; its prefix caching on: the "align" mode that keeps states at
+        # block boundaries; the tier block is the engine's block, so block_tokens is left unset)
+        lshape = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, linear_num_value_heads=4, linear_num_key_heads=2, moe_intermediate_size=128,
+                      shared_expert_intermediate_size=128, vocab_size=512) if args.quick else \
+            dict(hidden_size=1024, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=4,
+                 head_dim=64, linear_num_value_heads=16, linear_num_key_heads=8, moe_intermediate_size=512,
+                 shared_expert_intermediate_size=512, vocab_size=BENCH_MODEL["vocab_size"])
+        layers = 4 if args.quick else 8
+        linear = write_random_model(work / "qnext", architecture="qwen3_next", num_hidden_layers=layers,
+                                    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
+                                    linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+                                    num_experts=4, num_experts_per_tok=2, max_position_embeddings=8192, seed=6,
+                                    fill={"A_log": -6.0}, **lshape)
+        leng = {"dtype": "bfloat16", "enable_prefix_caching": True}
+        lconn = {k: v for k, v in conn.items() if k != "block_tokens"}
+        ln_base = run_engine(py, work, "qnext-recompute", linear, singles("h", hit_prompts), engine=leng)
+        run_engine(py, work, "qnext-fill", linear, singles("h", hit_prompts), connector=lconn, engine=leng)
+        ln_host = run_engine(py, work, "qnext-host", linear, singles("h", hit_prompts), connector=lconn, engine=leng)
     finally:
         daemon.stop()
         shutil.rmtree(work / "disk", ignore_errors=True)
@@ -173,7 +197,9 @@ def main() -> None:
                               note="" if same else "greedy tokens differ from recompute"))
         results.append(Result(f"{label} prefill throughput", {"prompt_tokens": length},
                               length / t, "tok/s", "vLLM recompute tok/s", length / ref))
-    for label, base_run, hit_run in (("gpt-oss-like (hybrid manager: window + full groups)", hy_base, hy_host),):
+    for label, base_run, hit_run in (("gpt-oss-like (hybrid manager: window + full groups)", hy_base, hy_host),
+                                     ("Qwen3-Next-like (linear-attention state + full attention, bf16)",
+                                      ln_base, ln_host)):
         results.append(Result(f"{label} tierd host hit TTFT",
                               {"prompt_tokens": length, "loaded_tokens": hits(hit_run, "h") / n_prompts},
                               statistics.median(ttfts(hit_run, "h")), "s", "the same model's vLLM recompute TTFT",
@@ -198,7 +224,8 @@ def main() -> None:
     for name, run, most in (("tierd-host", host, min(hit_tokens, length - 1)),
                             ("tierd-host-async", host_async, min(hit_tokens, length - 1)),
                             ("tierd-disk", disk, min(hit_tokens, length - 1)), ("tier-hit", sec, hit_tokens),
-                            ("vllm-offload", vpeer, hit_tokens), ("gptoss-host", hy_host, min(hit_tokens, length - 1))):
+                            ("vllm-offload", vpeer, hit_tokens), ("gptoss-host", hy_host, min(hit_tokens, length - 1)),
+                            ("qnext-host", ln_host, (length - 1) // BLOCK_TOKENS * BLOCK_TOKENS)):
         got = hits(run, "h") / n_prompts
         if got < most:
             print(f"warning: {name} loaded {got:.0f} of {most} cacheable tokens per prompt")

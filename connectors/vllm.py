@@ -150,11 +150,14 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
         self.block_size = int(vllm_config.cache_config.block_size)
-        self.block_tokens = int(_extra(ktc, "block_tokens", DEFAULT_BLOCK_TOKENS))
-        if self.block_tokens <= 0 or self.block_tokens % self.block_size:
-            raise TierdError(f"tierd block_tokens={self.block_tokens} must be a positive multiple of "
-                             f"vLLM's block_size={self.block_size}")
-        self.ratio = self.block_tokens // self.block_size
+        block_tokens = _extra(ktc, "block_tokens", None)
+        if block_tokens is None:     # the default, rounded up to whole engine blocks
+            self.block_tokens = -(-DEFAULT_BLOCK_TOKENS // self.block_size) * self.block_size
+        else:
+            self.block_tokens = int(block_tokens)
+            if self.block_tokens <= 0 or self.block_tokens % self.block_size:
+                raise TierdError(f"tierd block_tokens={self.block_tokens} must be a positive multiple of "
+                                 f"vLLM's block_size={self.block_size}")
         mode = _extra(ktc, "load_async", "auto")
         if mode not in ("auto", True, False, "true", "false"):
             raise TierdError(f"load_async={mode!r}: use \"auto\", true or false")
@@ -171,9 +174,29 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
                 self.groups = KVGroups.of(kv_cache_config, self.block_size) or self.groups
             except Unsupported as e:
                 self.disabled = str(e)
+        if self.groups.has_state:
+            # a state is kept at engine-block boundaries only: a tier block is one engine block
+            if block_tokens is None:
+                self.block_tokens = self.block_size
+            elif self.block_tokens != self.block_size and not self.disabled:
+                self.disabled = (f"block_tokens={self.block_tokens} with Mamba / linear-attention state, kept at "
+                                 f"every {self.block_size} tokens: leave block_tokens unset")
+        self.ratio = self.block_tokens // self.block_size
+        # With several KV cache groups vLLM cannot map a failed block back to its request (block
+        # ids are per group; it raises): a load is then asynchronous, and one that fails is
+        # reported as a failed request, which vLLM recomputes whole.
+        self.fail_whole = len(self.groups) > 1
+        if self.fail_whole and self.load_mode is not True and not self.disabled:
+            if self.load_mode is False:
+                log.warning("load_async=false with several KV cache groups: loads are asynchronous anyway "
+                            "(vLLM takes a failed load back only from an asynchronous one there)")
+            self.load_mode = True
         self._ns_args = {}
         if not self.disabled:
             self._ns_args = self._namespace_args(vllm_config, ktc)
+            if self.groups.has_state:     # the KV namespace holds the attention layers alone
+                self._ns_args["num_layers"] = len(self.groups.names)
+                self._ns_args["stages"] = [(0, len(self.groups.names))]
         if not self.disabled and role == KVConnectorRole.SCHEDULER and self._ns_args.get("planes", 2) == 2:
             # (MLA's latent rows are plain rows whatever the CPU attention's ISA)
             isa = vllm_layout.cpu_isa(vllm_config)
@@ -213,7 +236,8 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
             self.save_link.stats = self.link.stats
         self.stats = self.link.stats
         for k in ("lookup_timeouts", "loads_async", "stores_present", "lost_leases", "requests_not_keyed",
-                  "save_s", "hbm_hit_blocks", "loads_unordered", "stores_skipped"):
+                  "save_s", "hbm_hit_blocks", "loads_unordered", "stores_skipped", "state_misses",
+                  "state_load_misses"):
             self.stats.setdefault(k, 0)
         if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning("kv_load_failure_policy is %r: a tier block evicted between lookup and load "
@@ -229,6 +253,7 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
         self._writer = True                          # whether it saves (MLA: rank 0 only)
         self._lock = threading.Lock()
         self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()         # asynchronous loads that failed (fail_whole)
         self._done_loads: dict[str, set[int]] = {}   # async loads finished: req -> failed block ids
         self._cancelled: set[str] = set()
         self._queued: set[str] = set()               # async loads handed to the loader, not done
@@ -371,6 +396,22 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
             ns = Namespace(block_tokens=self.block_tokens, tp_rank=tp_rank, cache_salt=salt,
                            attention=self.groups.descriptor, **args)
             self._namespaces[(salt, rank)] = ns
+        return ns
+
+    def state_namespace(self, salt: str | None = "", rank: int | None = None) -> Namespace:
+        """The recurrent-state namespace beside `namespace(salt, rank)` (models with Mamba or
+        linear-attention layers): the state after each tier block's last token, keyed by the
+        same token prefix."""
+        salt = salt or ""
+        rank = self._rank if rank is None else rank
+        ns = self._namespaces.get((salt, rank, "state"))
+        if ns is None:
+            kv = self.namespace(salt, rank)
+            ns = Namespace(model=kv.model, kv_dtype=kv.kv_dtype, num_layers=len(self.groups.state_names),
+                           num_kv_heads=1, head_dim=1, block_tokens=kv.block_tokens, tp_rank=kv.tp_rank,
+                           tp_size=kv.tp_size, cache_salt=salt, attention=kv.attention,
+                           state=self.groups.state, state_bytes=self.groups.state_bytes)
+            self._namespaces[(salt, rank, "state")] = ns
         return ns
 
     def shutdown(self):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 
 try:  # vLLM is optional: the real base classes where it is installed
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -49,6 +50,21 @@ except ImportError:
 
         def has_connector_metadata(self) -> bool:
             return self._connector_metadata is not None
+
+        def get_transfer_results(self, finished_req_ids: set[str]) -> "KVConnectorTransferResults":
+            sending, recving = self.get_finished(finished_req_ids)
+            return KVConnectorTransferResults(set(sending or ()), set(recving or ()))
+
+try:  # what a worker reports each step (vLLM versions that take failed requests back)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:
+    @dataclass
+    class KVConnectorTransferResults:  # type: ignore[no-redef]
+        """Stand-in for vLLM's per-step transfer report."""
+
+        finished_sending: set[str] = field(default_factory=set)
+        finished_recving: set[str] = field(default_factory=set)
+        failed_recving: set[str] = field(default_factory=set)
 
 try:  # the hybrid KV cache manager's interface (vLLM keeps the manager on only for its subclasses)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA

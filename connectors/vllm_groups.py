@@ -22,9 +22,21 @@ manager on keeps windows and zeros where the same model with it off (one full-at
 every token kept) has every byte, so the two never share blocks.
 
 MLA keeps every token (a full-attention group whose cache is latent rows: the namespace says so,
-`planes=1`). Declined, with the reason logged once: sliding-window or sparse MLA, Mamba and
-linear-attention state, chunked-local and other attention kinds, and groups whose block size is
-not the engine's.
+`planes=1`).
+
+Mamba and linear-attention layers (`MambaSpec` groups, vLLM's "align" mode, which its prefix
+caching turns on) keep no KV per token but one recurrent state per request, valid only after a
+block's last token: vLLM keeps the state after token `(j + 1) * block_size` in the group's block
+`j` when a step ends exactly there (it splits prefills at block boundaries), and copies it into
+the next running block at the start of the next step. Those states go to a state namespace of
+their own (`Namespace.state`: a page per state layer, in the engine's layout and dtypes, which
+the descriptor records), keyed by the same token prefix as the tier block they end; a hit needs
+the KV of every attention layer up to N and the state at N. Tier blocks are then one engine block
+(`block_tokens` = the hybrid block size).
+
+Declined, with the reason logged once: sliding-window or sparse MLA, Mamba state without vLLM's
+prefix caching (no state is kept at block boundaries), speculative or checkpoint state blocks,
+chunked-local and other attention kinds, and groups whose block size is not the engine's.
 """
 
 from __future__ import annotations
@@ -35,7 +47,7 @@ from dataclasses import dataclass
 
 from tierd.errors import TierdError
 
-FULL, SLIDING = "full", "sliding"
+FULL, SLIDING, STATE = "full", "sliding", "state"
 
 
 class Unsupported(TierdError):
@@ -49,8 +61,8 @@ def layer_order(name: str) -> tuple:
 
 @dataclass(frozen=True)
 class Group:
-    kind: str                  # FULL or SLIDING
-    layers: tuple[int, ...]    # positions in the tier block's layer order
+    kind: str                  # FULL, SLIDING or STATE
+    layers: tuple[int, ...]    # positions in the tier block's layer order (STATE: in `state_names`)
     window: int = 0            # SLIDING: tokens a position attends to, itself included
 
     @property
@@ -77,21 +89,35 @@ def _kind(spec) -> tuple[str, int]:
         return FULL, 0       # every token kept; its latent rows are the namespace's (planes=1)
     if "MLA" in name:
         raise Unsupported(f"MLA with {name} is not supported")
+    if name == "MambaSpec":
+        mode = getattr(spec, "mamba_cache_mode", "none")
+        if mode != "align":
+            raise Unsupported(f"Mamba / linear-attention state in vLLM's {mode!r} cache mode keeps no state at "
+                              "block boundaries (vLLM's prefix caching turns on its 'align' mode)")
+        if getattr(spec, "num_speculative_blocks", 0) or getattr(spec, "num_prefill_checkpoint_blocks", 0):
+            raise Unsupported("Mamba state with speculative or prefill-checkpoint blocks is not supported")
+        return STATE, 0
     if "Mamba" in name:
-        raise Unsupported("Mamba and linear-attention state (a hybrid model) is not supported")
+        raise Unsupported(f"recurrent state {name} is not supported")
     raise Unsupported(f"KV cache spec {name} is not supported")
 
 
 class KVGroups:
     """The groups of one model, its layers in tier-block order (`names`)."""
 
-    def __init__(self, groups: Sequence[Group], names: Sequence[str]):
-        self.groups = list(groups)
-        self.names = list(names)
+    def __init__(self, groups: Sequence[Group], names: Sequence[str], state_names: Sequence[str] = (),
+                 state: str = "", state_bytes: int = 0):
+        self.groups = list(groups)                 # vLLM's order: block tables come per group
+        self.names = list(names)                   # attention layers, in tier-block order
+        self.state_names = list(state_names)       # state layers, in state-block order
+        self.state, self.state_bytes = state, state_bytes   # their layout and page bytes
+        self.kv = [g for g, grp in enumerate(self.groups) if grp.kind != STATE]
+        self.states = [g for g, grp in enumerate(self.groups) if grp.kind == STATE]
+        # each attention layer's position among the KV groups (the copies' block ids hold those)
         self.layer_group = [0] * len(self.names)
-        for g, grp in enumerate(self.groups):
-            for i in grp.layers:
-                self.layer_group[i] = g
+        for a, g in enumerate(self.kv):
+            for i in self.groups[g].layers:
+                self.layer_group[i] = a
 
     @classmethod
     def unknown(cls) -> "KVGroups":
@@ -111,6 +137,7 @@ class KVGroups:
         if not groups:
             return None
         per_group: list[tuple[str, int, list[str]]] = []
+        pages: dict[str, tuple] = {}
         for gs in groups:
             spec, layers = gs.kv_cache_spec, list(gs.layer_names)
             per_layer = getattr(spec, "kv_cache_specs", None)      # UniformTypeKVCacheSpecs
@@ -122,12 +149,27 @@ class KVGroups:
                 raise Unsupported(f"a KV cache group with {bs}-token blocks beside the engine's {block_size}")
             (kind, window), = kinds
             per_group.append((kind, window, layers))
-        names = sorted((n for *_, layers in per_group for n in layers), key=layer_order)
-        if len(set(names)) != len(names):
+            if kind == STATE:
+                for n in layers:
+                    pages[n] = _page(per_layer.get(n, spec) if per_layer else spec)
+        names = sorted((n for kind, _, layers in per_group if kind != STATE for n in layers), key=layer_order)
+        state_names = sorted(pages, key=layer_order)
+        every = names + state_names
+        if len(set(every)) != len(every) or len(every) != sum(len(layers) for *_, layers in per_group):
             raise Unsupported("a layer is in two KV cache groups")
+        if state_names and not names:
+            raise Unsupported("a model of recurrent state alone (no attention layer) is not supported")
+        state, state_bytes = "", 0
+        if pages:
+            kinds = set(pages.values())
+            if len(kinds) != 1:
+                raise Unsupported(f"state layers of {len(kinds)} different layouts are not supported")
+            (state, state_bytes), = kinds
+            state = f"{state};{len(state_names)} layers;conv {_conv_layout()}"
         pos = {n: i for i, n in enumerate(names)}
+        pos.update({n: i for i, n in enumerate(state_names)})
         return cls([Group(kind, tuple(sorted(pos[n] for n in layers)), window)
-                    for kind, window, layers in per_group], names)
+                    for kind, window, layers in per_group], names, state_names, state, state_bytes)
 
     # -- identity -------------------------------------------------------------------------------
     @property
@@ -137,24 +179,31 @@ class KVGroups:
         if len(self.groups) == 1 and self.groups[0].kind == FULL:
             return ""
         parts = []
-        for g in self.groups:
+        for g in (self.groups[g] for g in self.kv):
             kind = f"{SLIDING}{g.window}" if g.kind == SLIDING else g.kind
             parts.append(f"{kind}:{','.join(map(str, g.layers))}")
+        if self.states:     # the attention layers' KV of a model that also keeps recurrent state
+            parts.append(f"{STATE}:{len(self.state_names)}")
         return "vllm-groups-v1/" + ";".join(parts)
 
     @property
     def sliding(self) -> bool:
         return any(g.kind == SLIDING for g in self.groups)
 
+    @property
+    def has_state(self) -> bool:
+        return bool(self.states)
+
     def __len__(self) -> int:
         return len(self.groups)
 
     # -- block ids ------------------------------------------------------------------------------
     def ids(self, table: Sequence[Sequence[int]], first: int, last: int) -> list[list[int]]:
-        """Per group, vLLM's blocks `first` .. `last - 1` of a request's block table; -1 where
-        a sliding group has the null block (nothing to copy there)."""
+        """Per KV group (`kv`), vLLM's blocks `first` .. `last - 1` of a request's block table;
+        -1 where a sliding group has the null block (nothing to copy there)."""
         out = []
-        for g, grp in enumerate(self.groups):
+        for g in self.kv:
+            grp = self.groups[g]
             row = list(table[g][first:last])
             if grp.kind == SLIDING:
                 row = [-1 if b == 0 else b for b in row]
@@ -165,7 +214,8 @@ class KVGroups:
         """Whether the table holds, for every group, what a tier block of tokens [start, end)
         must carry: every token for full attention, those from `end - window + 1` on for a
         sliding window (see the module's docstring)."""
-        for g, grp in enumerate(self.groups):
+        for g in self.kv:
+            grp = self.groups[g]
             lo = start if grp.kind == FULL else max(start, end - grp.retained)
             row = table[g]
             first, last = lo // block_size, -(-end // block_size)
@@ -174,3 +224,46 @@ class KVGroups:
             if grp.kind == SLIDING and any(b == 0 for b in row[first:last]):
                 return False
         return True
+
+    def state_ids(self, table: Sequence[Sequence[int]], index: int) -> list[int] | None:
+        """Per state group, vLLM's block `index` of a request's table (the state after token
+        `(index + 1) * block_size` where a step ended there); None if a group has none."""
+        out = []
+        for g in self.states:
+            row = table[g]
+            if not 0 <= index < len(row) or row[index] <= 0:
+                return None
+            out.append(int(row[index]))
+        return out
+
+
+def _page(spec) -> tuple[str, int]:
+    """(layout description, bytes) of one state layer's page: each state's shape and dtype, in
+    the order vLLM lays them out in the page."""
+    shapes = tuple(tuple(int(d) for d in s) for s in spec.shapes)
+    dtypes = tuple(str(d).removeprefix("torch.") for d in spec.dtypes)
+    kind = getattr(getattr(spec, "mamba_type", None), "name", None) or str(getattr(spec, "mamba_type", ""))
+    nbytes = 0
+    for shape, dt in zip(shapes, spec.dtypes):
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes += n * _itemsize(dt)
+    desc = f"{kind}:" + ",".join(f"{dt}{list(shape)}" for shape, dt in zip(shapes, dtypes))
+    if getattr(spec, "tp_replicated", False):
+        desc += ";replicated"
+    return desc, nbytes
+
+
+def _itemsize(dtype) -> int:
+    import torch
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _conv_layout() -> str:
+    """vLLM's conv-state layout ("SD" or "DS"), which the shapes alone may not show."""
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+        return str(get_conv_state_layout())
+    except Exception:  # noqa: BLE001 - vLLM absent (drivers): its default
+        return "SD"

@@ -2,7 +2,9 @@
 many prompt tokens load from tierd, and the per-step metadata telling the workers what to load
 and save (`TierdConnector` in connectors/vllm.py combines it with the worker half).
 
-Block ids are per KV cache group (connectors/vllm_groups.py). The table a step saves from is
+Block ids are per KV cache group (connectors/vllm_groups.py); models with recurrent state
+(Mamba, linear attention) also save that state where a step ends on a tier-block boundary, in a
+state namespace beside the KV one, and load it with the KV of a hit. The table a step saves from is
 vLLM's live one (`scheduler_output.kv_connector_block_state`) where vLLM offers it: a sliding
 window frees blocks that leave it without telling connectors, and a freed block may already be
 another request's. Without it (vLLM versions or drivers that do not offer it) the table is kept
@@ -34,6 +36,7 @@ class _Req:
     request: Any
     salt: str
     keys: list[list[bytes]]              # per rank
+    state_keys: list[list[bytes]] = field(default_factory=list)   # per rank: the state namespace's
     extra: Any = None                    # block -> extra key bytes (LoRA, images, embeddings)
     table: list[list[int]] = field(default_factory=list)   # vLLM block ids per KV cache group
     saved: int = 0            # leading tier blocks every rank holds or has been sent
@@ -51,6 +54,7 @@ class SchedulerHalf:
         if st is None:
             salt = getattr(request, "cache_salt", None) or ""
             st = _Req(request, salt, [[] for _ in range(self.key_ranks)],
+                      [[] for _ in range(self.key_ranks)] if self.groups.has_state else [],
                       extra=block_extra(request, self.block_tokens))
             self._reqs[request.request_id] = st
         st.request = request
@@ -61,6 +65,9 @@ class SchedulerHalf:
         for rank in range(self.key_ranks):
             extend_keys(st.keys[rank], self.namespace(st.salt, rank).root_key, tokens, self.block_tokens,
                         n_blocks, st.extra)
+            if st.state_keys:
+                extend_keys(st.state_keys[rank], self.state_namespace(st.salt, rank).root_key, tokens,
+                            self.block_tokens, n_blocks, st.extra)
 
     # -- lookups --------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -93,6 +100,9 @@ class SchedulerHalf:
                     n, n_host = min(f[0] for f in found), min(f[1] for f in found)
                 else:
                     n = n_host = min(found)
+            if st.state_keys and n:
+                n = self._state_hit(store, st, min(n, (len(tokens) - 1) // self.block_tokens),
+                                    num_computed_tokens // self.block_tokens)
         except STORE_ERRORS as e:
             if isinstance(e, TimeoutError) or "timed out" in str(e):
                 self.stats["lookup_timeouts"] += 1
@@ -101,11 +111,27 @@ class SchedulerHalf:
         self.link.ok()
         st.hit, st.local = n, num_computed_tokens
         # Every stored tier block carries what every KV cache group needs for a hit ending at
-        # it (a sliding window's tail included: vllm_groups), so the hit is the stored prefix.
+        # it (a sliding window's tail included: vllm_groups), so the hit is the stored prefix
+        # (with recurrent state: the longest one whose end has a stored state, `_state_hit`).
         hit = min(n * self.block_tokens, len(tokens) - 1)   # the last token is always computed
         ext = max(0, hit - num_computed_tokens)
         st.load_async = bool(ext) and self._load_async(num_computed_tokens, ext, n_host, st.salt)
         return ext, st.load_async
+
+    def _state_hit(self, store, st: _Req, most: int, local: int) -> int:
+        """The most tier blocks (≤ `most`, > `local`) whose end has a stored recurrent state on
+        every rank (states are kept only where a step ended: not every block has one); 0 if
+        none. One round trip."""
+        cands = list(range(most, local, -1))
+        if not cands:
+            return 0
+        found = store.lookup_all([(self.state_namespace(st.salt, r), [st.state_keys[r][k - 1]])
+                                  for k in cands for r in range(self.key_ranks)])
+        for i, k in enumerate(cands):
+            if all(found[i * self.key_ranks:(i + 1) * self.key_ranks]):
+                return k
+        self.stats["state_misses"] += 1
+        return 0
 
     def _load_async(self, start: int, ext: int, n_host: int, salt: str) -> bool:
         """Whether a load goes through vLLM's asynchronous path: always, never, or ("auto") when
@@ -144,10 +170,21 @@ class SchedulerHalf:
                         "not loading", request.request_id, end)
             return
         self._extend(st, last_tier)
+        state_keys, state_ids = [], []
+        if st.state_keys:
+            # the state after the hit's last token, into the group's block there: before the step
+            # that computes on it (these loads are asynchronous, `fail_whole`), at whose start vLLM
+            # copies it into the request's running state block
+            ids = self.groups.state_ids(table, end // bs - 1)
+            if end % bt or ids is None:
+                log.warning("request %s: no state block for a %d-token hit; not loading", request.request_id, end)
+                return
+            state_keys, state_ids = [k[last_tier - 1] for k in st.state_keys], [[b] for b in ids]
         st.load_attempts += 1
         self._loads.append(LoadSpec(request.request_id, st.salt,
                                     [k[first_tier:last_tier] for k in st.keys], first_tier, first_block,
-                                    self.groups.ids(table, first_block, last_block), st.load_async))
+                                    self.groups.ids(table, first_block, last_block), st.load_async,
+                                    state_keys, state_ids))
         self.stats["hit_blocks"] += last_tier - first_tier
         self.stats["loaded_tokens"] += num_external_tokens
         if st.load_async:
@@ -205,6 +242,7 @@ class SchedulerHalf:
             self.stats["stores_skipped"] += full - st.saved
             st.saved = full
             return
+        is_live = table is not None
         table = st.table
         if not table:
             return
@@ -217,12 +255,29 @@ class SchedulerHalf:
             j1 += 1
         if j1 < full:     # a window's tail already gone (saved late): those blocks are not stored
             self.stats["stores_skipped"] += full - j1
-        if j1 > j0:
+        state_keys, state_ids = self._state_save(st, table if is_live else None, computed + scheduled, j1)
+        if j1 > j0 or state_keys:
             meta.saves.append(SaveSpec(st.salt, [k[j0:j1] for k in st.keys],
                                        [k[j0 - 1] if j0 else None for k in st.keys],
                                        self.groups.ids(table, j0 * self.ratio, j1 * self.ratio),
-                                       list(st.request.all_token_ids[j0 * bt:j1 * bt])))
+                                       list(st.request.all_token_ids[j0 * bt:j1 * bt]), state_keys, state_ids))
         st.saved = full
+
+    def _state_save(self, st: _Req, table, end: int, stored: int) -> tuple[list[bytes], list[int]]:
+        """The recurrent state this step leaves at a tier-block boundary, to save beside the
+        blocks (keys per rank, vLLM block per state group), or nothing: vLLM holds the state
+        after token `end` in the group's block `end / block_size - 1` only when the step ends
+        exactly there, and only the live table says the block is still the request's. Saved
+        only once the KV up to `end` is stored (`stored` tier blocks) or being stored."""
+        if not st.state_keys or table is None or end % self.block_tokens or end > len(st.request.all_token_ids):
+            if st.state_keys and table is None and end % self.block_tokens == 0:
+                self.stats["stores_skipped"] += 1
+            return [], []
+        j = end // self.block_tokens - 1
+        ids = self.groups.state_ids(table, j) if 0 <= j < stored else None
+        if ids is None:
+            return [], []
+        return [k[j] for k in st.state_keys], ids
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saved blocks were copied out during the steps that filled them, and vLLM itself keeps

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from tierd.errors import TierdError
-from tierd.kernels.transfer import BlockTransfer, LoadJob
+from tierd.kernels.transfer import BlockTransfer, LoadJob, host_tensor
 from tierd.namespace import Namespace
 
 from . import vllm_layout
@@ -37,10 +37,14 @@ log = logging.getLogger("tierd.connectors.vllm")
 class _Pending:
     """A reservation being asked for on the save thread, awaited at the end of the step."""
 
-    __slots__ = ("spec", "ns", "bytes", "event", "res", "abandoned", "copied", "hold")
+    __slots__ = ("spec", "ns", "bytes", "event", "res", "abandoned", "copied", "hold", "keys", "parent",
+                 "token_ids", "state")
 
-    def __init__(self, spec: SaveSpec, ns: Namespace, nbytes: int):
+    def __init__(self, spec: SaveSpec, ns: Namespace, nbytes: int, keys: list[bytes], parent: bytes | None,
+                 token_ids: list[int] | None, state: bool = False):
         self.spec, self.ns, self.bytes = spec, ns, nbytes
+        self.keys, self.parent, self.token_ids = keys, parent, token_ids
+        self.state = state       # the spec's recurrent state (else its KV blocks)
         self.event = threading.Event()
         self.res = None
         self.abandoned = False
@@ -95,6 +99,14 @@ class WorkerHalf:
             scales = self._layer_scales(names)
             if any(s != (1.0, 1.0) for s in scales):
                 return self._decline("fp8 KV scales other than 1.0 that the namespace does not record")
+        pages = []
+        for n in groups.state_names:    # recurrent state: a page of state_bytes per block
+            t = kv_caches.get(n)
+            page = self._state_page(n, t, groups.state_bytes)
+            if isinstance(page, str):
+                return self._decline(page)
+            pages.append(page)
+        self._state_pages = pages
         self._layers = layers
         self._device = k0.device
         # copies between these views and tier slots: gather/scatter kernels on a GPU (on their own
@@ -102,6 +114,20 @@ class WorkerHalf:
         self._xfer = BlockTransfer([k for k, _ in layers], None if self.latent else [v for _, v in layers],
                                    self.ratio, layer_groups=groups.layer_group)
         self._layer_idx = {n: i for i, n in enumerate(names)}
+
+    @staticmethod
+    def _state_page(name: str, t, nbytes: int):
+        """The (blocks, nbytes) uint8 view of a state layer's cache (vLLM hands over the raw
+        page of each block: its states one after another, padding after them), or why not."""
+        if not isinstance(t, torch.Tensor):
+            return f"state layer {name}: {type(t).__name__} where a tensor of pages was expected"
+        try:
+            flat = t.view(t.shape[0], -1).view(torch.uint8)
+        except RuntimeError:
+            return f"state layer {name}: pages of shape {tuple(t.shape)}, strides {t.stride()} are not runs of bytes"
+        if flat.shape[1] < nbytes:
+            return f"state layer {name}: pages of {flat.shape[1]} bytes for {nbytes} bytes of state"
+        return flat[:, :nbytes]
 
     def _layer_scales(self, names: list[str]) -> list[tuple[float, float]]:
         ctx = getattr(getattr(self._vllm_config, "compilation_config", None), "static_forward_context", None) or {}
@@ -184,6 +210,8 @@ class WorkerHalf:
         store = self.link.get()
         lease = None
         keys = spec.keys[self._rank]
+        if spec.state_keys and (store is None or not self._load_state(store, spec)):
+            store = None      # without the state at its end, the hit is not loaded at all
         if store is not None:
             try:
                 lease = acquire_for(store, self.namespace(spec.salt), keys, self._device)
@@ -216,6 +244,40 @@ class WorkerHalf:
             self._release_quietly(store, lease)
         self.stats["load_s"] += time.perf_counter() - t0
         return self._missing(spec, loaded)
+
+    def _load_state(self, store, spec: LoadSpec) -> bool:
+        """Copy the recurrent state at the end of `spec`'s hit into its state blocks; False if
+        it could not be (the whole load is then recomputed)."""
+        try:
+            lease = store.acquire(self.state_namespace(spec.salt), [spec.state_keys[self._rank]])
+            self.link.ok()
+        except STORE_ERRORS as e:
+            self.stats["load_failures"] += 1
+            self.link.failed(e, "load")
+            return False
+        if not len(lease):
+            self.stats["state_load_misses"] += 1
+            self._release_quietly(store, lease)
+            return False
+        try:
+            with holding(store, lease):
+                src = host_tensor(lease.buffers[0])
+                n = self._state_pages[0].shape[1] if self._state_pages else 0
+                for ids, g in zip(spec.state_ids, self.groups.states):
+                    for i in self.groups.groups[g].layers:
+                        for b in ids:
+                            self._state_pages[i][b].copy_(src[i * n:(i + 1) * n])
+            lease, held = None, lease
+            store.release(held, confirm=True)     # the bytes count only if the lease held throughout
+            return True
+        except STORE_ERRORS as e:
+            self.stats["lost_leases"] += 1
+            log.warning("tierd lease lost during a state load (%s); the blocks are recomputed", e)
+        except Exception:  # noqa: BLE001 - a failed copy must not reach vLLM: recompute
+            log.exception("tierd: a state load's copy failed; the blocks are recomputed")
+        if lease is not None:
+            self._release_quietly(store, lease)
+        return False
 
     def _end_load(self, ld: _Loading, *, unsafe: bool = False) -> set[int]:
         """Wait for a load's copies, confirm its lease and end it; returns the blocks to recompute.
@@ -308,9 +370,27 @@ class WorkerHalf:
                 if req_id in self._queued:
                     self._cancelled.add(req_id)
             done, self._done_loads = self._done_loads, {}
-            for errors in done.values():
-                self._load_errors.update(errors)   # reported in this same step, before the request
+            for req_id, errors in done.items():
+                if not errors:
+                    continue
+                if self.fail_whole:
+                    self._failed_loads.add(req_id)  # vLLM recomputes the whole request
+                else:
+                    self._load_errors.update(errors)   # reported in this same step, before the request
         return None, (set(done) or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        """`get_finished`, and the asynchronous loads that failed as failed requests (how vLLM
+        takes a failure back from a model with several KV cache groups: recomputed whole)."""
+        base = getattr(super(), "get_transfer_results", None)
+        if base is None:       # a vLLM that asks get_finished alone
+            return None
+        results = base(finished_req_ids)
+        with self._lock:
+            failed, self._failed_loads = self._failed_loads, set()
+        if failed:
+            results.failed_recving = set(results.failed_recving or ()) | failed
+        return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_loads()
@@ -326,19 +406,27 @@ class WorkerHalf:
             return
         # Ask for the slots now, so the round trip overlaps this step's forward.
         for spec in saves:
-            ns = self.namespace(spec.salt)
-            nbytes = len(spec.keys[self._rank]) * ns.block_bytes
-            if self.save_link.backing_off:
-                self.stats["stores_dropped"] += len(spec.keys[self._rank])
-                continue
-            with self._lock:
-                if self._inflight + nbytes > self.max_inflight_bytes:
-                    self.stats["stores_dropped"] += len(spec.keys[self._rank])
+            parts = []
+            keys = spec.keys[self._rank]
+            if keys:
+                ns = self.namespace(spec.salt)
+                parts.append(_Pending(spec, ns, len(keys) * ns.block_bytes, keys, spec.parents[self._rank],
+                                      spec.token_ids))
+            if spec.state_keys and self._state_pages:
+                ns = self.state_namespace(spec.salt)
+                parts.append(_Pending(spec, ns, ns.block_bytes, [spec.state_keys[self._rank]], None, None,
+                                      state=True))
+            for p in parts:
+                if self.save_link.backing_off:
+                    self.stats["stores_dropped"] += len(p.keys)
                     continue
-                self._inflight += nbytes
-            p = _Pending(spec, ns, nbytes)
-            self._step_saves.append(p)
-            self._save_q.put(("reserve", p))
+                with self._lock:
+                    if self._inflight + p.bytes > self.max_inflight_bytes:
+                        self.stats["stores_dropped"] += len(p.keys)
+                        continue
+                    self._inflight += p.bytes
+                self._step_saves.append(p)
+                self._save_q.put(("reserve", p))
         if self._saver is None:
             self._saver = threading.Thread(target=self._save_loop, name="tierd-vllm-saver", daemon=True)
             self._saver.start()
@@ -365,7 +453,7 @@ class WorkerHalf:
                     if not p.event.is_set():      # the save thread aborts it when it arrives
                         p.abandoned = True
                 if p.abandoned:
-                    self.stats["stores_dropped"] += len(p.spec.keys[self._rank])
+                    self.stats["stores_dropped"] += len(p.keys)
                     self.save_link.failed(TimeoutError(f"no reservation within {self.save_wait_s * 1000:.0f} ms"),
                                           "store")
                     continue
@@ -388,6 +476,13 @@ class WorkerHalf:
         p.hold.enter_context(holding(self.save_link.store, res))
         todo = [j for j, status in enumerate(res.status) if status == "reserved"]
         if not todo:
+            return
+        if p.state:           # a few pages: copied at once (the step's forward is done)
+            dst = host_tensor(res.buffers[0])
+            n = self._state_pages[0].shape[1]
+            for b, g in zip(p.spec.state_ids, self.groups.states):
+                for i in self.groups.groups[g].layers:
+                    dst[i * n:(i + 1) * n].copy_(self._state_pages[i][b])
             return
         self._xfer.attach(self.save_link.store)
         n = len(res.status)
@@ -415,13 +510,12 @@ class WorkerHalf:
     def _reserve(self, p: _Pending) -> None:
         store = self.save_link.get()
         res = None
-        n = len(p.spec.keys[self._rank])
+        n = len(p.keys)
         if store is None:
             self.stats["stores_dropped"] += n
         else:
             try:
-                res = store.reserve(p.ns, p.spec.keys[self._rank], parent=p.spec.parents[self._rank],
-                                    token_ids=p.spec.token_ids)
+                res = store.reserve(p.ns, p.keys, parent=p.parent, token_ids=p.token_ids)
                 self.save_link.ok()
             except STORE_ERRORS as e:
                 self.stats["store_failures"] += n

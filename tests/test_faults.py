@@ -245,6 +245,12 @@ def _p99(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, int(len(xs) * 0.99))]
 
 
+# A request that waited behind the hung disk would take its stall (stall_s 0.5 s, hangs of 60 s);
+# one that did not takes well under a millisecond on a quiet machine, a few on a loaded 2-core
+# one (a p99 of 1.4 ms was seen under the full suite): 10 ms tells the two apart either way.
+UNSTALLED_P99_S = 0.01
+
+
 @pytest.mark.slow
 def test_a_hanging_disk_stalls_no_one_and_recovers_by_itself(tmp_path):
     """Writes, fdatasyncs and reads that hang for seconds (a dying disk, a lost NFS server):
@@ -283,11 +289,11 @@ def test_a_hanging_disk_stalls_no_one_and_recovers_by_itself(tmp_path):
             t0 = time.monotonic()
             wait_for(lambda: "stalled" in disk_stats(c)["degraded"], what="stall noticed")
             lk, ak, hh = _latencies(lookup, 500), _latencies(ask, 500), _latencies(host_hit, 500)
-            assert _p99(lk) < 1e-3, f"lookup p99 {_p99(lk) * 1e6:.0f} us while the disk hangs " \
+            assert _p99(lk) < UNSTALLED_P99_S, f"lookup p99 {_p99(lk) * 1e6:.0f} us while the disk hangs " \
                                     f"(before: {_p99(base_lookup) * 1e6:.0f} us)"
-            assert _p99(ak) < 1e-3, f"asked lookup p99 {_p99(ak) * 1e6:.0f} us while the disk hangs " \
+            assert _p99(ak) < UNSTALLED_P99_S, f"asked lookup p99 {_p99(ak) * 1e6:.0f} us while the disk hangs " \
                                     f"(before: {_p99(base_ask) * 1e6:.0f} us)"
-            assert _p99(hh) < 1e-3, f"host-hit p99 {_p99(hh) * 1e6:.0f} us while the disk hangs " \
+            assert _p99(hh) < UNSTALLED_P99_S, f"host-hit p99 {_p99(hh) * 1e6:.0f} us while the disk hangs " \
                                     f"(before: {_p99(base_hit) * 1e6:.0f} us)"
             # blocks only a hung disk holds are not promised: lookups count host RAM alone
             assert c.lookup(ns, disk_keys) == 0 and asked.lookup(ns, disk_keys) == 0
@@ -315,8 +321,8 @@ def test_a_hanging_disk_stalls_no_one_and_recovers_by_itself(tmp_path):
             assert isinstance(r, Exception) and "took longer" in str(r)   # request_timeout_s
             wait_for(lambda: "stalled" in disk_stats(c)["degraded"], what="read stall noticed")
             lk, ak = _latencies(lookup, 300), _latencies(ask, 300)
-            assert _p99(lk) < 1e-3, f"lookup p99 {_p99(lk) * 1e6:.0f} us while reads hang"
-            assert _p99(ak) < 1e-3, f"asked lookup p99 {_p99(ak) * 1e6:.0f} us while reads hang"
+            assert _p99(lk) < UNSTALLED_P99_S, f"lookup p99 {_p99(lk) * 1e6:.0f} us while reads hang"
+            assert _p99(ak) < UNSTALLED_P99_S, f"asked lookup p99 {_p99(ak) * 1e6:.0f} us while reads hang"
             with c.acquire(ns, disk_keys[:4]) as lease:
                 assert len(lease) == 0                       # a stalled disk is a miss, not a wait
             faults.write_text("")

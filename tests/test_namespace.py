@@ -225,3 +225,22 @@ def test_the_fields_of_hybrid_latent_and_staged_models_are_identity_and_leave_ot
                 dict(base, layers="all")):
         with pytest.raises(NamespaceError):
             Namespace(**bad)
+
+
+def test_a_state_namespace_is_its_own_identity_and_block_size():
+    """Recurrent state (Mamba, linear attention): a block is a page of `state_bytes` per state
+    layer, whatever `block_tokens`; its layout description and size are identity; it survives
+    the wire; it takes no lossy codec; a KV namespace of the same fields is another."""
+    base = dict(model="m", kv_dtype="bfloat16", num_layers=3, num_kv_heads=1, head_dim=1, block_tokens=256)
+    st = Namespace(**base, state="GDN:bfloat16[3, 512],float32[4, 64, 64];3 layers;conv SD", state_bytes=68608)
+    assert st.block_bytes == 3 * 68608
+    variants = [st, Namespace(**base), Namespace(**base, state=st.state, state_bytes=68600),
+                Namespace(**base, state=st.state + "x", state_bytes=68608),
+                Namespace(**dict(base, block_tokens=128), state=st.state, state_bytes=68608)]
+    assert len({ns.id for ns in variants}) == len(variants)
+    assert Namespace.from_dict(st.to_dict()) == st and Namespace.from_dict(st.to_dict()).id == st.id
+    assert "state" not in Namespace(**base).to_dict()
+    for bad in (dict(base, state="x"), dict(base, state_bytes=8), dict(base, state="x", state_bytes=-1),
+                dict(base, state="x", state_bytes=8, tier_codec="fp8")):
+        with pytest.raises(NamespaceError):
+            Namespace(**bad)

@@ -118,7 +118,7 @@ def test_bad_configuration_is_refused_or_disables_with_a_reason(embedded_url):
     mamba = type("MambaSpec", (), {"block_size": 16})()
     hybrid = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=mamba, layer_names=["a"])] * 2)
     c = tv.TierdConnector(config(embedded_url), tv.KVConnectorRole.SCHEDULER, hybrid)
-    assert "Mamba and linear-attention state" in c.disabled
+    assert "'none' cache mode keeps no state at block boundaries" in c.disabled   # no prefix caching
     assert c.get_num_new_matched_tokens(drv.Objects().request("A", list(range(64))), 0) == (0, False)
 
 
@@ -758,3 +758,51 @@ def test_pipeline_parallelism_with_sliding_windows_is_declined(embedded_url):
                           drv.hybrid_kv_cache_config())
     assert "pipeline parallelism with several KV cache groups" in c.disabled
     c.shutdown()
+
+
+# -- recurrent state (Mamba, linear attention) ---------------------------------------------------
+def _state_pair(url: str, mode: str = "align", **extra):
+    groups, extra = drv.state_kv_cache_config(mode), {"block_tokens": None} | extra
+    sched = tv.TierdConnector(config(url, **extra), tv.KVConnectorRole.SCHEDULER, groups)
+    worker = tv.TierdConnector(config(url, **extra), tv.KVConnectorRole.WORKER, groups)
+    return sched, worker
+
+
+def test_recurrent_state_is_saved_where_a_step_ends_on_a_block_and_loaded_with_the_hit(embedded_url):
+    sched, worker = _state_pair(embedded_url)
+    worker.register_kv_caches(drv.state_paged_caches())
+    assert not worker.disabled and not sched.disabled, (worker.disabled, sched.disabled)
+    assert worker.block_tokens == drv.BLOCK_SIZE       # states exist at engine-block boundaries only
+    try:
+        drv.run_state(sched, worker, drv.GroupObjects(), tv._EMBEDDED[embedded_url])
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
+def test_recurrent_state_namespaces_keep_layouts_and_models_apart(embedded_url):
+    sched, _ = _state_pair(embedded_url)
+    kv, state = sched.namespace(""), sched.state_namespace("")
+    assert kv.num_layers == 1 and "state:3" in kv.attention          # the attention layer alone
+    assert state.id != kv.id and "bfloat16[3, 8]" in state.state and "float32[2, 4, 4]" in state.state
+    other = drv.state_kv_cache_config()
+    for g in other.kv_cache_groups[:3]:
+        g.kv_cache_spec.dtypes = (torch.float32, torch.float32)      # another state dtype
+    s2 = tv.TierdConnector(config(embedded_url, block_tokens=None), tv.KVConnectorRole.SCHEDULER, other)
+    assert s2.state_namespace("").id != state.id
+    assert sched.state_namespace("salt").id != state.id
+    plain, _ = pair(embedded_url)
+    assert plain.namespace("").id not in (kv.id, state.id)
+
+
+def test_recurrent_state_without_block_states_or_with_other_tier_blocks_is_declined(embedded_url):
+    sched, worker = _state_pair(embedded_url, mode="none")      # vLLM's prefix caching off
+    assert "keeps no state at block boundaries" in sched.disabled
+    sched, _ = _state_pair(embedded_url, block_tokens=2 * drv.BLOCK_SIZE)
+    assert "leave block_tokens unset" in sched.disabled
+    worker = tv.TierdConnector(config(embedded_url, block_tokens=None), tv.KVConnectorRole.WORKER,
+                               drv.state_kv_cache_config())
+    caches = drv.state_paged_caches()
+    caches[drv.layer_names()[0]] = caches[drv.layer_names()[0]][..., :8]   # a page shorter than its states
+    worker.register_kv_caches(caches)
+    assert "bytes of state" in worker.disabled

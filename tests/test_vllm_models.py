@@ -30,9 +30,12 @@ below the prompt length so prefills are chunked and windows free blocks mid-prom
   MLA on CPU);
 - P1 / P2: Llama-like with pipeline parallelism (2 stages, a worker process each): each stage
   stores its own layers under its own namespace, a fresh P2 loads both;
-- Q1: Qwen3-Next-like (linear-attention layers and one full-attention layer, MoE) with the
-  connector: vLLM starts (the connector is `SupportsHMA`; without it vLLM refuses the model),
-  the connector declines the Mamba-style state with one logged line, and the engine generates.
+- Q1 / Q2: Qwen3-Next-like (three linear-attention layers and one full-attention layer, MoE,
+  bf16, vLLM's prefix caching on: its "align" mode keeps the state at block boundaries): Q1
+  stores (the attention KV, and the state where a step ended on a block), a fresh Q2 loads
+  both; QX, a mutant that does not restore the state, gives other tokens;
+- K1: Granite-4-like (Mamba2 + attention), which vLLM's CPU build runs only with prefix caching
+  off: declined with one line, and the engine generates.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ def _prompts():
     rng = random.Random(23)
     prompts = {k: [rng.randrange(1, 500) for _ in range(600)] for k in ("A", "B", "C")}
     prompts["D"] = [rng.randrange(1, 500) for _ in range(500)]   # tier block 1 completes in decode
+    prompts["C2"] = prompts["A"][:300] + [rng.randrange(1, 500) for _ in range(300)]   # A's first 300
     return prompts
 
 
@@ -108,7 +112,17 @@ def runs(tmp_path_factory):
                                linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=64,
                                linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=4,
                                num_experts_per_tok=2, moe_intermediate_size=128,
-                               shared_expert_intermediate_size=128)
+                               shared_expert_intermediate_size=128,
+                               # a slow decay: the state after 512 tokens still steers the tokens
+                               # generated 88 tokens on (with random A_log it fades in ~30 tokens,
+                               # and a missing state would go unseen)
+                               fill={"A_log": -6.0})
+    granite = write_random_model(tmp / "granite", architecture="granite_hybrid", vocab_size=512, hidden_size=128,
+                                 intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=4096, seed=11,
+                                 layer_types=["linear_attention"] * 3 + ["attention"], mamba_n_heads=8,
+                                 mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=64,
+                                 num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=128)
     budget = vllm_wait.Budget(what="the vLLM engines of test_vllm_models.py")
     shm_before = set(Path("/dev/shm").glob("vllm_*")) if Path("/dev/shm").is_dir() else set()
     (tmp / "d").mkdir()
@@ -161,8 +175,17 @@ def runs(tmp_path_factory):
                   env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
         run("p1", llama, [batch("store", "A", "B")], **pp)
         run("p2", llama, [batch("load", "A", "B")], **pp)
-        # vLLM's CPU linear attention (GDN) runs in bf16 only
-        run("q1", qnext, [batch("plain", "A")], engine={"dtype": "bfloat16"})
+        # vLLM's CPU linear attention (GDN) runs in bf16 only; its prefix caching puts the
+        # state in "align" mode (kept at block boundaries), which the connector needs
+        qeng = {"dtype": "bfloat16", "enable_prefix_caching": True}
+        c_salted = {"name": "ref", "prompts": [{"tokens": PROMPTS["C2"], "max_tokens": 16, "salt": "ref"}]}
+        run("q1", qnext, [c_salted, batch("store", "A", "B")], engine=qeng)
+        # C2 first: its 256-token hit is the tier's, not vLLM's own cache's
+        run("q2", qnext, [batch("partial", "C2"), batch("load", "A", "B")], engine=qeng)
+        run("qx", qnext, [batch("load", "A")], engine=qeng, module="tests.vllm_mutant", mutation="no_state")
+        # Granite-4-like (Mamba2 + attention): vLLM's CPU build fails in its own Mamba2 kernel with
+        # prefix caching on (connector or not); with it off there is no state to cache
+        run("k1", granite, [batch("plain", "A")], engine={"enable_prefix_caching": False})
         out["stats"] = _stats(url)
         yield out
     finally:
@@ -243,11 +266,35 @@ def test_mistral_like_all_layer_window_loads_another_engines_prefixes(runs):
     assert _tokens(m2, "load") == _tokens(m1, "store")
 
 
-def test_a_model_with_mamba_style_state_runs_and_is_declined_with_one_line(runs):
-    q1 = runs["q1"]
-    declined = [line for line in q1["log"].splitlines() if "tierd connector disabled" in line]
-    assert declined and all("Mamba and linear-attention state" in line for line in declined), declined
-    assert _external(q1, "plain") == 0 and len(_tokens(q1, "plain")[0]) == 16
+def test_qwen3_next_like_loads_another_engines_prefixes_with_their_recurrent_state(runs):
+    """Q2 (fresh) loads 256 tokens of C2 (it shares 300 tokens with A: the state Q1's first
+    256-token chunk of A ended on), then 512 of A and of B — the attention layer's KV and the
+    linear-attention layers' state after token 512 — with the tokens of Q1, which computed them
+    all. (vLLM 0.32 keeps none of C2's loaded prefix in its own cache for A: all 512 are loaded.)"""
+    q1, q2 = runs["q1"], runs["q2"]
+    assert _tokens(q2, "partial") == _tokens(q1, "ref")
+    assert _external(q2, "partial") == 256
+    assert _tokens(q2, "load") == _tokens(q1, "store")
+    assert [o["num_cached_tokens"] for o in _batch(q2, "load")["outputs"]] == [512, 512]
+    assert _external(q2, "load") >= 256 + 512
+    assert "tierd connector disabled" not in q2["log"]
+
+
+def test_a_hit_without_its_recurrent_state_gives_other_tokens(runs):
+    """QX loads A's attention KV but not its state (a mutant): other tokens, so the test above
+    would see a state that is not restored."""
+    qx = runs["qx"]
+    assert _external(qx, "load") == 512
+    assert _tokens(qx, "load") != _tokens(runs["q1"], "store")[:1]
+
+
+def test_granite_4_like_without_prefix_caching_runs_declined_with_one_line(runs):
+    """vLLM's CPU build runs Granite-4-like (Mamba2) models only with prefix caching off, which
+    keeps no state at block boundaries: the connector declines with one line per process."""
+    k1 = runs["k1"]
+    declined = [line for line in k1["log"].splitlines() if "tierd connector disabled" in line]
+    assert declined and all("keeps no state at block boundaries" in line for line in declined), declined
+    assert _external(k1, "plain") == 0 and len(_tokens(k1, "plain")[0]) == 16
 
 
 @pytest.mark.parametrize("alone,connected", [("d0", "d1"), (None, "e1")])

@@ -108,6 +108,7 @@ def main() -> int:
     worker.shutdown()
     sched.shutdown()
     check_hybrid(config, layers, objs, store)
+    check_state(url, layers, objs, store)
     store.close()
     check_declines(ktc, kv_cache_config, layers)
     tier_checked = check_secondary_tier()
@@ -124,9 +125,6 @@ def check_hybrid(config, layers, objs, store) -> None:
     import torch
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
-    from vllm.v1.core.sched.output import CachedRequestData, KVConnectorBlockState, NewRequestData, SchedulerOutput
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -146,6 +144,20 @@ def check_hybrid(config, layers, objs, store) -> None:
     assert not sched.disabled and not worker.disabled, (sched.disabled, worker.disabled)
     worker.register_kv_caches(drv.hybrid_paged_caches())
     assert not worker.disabled, worker.disabled
+
+    drv.run_hybrid(sched, worker, vllm_group_objects(objs), store)
+    worker.shutdown()
+    sched.shutdown()
+
+
+def vllm_group_objects(objs):
+    """drv.GroupObjects built of vLLM's own classes (block tables, scheduler outputs, the live
+    table it offers connectors)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import CachedRequestData, KVConnectorBlockState, NewRequestData, SchedulerOutput
+
+    from . import vllm_driver as drv
 
     class VllmGroupObjects(drv.GroupObjects):
         request = type(objs).request
@@ -172,7 +184,42 @@ def check_hybrid(config, layers, objs, store) -> None:
                 kv_connector_block_state=KVConnectorBlockState(req_ids=set(live), resolve_block_ids=live.__getitem__,
                                                                boundary_state_offloads={}))
 
-    drv.run_hybrid(sched, worker, VllmGroupObjects(), store)
+    return VllmGroupObjects()
+
+
+def check_state(url, layers, objs, store) -> None:
+    """Recurrent state beside attention, with vLLM's own classes: its MambaSpec groups in
+    "align" mode (a state group per linear-attention layer) and an attention group
+    (drv.run_state); the failed load reported as a failed request through vLLM's
+    KVConnectorTransferResults."""
+    import torch
+    from vllm.config import DeviceConfig, KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, KVConnectorTransferResults
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    from . import vllm_driver as drv
+
+    extra = {k: v for k, v in drv.extra_config(url).items() if k != "block_tokens"}
+    ktc = KVTransferConfig(kv_connector="TierdConnector", kv_connector_module_path="tierd.connectors.vllm",
+                           kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"), kv_transfer_config=ktc)
+    config.cache_config.block_size = drv.BLOCK_SIZE
+    config.compilation_config.static_forward_context.update(drv.forward_context("BHN2D", layers))
+    state = MambaSpec(block_size=drv.BLOCK_SIZE, shapes=drv.STATE_SHAPES, dtypes=drv.STATE_DTYPES,
+                      mamba_cache_mode="align")
+    full = FullAttentionSpec(block_size=drv.BLOCK_SIZE, num_kv_heads=drv.KV_HEADS, head_size=drv.HEAD_DIM,
+                             dtype=torch.float16)
+    groups = [KVCacheGroupSpec(layer_names=[layers[i]], kv_cache_spec=state) for i in drv.STATE_LAYERS]
+    groups.append(KVCacheGroupSpec(layer_names=[layers[drv.ATTN_LAYER]], kv_cache_spec=full))
+    kv_cache_config = KVCacheConfig(num_blocks=drv.NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+    sched = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+    assert not sched.disabled and not worker.disabled, (sched.disabled, worker.disabled)
+    worker.register_kv_caches(drv.state_paged_caches())
+    assert not worker.disabled, worker.disabled
+    assert isinstance(worker.get_transfer_results(set()), KVConnectorTransferResults)
+    drv.run_state(sched, worker, vllm_group_objects(objs), store)
     worker.shutdown()
     sched.shutdown()
 

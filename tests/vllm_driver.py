@@ -362,3 +362,107 @@ def run_hybrid(sched, worker, objs: GroupObjects, store) -> None:
             if (layer, blk) not in written and (alias, blk) not in written:
                 assert torch.equal(layer_block(worker, layer, blk), before[(layer, blk)]), (layer, blk)
     sched.request_finished_all_groups(b, table)
+
+
+# -- recurrent state (Mamba / linear attention) beside attention (vLLM's hybrid manager) ----------
+STATE_LAYERS, ATTN_LAYER = (0, 1, 2), 3
+STATE_SHAPES, STATE_DTYPES = ((3, 8), (2, 4, 4)), (torch.bfloat16, torch.float32)
+STATE_BYTES = 3 * 8 * 2 + 2 * 4 * 4 * 4        # conv state, then the recurrent state
+STATE_PAGE = 256                               # vLLM pads each layer's page (to the attention page)
+
+
+def state_kv_cache_config(mode: str = "align"):
+    """Groups as vLLM makes them for a model of three linear-attention layers and one attention
+    layer (Qwen3-Next-like): a state group per state layer, and one attention group."""
+    from types import SimpleNamespace
+    names = layer_names()
+    state = type("MambaSpec", (), {"block_size": BLOCK_SIZE, "shapes": STATE_SHAPES, "dtypes": STATE_DTYPES,
+                                   "mamba_cache_mode": mode, "mamba_type": "gdn_attention"})()
+    full = type("FullAttentionSpec", (), {"block_size": BLOCK_SIZE})()
+    return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=state, layer_names=[names[i]])
+                                            for i in STATE_LAYERS] +
+                           [SimpleNamespace(kv_cache_spec=full, layer_names=[names[ATTN_LAYER]])])
+
+
+def state_paged_caches(seed: int = 0) -> dict[str, torch.Tensor]:
+    """The attention layer's paged cache, and each state layer's raw pages as vLLM hands them
+    over: (blocks, 1, 1, bytes of its states), views into pages of STATE_PAGE bytes."""
+    names = layer_names()
+    out = {names[ATTN_LAYER]: paged_caches("BHN2D", seed)[names[ATTN_LAYER]]}
+    g = torch.Generator().manual_seed(seed + 1)
+    for i in STATE_LAYERS:
+        raw = torch.randint(-128, 128, (NUM_BLOCKS, STATE_PAGE), generator=g, dtype=torch.int8)
+        out[names[i]] = raw[:, :STATE_BYTES].view(NUM_BLOCKS, 1, 1, STATE_BYTES)
+    return out
+
+
+def state_page(conn, layer: int, block_id: int) -> torch.Tensor:
+    return conn._state_pages[STATE_LAYERS.index(layer)][block_id].clone()
+
+
+def run_state(sched, worker, objs: "GroupObjects", store) -> None:
+    """A stores 40 tokens in two steps (32, then 8): the first ends on a block boundary, so vLLM
+    holds the state after token 32 in each state group's block 1; the second ends mid-block
+    (no state saved). A fresh B loads 32 tokens: the attention blocks and that state, into B's
+    state blocks at index 1; nothing else changes. C shares A's first 16 tokens only: their KV
+    is stored but no state after token 16 is, so C gets no hit. D's load finds the tier
+    flushed after its lookup: vLLM is told the request failed (it recomputes it whole; block
+    ids would be ambiguous across groups), never given block ids."""
+    torch.manual_seed(4)
+    prompt = torch.randint(0, 32000, (40,)).tolist()
+    a = objs.request("SA", prompt)
+    states = [[0, 5, 6] for _ in STATE_LAYERS]          # vLLM's state blocks (block 0 nulled)
+    attn = [1, 2, 3]
+    table = (*states, attn)
+    assert admit(sched, objs, a, 0, table, worker) == 0
+    step(sched, worker, objs.live_output([(a, table, 0, 32)], live={"SA": table}))
+    assert worker.flush(30)
+    saved = {(layer, b): state_page(worker, layer, b) for layer in STATE_LAYERS for b in (5, 6)}
+    kv_saved = {b: layer_block(worker, 0, b) for b in attn}    # (the tier block's one layer)
+    step(sched, worker, objs.live_output([], cached=[("SA", None, 32, 8)], live={"SA": table}))
+    assert worker.flush(30)
+    assert worker.stats["stored_blocks"] == 2 + 1, worker.stats   # 2 KV blocks (tokens 0-31), 1 state
+    sched.request_finished_all_groups(a, table)
+    sns = worker.state_namespace("")
+    assert sns.state and sns.block_bytes == len(STATE_LAYERS) * STATE_BYTES
+    got = store.get(sns, sns.block_keys(prompt[:32])[1:2])[0]
+    assert bytes(got) == b"".join(bytes(saved[(layer, 5)].numpy()) for layer in STATE_LAYERS)
+
+    b = objs.request("SB", prompt)
+    states_b = [[0, 20, 21] for _ in STATE_LAYERS]
+    table_b = (*states_b, [30, 31, 32])
+    before = {(layer, blk): state_page(worker, layer, blk) for layer in STATE_LAYERS for blk in range(NUM_BLOCKS)}
+    assert admit(sched, objs, b, 0, table_b, worker) == 32
+    assert objs.take_errors() == set()
+    for layer in STATE_LAYERS:
+        assert torch.equal(state_page(worker, layer, 20), saved[(layer, 5)]), layer
+        for blk in range(NUM_BLOCKS):
+            if blk != 20:
+                assert torch.equal(state_page(worker, layer, blk), before[(layer, blk)]), (layer, blk)
+    for i in range(2):
+        assert torch.equal(layer_block(worker, 0, 30 + i), kv_saved[attn[i]])
+    assert worker.get_transfer_results(set()).failed_recving == set()
+    sched.request_finished_all_groups(b, table_b)
+
+    c = objs.request("SC", prompt[:16] + [7] * 24)
+    misses = sched.stats["state_misses"]
+    assert sched.get_num_new_matched_tokens(c, 0) == (0, False)
+    assert sched.stats["state_misses"] == misses + 1
+
+    d = objs.request("SD", prompt)
+    table_d = (*[[0, 40, 41] for _ in STATE_LAYERS], [42, 43, 44])
+    ext, is_async = sched.get_num_new_matched_tokens(d, 0)
+    assert (ext, is_async) == (32, True)
+    sched.update_state_after_alloc(d, objs.blocks(table_d), ext)
+    store.flush()
+    failed, done, deadline = set(), set(), time.monotonic() + 30
+    while "SD" not in done:
+        assert time.monotonic() < deadline
+        done |= step(sched, worker, objs, objs.live_output([]))
+        # (what vLLM asks instead of get_finished: a load that ends in between is reported here)
+        results = worker.get_transfer_results(set())
+        done |= results.finished_recving
+        failed |= results.failed_recving
+        time.sleep(0.001)
+    failed |= worker.get_transfer_results(set()).failed_recving
+    assert failed == {"SD"} and objs.take_errors() == set()

@@ -3,6 +3,8 @@
 `kv_connector_extra_config.mutation` names the mistake:
 
 - ``swap_groups``: every layer is loaded through the other KV cache group's block ids.
+- ``no_state``: a hit's recurrent state (Mamba, linear attention) is not written, its attention
+  KV is: the state blocks keep what they held.
 - ``cpu_mla``: MLA is cached on vLLM's CPU build although vLLM computes wrong tokens over a
   loaded prefix there (see `TierdConnector._mla_declined`): to check the latent byte path end to
   end. With ``dump`` (a directory), the latent rows each save copied out and each load copied in
@@ -44,6 +46,11 @@ class TierdConnector(tv.TierdConnector):
         for spec in getattr(meta, "loads", None) or ():
             if not spec.is_async:
                 self._dump("load", [b for b in spec.block_ids[0] if b >= 0])
+
+    def _load_state(self, store, spec):
+        if _extra(self).get("mutation") == "no_state":
+            return True
+        return super()._load_state(store, spec)
 
     def _load_ids(self, spec, loaded):
         ids = super()._load_ids(spec, loaded)

@@ -78,6 +78,11 @@ class Namespace:
     #                         of head_dim = kv_lora_rank + rope dims), [layers, block_tokens, latent]
     layers: str = ""        # "" = every layer of the model; "A-B/N": layers A..B-1 of N (a
     #                         pipeline-parallel stage's), num_layers = B - A
+    state: str = ""         # "" = a KV namespace; else a recurrent-state namespace (Mamba, linear
+    #                         attention): a block is the state after its last token, one page of
+    #                         `state_bytes` per state layer, [num_layers, state_bytes] bytes, in
+    #                         the engine's layout and dtypes, which `state` describes
+    state_bytes: int = 0
     _id: bytes = field(init=False, repr=False, compare=False, default=b"")
 
     def __post_init__(self) -> None:
@@ -97,9 +102,15 @@ class Namespace:
             raise NamespaceError(f"namespace planes must be 2 (K and V) or 1 (a latent row), got {self.planes!r}")
         if self.planes == 1 and self.num_kv_heads != 1:
             raise NamespaceError("a latent (one-plane) namespace has one KV head: its head_dim is the latent size")
+        if bool(self.state) != (isinstance(self.state_bytes, int) and not isinstance(self.state_bytes, bool)
+                                and self.state_bytes > 0):
+            raise NamespaceError("a state namespace has both a state description and state_bytes > 0; "
+                                 f"got state={self.state!r}, state_bytes={self.state_bytes!r}")
+        if self.state and self.tier_codec:
+            raise NamespaceError("a lossy tier codec would change recurrent state: not for a state namespace")
         if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
             raise NamespaceError(f"tp_rank {self.tp_rank!r} must lie in [0, tp_size={self.tp_size})")
-        for name in ("cache_salt", "layout", "kv_scales", "tier_codec", "attention", "layers"):
+        for name in ("cache_salt", "layout", "kv_scales", "tier_codec", "attention", "layers", "state"):
             if not isinstance(getattr(self, name), str):
                 raise NamespaceError(f"namespace {name} must be a string")
         if self.tier_codec:
@@ -127,6 +138,9 @@ class Namespace:
             fields.append(f"planes={self.planes}")
         if self.layers:
             fields.append(f"layers={self.layers}")
+        if self.state:
+            fields.append(f"state={self.state}")
+            fields.append(f"state_bytes={self.state_bytes}")
         ident = b"".join(len(v).to_bytes(4, "little") + v for v in (str(x).encode() for x in fields))
         object.__setattr__(self, "_id", hashlib.blake2b(ident, digest_size=16).digest())
 
@@ -162,16 +176,20 @@ class Namespace:
 
     @property
     def bytes_per_token(self) -> int:
+        if self.state:      # a state page per block, whatever its length (rounded up)
+            return -(-self.block_bytes // self.block_tokens)
         return self.num_layers * self.planes * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @property
     def block_bytes(self) -> int:
-        return self.bytes_per_token * self.block_tokens
+        if self.state:
+            return self.num_layers * self.state_bytes
+        return self.num_layers * self.planes * self.num_kv_heads * self.head_dim * self.dtype_bytes * self.block_tokens
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("_id", None)
-        for name in ("layout", "kv_scales", "tier_codec", "attention", "layers"):
+        for name in ("layout", "kv_scales", "tier_codec", "attention", "layers", "state", "state_bytes"):
             if not d[name]:
                 del d[name]
         if d["planes"] == 2:
@@ -182,7 +200,7 @@ class Namespace:
     def from_dict(cls, d: dict[str, Any]) -> "Namespace":
         allowed = {"model", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "block_tokens",
                    "tp_rank", "tp_size", "cache_salt", "layout", "kv_scales", "tier_codec",
-                   "attention", "planes", "layers"}
+                   "attention", "planes", "layers", "state", "state_bytes"}
         unknown = set(d) - allowed
         if unknown:
             raise NamespaceError(f"unknown namespace fields: {', '.join(sorted(unknown))}")

@@ -20,10 +20,11 @@ BENCH_MODEL = dict(architecture="llama", vocab_size=32000, hidden_size=1024, int
 
 def write_random_model(path: str | Path, *, architecture: str = "llama", seed: int = 0,
                        weight_std: float = 0.08, max_shard_size: str | None = None, dtype: str = "float32",
-                       **config) -> Path:
+                       fill: dict[str, float] | None = None, **config) -> Path:
     """Write a random-weight checkpoint (config.json + *.safetensors) to `path`;
     `max_shard_size` (e.g. "200KB") splits the weights over several files; `dtype` is the
-    weights' type on disk."""
+    weights' type on disk; `fill` sets every parameter whose name ends with a key to its value
+    (say a linear-attention layer's `A_log`, so that its state decays slowly and matters)."""
     import torch
     import transformers
 
@@ -34,6 +35,7 @@ def write_random_model(path: str | Path, *, architecture: str = "llama", seed: i
                # for engines other than the bundled one (vLLM's tests): window + full layers, MoE
                "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
                "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+               "granite_hybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
                "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
                "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
     cfg_name, model_name = classes[architecture]
@@ -49,6 +51,9 @@ def write_random_model(path: str | Path, *, architecture: str = "llama", seed: i
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, weight_std)
+            for suffix, value in (fill or {}).items():
+                if name.endswith(suffix):
+                    p.fill_(value)
     model = model.to(getattr(torch, dtype))
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), safe_serialization=True, **kw)
