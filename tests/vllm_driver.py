@@ -18,7 +18,10 @@ LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_TOKENS, NUM_BLOCKS = 4, 2, 8, 16, 
 
 
 def extra_config(url: str, model: str = "vllm-driver-model") -> dict:
-    return {"url": url, "block_tokens": BLOCK_TOKENS,
+    # saves wait up to 5 s for their slots: the scenarios count exact stores, and a loaded machine
+    # can take longer than the 50 ms default for a save thread's first reservation (that drop is
+    # tested on its own, with save_wait_ms set)
+    return {"url": url, "block_tokens": BLOCK_TOKENS, "save_wait_ms": 5000,
             "namespace": {"model": model, "num_layers": LAYERS, "num_kv_heads": KV_HEADS,
                           "head_dim": HEAD_DIM, "kv_dtype": "float16"}}
 
