@@ -373,7 +373,8 @@ class WorkerHalf:
             for req_id, errors in done.items():
                 if not errors:
                     continue
-                if self.fail_whole:
+                if self.fail_whole and hasattr(super(), "get_transfer_results"):
+                    # (a vLLM that asks get_transfer_results: without it, block ids are the only way)
                     self._failed_loads.add(req_id)  # vLLM recomputes the whole request
                 else:
                     self._load_errors.update(errors)   # reported in this same step, before the request
