@@ -41,6 +41,7 @@ chunked-local and other attention kinds, and groups whose block size is not the 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -243,21 +244,11 @@ def _page(spec) -> tuple[str, int]:
     shapes = tuple(tuple(int(d) for d in s) for s in spec.shapes)
     dtypes = tuple(str(d).removeprefix("torch.") for d in spec.dtypes)
     kind = getattr(getattr(spec, "mamba_type", None), "name", None) or str(getattr(spec, "mamba_type", ""))
-    nbytes = 0
-    for shape, dt in zip(shapes, spec.dtypes):
-        n = 1
-        for d in shape:
-            n *= d
-        nbytes += n * _itemsize(dt)
+    nbytes = sum(math.prod(shape) * dt.itemsize for shape, dt in zip(shapes, spec.dtypes))
     desc = f"{kind}:" + ",".join(f"{dt}{list(shape)}" for shape, dt in zip(shapes, dtypes))
     if getattr(spec, "tp_replicated", False):
         desc += ";replicated"
     return desc, nbytes
-
-
-def _itemsize(dtype) -> int:
-    import torch
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _conv_layout() -> str:

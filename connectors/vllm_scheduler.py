@@ -269,9 +269,10 @@ class SchedulerHalf:
         after token `end` in the group's block `end / block_size - 1` only when the step ends
         exactly there, and only the live table says the block is still the request's. Saved
         only once the KV up to `end` is stored (`stored` tier blocks) or being stored."""
-        if not st.state_keys or table is None or end % self.block_tokens or end > len(st.request.all_token_ids):
-            if st.state_keys and table is None and end % self.block_tokens == 0:
-                self.stats["stores_skipped"] += 1
+        if not st.state_keys or end % self.block_tokens or end > len(st.request.all_token_ids):
+            return [], []
+        if table is None:
+            self.stats["stores_skipped"] += 1
             return [], []
         j = end // self.block_tokens - 1
         ids = self.groups.state_ids(table, j) if 0 <= j < stored else None

@@ -262,11 +262,8 @@ class WorkerHalf:
         try:
             with holding(store, lease):
                 src = host_tensor(lease.buffers[0])
-                n = self._state_pages[0].shape[1] if self._state_pages else 0
-                for ids, g in zip(spec.state_ids, self.groups.states):
-                    for i in self.groups.groups[g].layers:
-                        for b in ids:
-                            self._state_pages[i][b].copy_(src[i * n:(i + 1) * n])
+                for page, part in self._state_parts(spec.state_ids):
+                    page.copy_(src[part])
             lease, held = None, lease
             store.release(held, confirm=True)     # the bytes count only if the lease held throughout
             return True
@@ -278,6 +275,15 @@ class WorkerHalf:
         if lease is not None:
             self._release_quietly(store, lease)
         return False
+
+    def _state_parts(self, ids: list[list[int]]):
+        """(vLLM page, its part of a state block) for each state layer and each of its group's
+        blocks in `ids` (per state group): a state block is the state layers' pages in order."""
+        n = self.groups.state_bytes
+        for blocks, g in zip(ids, self.groups.states):
+            for i in self.groups.groups[g].layers:
+                for b in blocks:
+                    yield self._state_pages[i][b], slice(i * n, (i + 1) * n)
 
     def _end_load(self, ld: _Loading, *, unsafe: bool = False) -> set[int]:
         """Wait for a load's copies, confirm its lease and end it; returns the blocks to recompute.
@@ -383,10 +389,7 @@ class WorkerHalf:
     def get_transfer_results(self, finished_req_ids: set[str]):
         """`get_finished`, and the asynchronous loads that failed as failed requests (how vLLM
         takes a failure back from a model with several KV cache groups: recomputed whole)."""
-        base = getattr(super(), "get_transfer_results", None)
-        if base is None:       # a vLLM that asks get_finished alone
-            return None
-        results = base(finished_req_ids)
+        results = super().get_transfer_results(finished_req_ids)
         with self._lock:
             failed, self._failed_loads = self._failed_loads, set()
         if failed:
@@ -480,10 +483,8 @@ class WorkerHalf:
             return
         if p.state:           # a few pages: copied at once (the step's forward is done)
             dst = host_tensor(res.buffers[0])
-            n = self._state_pages[0].shape[1]
-            for b, g in zip(p.spec.state_ids, self.groups.states):
-                for i in self.groups.groups[g].layers:
-                    dst[i * n:(i + 1) * n].copy_(self._state_pages[i][b])
+            for page, part in self._state_parts([[b] for b in p.spec.state_ids]):
+                dst[part].copy_(page)
             return
         self._xfer.attach(self.save_link.store)
         n = len(res.status)

@@ -123,8 +123,6 @@ def check_hybrid(config, layers, objs, store) -> None:
     window group and a full-attention group, per-group block tables with the null block, the
     live table it offers connectors, and request_finished_all_groups (drv.run_hybrid)."""
     import torch
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -139,15 +137,24 @@ def check_hybrid(config, layers, objs, store) -> None:
                                kv_cache_spec=SlidingWindowSpec(sliding_window=drv.WINDOW, **common)),
               KVCacheGroupSpec(layer_names=[layers[i] for i in drv.FULL_LAYERS], kv_cache_spec=FullAttentionSpec(**common))]
     kv_cache_config = KVCacheConfig(num_blocks=drv.NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
-    sched = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
-    worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
-    assert not sched.disabled and not worker.disabled, (sched.disabled, worker.disabled)
-    worker.register_kv_caches(drv.hybrid_paged_caches())
-    assert not worker.disabled, worker.disabled
-
+    sched, worker = vllm_pair(config, kv_cache_config, drv.hybrid_paged_caches())
     drv.run_hybrid(sched, worker, vllm_group_objects(objs), store)
     worker.shutdown()
     sched.shutdown()
+
+
+def vllm_pair(config, kv_cache_config, caches):
+    """A scheduler's and a worker's connector made by vLLM's factory for `kv_cache_config`, the
+    worker given `caches`; neither declines."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    sched = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+    assert not sched.disabled and not worker.disabled, (sched.disabled, worker.disabled)
+    worker.register_kv_caches(caches)
+    assert not worker.disabled, worker.disabled
+    return sched, worker
 
 
 def vllm_group_objects(objs):
@@ -194,8 +201,7 @@ def check_state(url, layers, objs, store) -> None:
     KVConnectorTransferResults."""
     import torch
     from vllm.config import DeviceConfig, KVTransferConfig, VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, KVConnectorTransferResults
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
     from . import vllm_driver as drv
@@ -213,11 +219,7 @@ def check_state(url, layers, objs, store) -> None:
     groups = [KVCacheGroupSpec(layer_names=[layers[i]], kv_cache_spec=state) for i in drv.STATE_LAYERS]
     groups.append(KVCacheGroupSpec(layer_names=[layers[drv.ATTN_LAYER]], kv_cache_spec=full))
     kv_cache_config = KVCacheConfig(num_blocks=drv.NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
-    sched = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
-    worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
-    assert not sched.disabled and not worker.disabled, (sched.disabled, worker.disabled)
-    worker.register_kv_caches(drv.state_paged_caches())
-    assert not worker.disabled, worker.disabled
+    sched, worker = vllm_pair(config, kv_cache_config, drv.state_paged_caches())
     assert isinstance(worker.get_transfer_results(set()), KVConnectorTransferResults)
     drv.run_state(sched, worker, vllm_group_objects(objs), store)
     worker.shutdown()
