@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench soak venv vllm-env vllm-latest-env redis clean
+.PHONY: run test bench soak venv vllm-env vllm-latest-env sglang-env redis clean
 
 venv: $(STAMP)
 
@@ -54,6 +54,37 @@ $(VLLM_LATEST_VENV)/.installed: pyproject.toml
 	$(VLLM_LATEST_VENV)/bin/pip install --quiet -e .
 	touch $@
 
+# .venv-sglang: SGLang for the end-to-end tests of tierd's HiCache storage backend. SGLang pins
+# torch 2.14.1 (a CUDA build, on the build machines' disk; CUDA is simply absent at run time) and
+# hard-depends on CUDA-only packages, so its wheel goes in without dependencies and the packages
+# its CPU path imports are added by name (about 7 GB in all). tests/sglang_cpu/ is test-only glue
+# that runs SGLang's hierarchical cache on a CPU (a stand-in for its kernel package and an
+# SGLang plugin; see its README): installed here, never beside tierd for users.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_VERSION ?= 0.5.23
+SGLANG_DEPS := aiohttp 'apache-tvm-ffi==0.1.11' 'blobfile==3.0.0' 'compressed-tensors==0.18.0' dill distro einops \
+	fastapi gguf interegular ipython 'llguidance>=1.7.6,<2' msgspec numpy 'openai==2.8.0' 'openai-harmony==0.0.4' \
+	orjson packaging partial_json_parser pillow prometheus-client psutil pybase64 pydantic 'python-dateutil<3' \
+	python-multipart pyzmq regex requests safetensors scipy 'sentencepiece==0.2.1' setproctitle tiktoken \
+	'tokenizers==0.23.2' tqdm 'transformers==5.19.0' uvicorn uvloop 'xgrammar==0.2.7' xxhash zstandard
+SGLANG_GLUE := tests/sglang_cpu/pyproject.toml tests/sglang_cpu/sgl_kernel/__init__.py \
+	tests/sglang_cpu/tierd_sglang_cpu_glue/__init__.py
+
+sglang-env: $(SGLANG_VENV)/.installed
+
+$(SGLANG_VENV)/.installed: pyproject.toml $(SGLANG_GLUE)
+	rm -rf $(SGLANG_VENV)
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install --quiet torch==2.14.1 torchvision==0.29.1 triton==3.8.0
+	$(SGLANG_VENV)/bin/pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
+	$(SGLANG_VENV)/bin/pip install --quiet $(SGLANG_DEPS)
+	$(SGLANG_VENV)/bin/pip install --quiet ./tests/sglang_cpu
+	rm -rf tests/sglang_cpu/build tests/sglang_cpu/*.egg-info
+	$(SGLANG_VENV)/bin/pip install --quiet -e .
+	SGLANG_USE_CPU_ENGINE=1 $(SGLANG_VENV)/bin/python -c "import sglang, sgl_kernel, tierd.connectors.sglang as c; \
+		from sglang.srt.entrypoints.engine import Engine; assert c.HAVE_SGLANG; print('sglang', sglang.__version__)"
+	touch $@
+
 run: $(STAMP)
 	$(PY) -m tierd.demo
 
@@ -66,7 +97,7 @@ redis:
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-bench: $(STAMP) vllm-env redis
+bench: $(STAMP) vllm-env sglang-env redis
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(PY) -m benchmarks.tiers --quick
 	$(PY) -m benchmarks.daemon --quick
@@ -77,13 +108,14 @@ bench: $(STAMP) vllm-env redis
 	$(PY) -m benchmarks.engine_throughput --quick
 	$(PY) -m benchmarks.ttft --quick
 	$(PY) -m benchmarks.vllm_ttft --quick
+	$(PY) -m benchmarks.sglang_ttft --quick
 	$(PY) -m benchmarks.load --quick
 	$(PY) -m benchmarks.recovery --quick
 	$(PY) -m benchmarks.engine_faults --quick
 	$(PY) -m benchmarks.gpu_kernels --quick
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_LATEST_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_LATEST_VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache
 
 # The model tests run longer: thousands of sequences against the embedded store and a real daemon
 # (not part of `make test`, which runs a few dozen of each).

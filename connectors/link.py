@@ -38,6 +38,32 @@ STAT_KEYS = ("lookups", "hit_blocks", "loaded_tokens", "load_failures", "stored_
              "stores_dropped", "unavailable", "refused", "load_s", "loaded_bytes")
 # failures of one request, not of the link: a miss for that request, no back-off
 REQUEST_ERRORS = (NamespaceLimitError,)
+DEFAULT_URL = "unix:///run/tierd/tierd.sock"   # the daemon's default socket (or $TIERD_URL)
+_EMBEDDED: dict[str, object] = {}
+
+
+def open_store(url: str):
+    """Store for `url`: an embedded store is shared by every connector of this process, so a
+    scheduler's lookups see a worker's stores when both run in one process."""
+    if not url.startswith("embedded:"):
+        return url   # opened lazily by StoreLink (and reopened after failures)
+    if url not in _EMBEDDED:
+        _EMBEDDED[url] = tierd.connect(url)
+    return _EMBEDDED[url]
+
+
+def has_checkpoint_kv_scales(model_dir: str) -> bool:
+    """Whether a checkpoint's safetensors carry KV-cache scales (engines then use them for fp8)."""
+    import json
+    import struct
+    from pathlib import Path
+    for p in Path(model_dir).glob("*.safetensors"):
+        with open(p, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            names = json.loads(f.read(n))
+        if any(k.endswith(("k_scale", "v_scale", "kv_scale")) for k in names):
+            return True
+    return False
 
 
 @contextlib.contextmanager

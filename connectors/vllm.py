@@ -78,7 +78,6 @@ import logging
 import os
 import queue
 import threading
-from typing import Any
 
 import torch
 
@@ -87,7 +86,9 @@ from tierd.kernels.transfer import BlockTransfer
 from tierd.namespace import DEFAULT_BLOCK_TOKENS, Namespace, canonical_dtype, model_fingerprint
 
 from . import vllm_layout
-from .link import StoreLink
+from .link import DEFAULT_URL, StoreLink
+from .link import has_checkpoint_kv_scales as _has_checkpoint_kv_scales
+from .link import _EMBEDDED, open_store as _open  # noqa: F401 -- _EMBEDDED: the shared embedded stores (tools and tests)
 from .vllm_base import HAVE_VLLM, KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, SupportsHMA
 from .vllm_groups import KVGroups, Unsupported, layer_order
 from .vllm_meta import LoadSpec, SaveSpec, TierdConnectorMetadata
@@ -99,7 +100,6 @@ __all__ = ["HAVE_VLLM", "KVConnectorMetadata", "KVConnectorRole", "LoadSpec", "M
 
 log = logging.getLogger("tierd.connectors.vllm")
 
-DEFAULT_URL = "unix:///run/tierd/tierd.sock"
 _layer_index = layer_order
 
 
@@ -126,20 +126,6 @@ def split_layers(total: int, stages: int) -> list[tuple[int, int]]:
 def _extra(kv_transfer_config, key: str, default):
     extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
     return extra.get(key, default)
-
-
-def _has_checkpoint_kv_scales(model_dir: str) -> bool:
-    """Whether a checkpoint's safetensors carry KV-cache scales (vLLM then uses them for fp8)."""
-    import json
-    import struct
-    from pathlib import Path
-    for p in Path(model_dir).glob("*.safetensors"):
-        with open(p, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            names = json.loads(f.read(n))
-        if any(k.endswith(("k_scale", "v_scale", "kv_scale")) for k in names):
-            return True
-    return False
 
 
 class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA):
@@ -429,18 +415,3 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
             if self._xfer is not None:
                 self._xfer.close()         # unpin the arena mapping
         self.link.close()
-
-
-# -- store sharing ------------------------------------------------------------------------------
-_EMBEDDED: dict[str, Any] = {}
-
-
-def _open(url: str):
-    """Store for `url`: an embedded store is shared by every connector of this process, so the
-    scheduler's lookups see the worker's stores when both run in one process."""
-    if not url.startswith("embedded:"):
-        return url   # opened lazily by StoreLink (and reopened after failures)
-    if url not in _EMBEDDED:
-        import tierd
-        _EMBEDDED[url] = tierd.connect(url)
-    return _EMBEDDED[url]

@@ -1,0 +1,557 @@
+"""SGLang HiCache storage backend on tierd: SGLang's hierarchical cache (GPU, host, storage)
+keeps its third tier in a tierd daemon, shared by every engine process of a node.
+
+Launch SGLang with::
+
+    python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "tierd",
+            "module_path": "tierd.connectors.sglang", "class_name": "TierdStorage",
+            "interface_v1": 1, "url": "unix:///run/tierd/tierd.sock"}'
+
+Extra-config keys (besides SGLang's own, all optional):
+
+- ``url``: the Store URL (``unix:///run/tierd/tierd.sock`` by default, or ``$TIERD_URL``).
+- ``interface_v1``: ``1`` (recommended) selects SGLang's zero-copy calls: pages are copied
+  straight between SGLang's host pool and the daemon's shared-memory slots. Without it SGLang
+  uses the generic calls (a flat page tensor per key), whose byte order differs: the two never
+  share a namespace.
+- ``model``: an explicit model revision for the namespace instead of the weights' fingerprint
+  (needed when the model is a hub name rather than a local directory).
+- ``fingerprint``: ``"full"`` (default: every weight byte) or ``"sampled"``.
+- ``lookup_deadline_ms``: a lookup waits at most this long (100 by default); one that does not
+  answer counts as a miss and starts a back-off, during which lookups do not ask at all.
+- ``lookup_index``: answer lookups from the daemon's shared index (off by default, as in the
+  vLLM connector: an index answer can outlive a daemon stall by 100 ms).
+- ``timeout_s``: loads and stores to a daemon (1 by default, under SGLang's prefetch deadline of
+  1 s + 0.25 s per 1,024 tokens).
+
+Identity. SGLang's page keys chain the token ids and the request's `extra_key`/`cache_salt`, but
+name no model, rank, dtype or layout; the namespace adds them: the model's weight fingerprint,
+KV dtype (and where fp8 scales come from), the page layout and byte order, page size, layers (a
+pipeline stage's range), KV heads and head size as this rank holds them, tensor-parallel rank and
+size, and context-parallel splits. A tier key is `blake2b(namespace root || SGLang key)`, so keys
+of two namespaces never meet. MLA models keep one latent row per token, the same on every rank:
+one namespace for all ranks, written by SGLang's writer rank, read by every rank.
+
+Failures are misses: a daemon that is down, stalled or restarting makes lookups answer 0 and
+loads and stores answer False (SGLang recomputes), never an exception into SGLang and never a
+wait past `timeout_s`. Hybrid models' extra pools (Mamba state, SWA windows) are declined with
+one logged line: their v2 calls report no hit and store nothing.
+
+Shutdown. SGLang's `Engine.shutdown` kills its scheduler processes without waiting for their
+storage writes. tierd's SGLang plugin (entry point `sglang.srt.plugins`, loaded by SGLang in
+every process where tierd is installed) makes `Engine.shutdown` first wait until every scheduler
+has no host or storage write pending (at most ``$TIERD_SGLANG_DRAIN_S`` seconds, 30 by default).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tierd.errors import LeaseError
+from tierd.namespace import Namespace, canonical_dtype, model_fingerprint, read_model_config
+
+from .link import DEFAULT_URL, STORE_ERRORS, StoreLink, has_checkpoint_kv_scales, holding, open_store
+
+try:  # SGLang is optional: its base class where it is installed, a stand-in where it is not
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolTransferResult
+    HAVE_SGLANG = True
+except ImportError:
+    HAVE_SGLANG = False
+
+    class HiCacheStorage:  # type: ignore[no-redef]
+        """Stand-in for SGLang's storage base class (its registration hooks)."""
+
+        def register_mem_pool_host(self, mem_pool_host):
+            self.mem_pool_host = mem_pool_host
+
+        def register_mem_host_pool_v2(self, host_pool, host_pool_name):
+            if not hasattr(self, "registered_pools"):
+                self.registered_pools = {}
+            self.registered_pools[host_pool_name] = host_pool
+
+        def on_host_pools_registered(self) -> None:
+            pass
+
+    class PoolTransferResult:  # type: ignore[no-redef]
+        """Stand-in for SGLang's per-pool hit report."""
+
+        def __init__(self, kv_hit_pages: int, extra_pool_hit_pages: dict):
+            self.kv_hit_pages, self.extra_pool_hit_pages = kv_hit_pages, extra_pool_hit_pages
+
+__all__ = ["HAVE_SGLANG", "TierdStorage", "sglang_plugin", "tier_keys"]
+
+log = logging.getLogger("tierd.connectors.sglang")
+
+_KEY_DOMAIN = b"tierd/sglang-page/v1\x00"
+STAT_NAMES = ("lookups", "hit_pages", "loaded_pages", "load_failures", "stored_pages", "stores_present",
+              "store_failures", "lost_leases", "lookup_timeouts")
+
+
+def tier_keys(root: bytes, keys: Sequence[str]) -> list[bytes]:
+    """tierd's 16-byte keys for SGLang page keys in the namespace whose root key is `root`."""
+    head = _KEY_DOMAIN + root
+    return [hashlib.blake2b(head + str(k).encode(), digest_size=16).digest() for k in keys]
+
+
+class _Disabled(Exception):
+    """This backend cannot serve the engine's layout: every call is a miss."""
+
+
+def _pool_geometry(pool, is_mla: bool, zero_copy: bool) -> dict[str, Any]:
+    """The host pool's page geometry as namespace fields: how one page's bytes are ordered in
+    a tier block. Raises _Disabled for a pool whose bytes this backend does not know."""
+    layout = str(getattr(pool, "layout", ""))
+    dtype = canonical_dtype(str(pool.dtype))
+    page = int(pool.page_size)
+    layers = int(pool.layer_num)
+    if is_mla:
+        dim = getattr(pool, "kv_cache_dim", None)
+        if dim is None or type(pool).__name__ != "MLATokenToKVPoolHost":
+            raise _Disabled(f"MLA host pool {type(pool).__name__} is not a plain latent pool")
+        heads, head_dim, planes = 1, int(dim), 1
+        # v1, layer_first: per page, one [page, latent] run per layer = [layers, page, latent]
+        canonical = zero_copy and layout == "layer_first"
+    else:
+        if type(pool).__name__ != "MHATokenToKVPoolHost":
+            raise _Disabled(f"host pool {type(pool).__name__} (quantized or packed pages) is not supported")
+        heads, head_dim, planes = int(pool.head_num), int(pool.head_dim), 2
+        # v1, layer_first: per page and layer a K run then a V run = [layers, 2, page, heads, dim]
+        canonical = zero_copy and layout == "layer_first"
+    if layout not in ("layer_first", "page_first", "page_first_direct", "page_head") or \
+            (is_mla and layout == "page_head"):
+        raise _Disabled(f"host pool layout {layout!r} is not supported")
+    return dict(kv_dtype=dtype, num_layers=layers, num_kv_heads=heads, head_dim=head_dim, block_tokens=page,
+                planes=planes, layout="" if canonical else f"sglang:{'v1' if zero_copy else 'flat'}:{layout}")
+
+
+class TierdStorage(HiCacheStorage):
+    """SGLang HiCache storage backend whose pages live in tierd (see the module docstring)."""
+
+    def __init__(self, storage_config, kwargs: dict | None = None):
+        self.config = storage_config
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        self.extra = extra
+        self.zero_copy = bool(int(extra.get("interface_v1", 0) or 0))
+        self.is_mla = bool(getattr(storage_config, "is_mla_model", False))
+        self.writer = bool(getattr(storage_config, "is_storage_writer", True))
+        self.ns: Namespace | None = None
+        self.root = b""
+        self.block_bytes = 0
+        self.disabled: str | None = None
+        self.stats = dict.fromkeys(STAT_NAMES, 0)
+        self._stats_lock = threading.Lock()
+        self._warned: set[str] = set()
+        url = str(extra.get("url") or os.environ.get("TIERD_URL", DEFAULT_URL))
+        self.url = url
+        timeout_s = float(extra.get("timeout_s", 1.0))
+        deadline_s = float(extra.get("lookup_deadline_ms", 100)) / 1e3
+        store = open_store(url)
+        # Lookups, loads and stores each on their own connection: a timeout on one (which
+        # gives its connection up) never drops the slots another holds.
+        self.lookup_link = StoreLink(store, timeout_s=deadline_s, retries=0, background_connect=True,
+                                     name="tierd-sglang-lookup", use_index=bool(extra.get("lookup_index", False)))
+        self.load_link = StoreLink(store, timeout_s=timeout_s, retries=0, background_connect=True,
+                                   name="tierd-sglang-load")
+        self.save_link = StoreLink(store, timeout_s=timeout_s, retries=0, background_connect=True,
+                                   name="tierd-sglang-save")
+        self._model = self._model_identity(extra)
+
+    # -- identity --------------------------------------------------------------------------------
+    def _model_identity(self, extra: dict) -> str | None:
+        name = getattr(self.config, "model_name", None)
+        revision = extra.get("model")
+        if revision:
+            return str(revision)
+        if name and os.path.isdir(str(name)):
+            try:
+                return model_fingerprint(str(name), mode=str(extra.get("fingerprint", "full")))
+            except Exception as e:  # noqa: BLE001 -- a model we cannot fingerprint is declined, not crashed on
+                self.disabled = f"cannot fingerprint the model at {name}: {e}"
+                return None
+        self.disabled = (f"model {name!r} is not a local directory: its weights cannot be fingerprinted; "
+                         "set the extra-config key 'model' to a pinned revision")
+        return None
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        if self.disabled is None:
+            try:
+                self.ns = self._namespace(mem_pool_host)
+                self.root = self.ns.root_key
+                self.block_bytes = self.ns.block_bytes
+            except _Disabled as e:
+                self.disabled = str(e)
+            except Exception as e:  # noqa: BLE001 -- never fail SGLang's start-up over the cache
+                self.disabled = f"cannot describe the host pool ({type(e).__name__}: {e})"
+        if self.disabled:
+            log.warning("tierd storage backend disabled (every lookup is a miss): %s", self.disabled)
+        else:
+            log.info("tierd storage backend: namespace %s (%s), %d bytes a page, %s",
+                     self.ns.name, self.ns.layout or "layer_first", self.block_bytes, self.url)
+            self.lookup_link.get()   # start connecting now, so the first request can already hit
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if str(host_pool_name) not in ("kv", "PoolName.KV"):
+            self._warn_once("v2", f"tierd storage backend: the hybrid model's {host_pool_name} pool is not "
+                                  "cached (its v2 calls report no hit and store nothing)")
+
+    def _namespace(self, pool) -> Namespace:
+        cfg = self.config
+        geo = _pool_geometry(pool, self.is_mla, self.zero_copy)
+        if int(getattr(cfg, "dcp_size", 1) or 1) > 1:
+            raise _Disabled("decode context parallelism (page shards per rank) is not supported")
+        if int(getattr(cfg, "attn_cp_size", 1) or 1) > 1:
+            raise _Disabled("attention context parallelism is not supported")
+        tp_rank, tp_size = int(cfg.tp_rank), int(cfg.tp_size)
+        if self.is_mla:
+            tp_rank, tp_size = 0, 1    # the same latent rows on every rank: one namespace
+        layers = ""
+        pp_size = int(getattr(cfg, "pp_size", 1) or 1)
+        start, end = int(getattr(pool, "start_layer", 0) or 0), int(getattr(pool, "end_layer", 0) or 0)
+        if pp_size > 1:
+            total = _total_layers(str(cfg.model_name))
+            if end - start != geo["num_layers"] or not 0 <= start < end <= total:
+                raise _Disabled(f"pipeline stage layers {start}..{end} of {total} do not match the pool's "
+                                f"{geo['num_layers']}")
+            layers = f"{start}-{end}/{total}"
+        kv_scales = ""
+        if geo["kv_dtype"].startswith("float8"):
+            kv_scales = "checkpoint" if has_checkpoint_kv_scales(str(cfg.model_name)) else ""
+        return Namespace(model=self._model, tp_rank=tp_rank, tp_size=tp_size, layers=layers,
+                         kv_scales=kv_scales, **geo)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _warn_once(self, what: str, msg: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(msg)
+
+    def _count(self, **kw: int) -> None:
+        with self._stats_lock:
+            for k, v in kw.items():
+                self.stats[k] += v
+
+    def _keys(self, keys: Sequence[str]) -> list[bytes]:
+        return tier_keys(self.root, keys)
+
+    def _parent(self, extra_info) -> bytes | None:
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        return self._keys(prefix[-1:])[0] if prefix else None
+
+    def _page_runs(self, host_indices, n: int) -> list[list[tuple[int, int]]] | None:
+        """Per page, its (address, bytes) runs in the host pool, in tier-block order."""
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        if not n or len(ptrs) % n:
+            return None
+        per = len(ptrs) // n
+        runs = [list(zip(ptrs[i * per:(i + 1) * per], sizes[i * per:(i + 1) * per])) for i in range(n)]
+        if any(sum(s for _, s in r) != self.block_bytes for r in runs):
+            self._warn_once("sizes", "tierd storage backend: the host pool's page runs do not add up to a "
+                                     f"tier block ({self.block_bytes} bytes); pages are not cached")
+            return None
+        return runs
+
+    # -- lookups ---------------------------------------------------------------------------------
+    def batch_exists(self, keys: list[str], extra_info=None) -> int:
+        """How many leading pages of `keys` tierd holds (0 on any failure)."""
+        if self.disabled or self.ns is None or not keys:
+            return 0
+        link = self.lookup_link
+        store = link.get()
+        if store is None:
+            return 0
+        try:
+            n = int(store.lookup(self.ns, self._keys(keys)))
+        except STORE_ERRORS as e:
+            link.failed(e, "lookup")
+            self._count(lookups=1, lookup_timeouts=1)
+            return 0
+        link.ok()
+        self._count(lookups=1, hit_pages=n)
+        return n
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
+        """Hybrid models: their extra pools are not cached, so nothing is a hit."""
+        self._warn_once("v2", "tierd storage backend: hybrid models' extra pools are not cached (no hit)")
+        return PoolTransferResult(0, {str(getattr(t, "name", "")): 0 for t in pool_transfers or ()})
+
+    # -- loads -----------------------------------------------------------------------------------
+    def batch_get_v1(self, keys: list[str], host_indices, extra_info=None) -> list[bool]:
+        """Copy the leading present pages of `keys` from leased slots straight into SGLang's host
+        pool at `host_indices`; True for each page that arrived whole under a lease that held."""
+        n = len(keys)
+        if self.disabled or self.ns is None or not n:
+            return [False] * n
+        runs = self._page_runs(host_indices, n)
+        store = self.load_link.get() if runs is not None else None
+        if store is None:
+            return [False] * n
+        got = 0
+        try:
+            lease = store.acquire(self.ns, self._keys(keys))
+            try:
+                with holding(store, lease):
+                    for buf, page in zip(lease.buffers, runs):
+                        base, off = buf.ctypes.data, 0
+                        for addr, size in page:
+                            ctypes.memmove(addr, base + off, size)
+                            off += size
+                        got += 1
+            finally:
+                store.release(lease, confirm=True)   # LeaseError: the bytes may be torn, none count
+        except LeaseError as e:
+            self._count(lost_leases=1, load_failures=1)
+            log.warning("tierd load lost its lease (%s); %d pages are recomputed", e, n)
+            return [False] * n
+        except STORE_ERRORS as e:
+            self.load_link.failed(e, "load")
+            self._count(load_failures=1)
+            return [False] * n
+        self.load_link.ok()
+        self._count(loaded_pages=got)
+        return [True] * got + [False] * (n - got)
+
+    # -- stores ----------------------------------------------------------------------------------
+    def batch_set_v1(self, keys: list[str], host_indices, extra_info=None) -> list[bool]:
+        """Copy pages from SGLang's host pool straight into reserved slots and commit them; True
+        for pages stored now or already present."""
+        n = len(keys)
+        if self.disabled or self.ns is None or not n:
+            return [False] * n
+        runs = self._page_runs(host_indices, n)
+        store = self.save_link.get() if runs is not None else None
+        if store is None:
+            return [False] * n
+        res = None
+        try:
+            res = store.reserve(self.ns, self._keys(keys), parent=self._parent(extra_info))
+            with holding(store, res):
+                for status, buf, page in zip(res.status, res.buffers, runs):
+                    if status != "reserved":
+                        continue
+                    base, off = buf.ctypes.data, 0
+                    for addr, size in page:
+                        ctypes.memmove(base + off, addr, size)
+                        off += size
+            stored = store.commit(res)
+        except STORE_ERRORS as e:
+            if res is not None:
+                try:
+                    store.abort(res)
+                except STORE_ERRORS:
+                    pass
+            self.save_link.failed(e, "store")
+            self._count(store_failures=1)
+            return [False] * n
+        self.save_link.ok()
+        whole = stored == res.num_reserved      # else some reserved page was not committed
+        ok = [s == "present" or (s == "reserved" and whole) for s in res.status]
+        self._count(stored_pages=stored, stores_present=sum(s == "present" for s in res.status))
+        return ok + [False] * (n - len(ok))
+
+    def batch_set_v2(self, transfers, extra_info=None) -> dict[str, list[bool]]:
+        self._warn_once("v2", "tierd storage backend: hybrid models' extra pools are not cached (nothing stored)")
+        return {str(getattr(t, "name", "")): [False] * len(getattr(t, "keys", None) or ()) for t in transfers}
+
+    def batch_get_v2(self, transfers, extra_info=None) -> dict[str, list[bool]]:
+        return {str(getattr(t, "name", "")): [False] * len(getattr(t, "keys", None) or ()) for t in transfers}
+
+    # -- the generic calls (SGLang without interface_v1): one flat page tensor per key ----------
+    def get(self, key: str, target_location=None, target_sizes=None):
+        out = self.batch_get([key], [target_location] if target_location is not None else None)
+        return out[0] if out else None
+
+    def batch_get(self, keys: list[str], target_locations=None, target_sizes=None) -> list:
+        """Fill each of `target_locations` (flat page tensors) with its page; the tensor, or None
+        from the first page not held on."""
+        n = len(keys)
+        if self.disabled or self.ns is None or not n or target_locations is None:
+            return [None] * n
+        dsts = [_as_bytes(t, self.block_bytes) for t in target_locations]
+        if any(d is None for d in dsts):
+            self._warn_once("flat", "tierd storage backend: a target page is not a contiguous tensor of "
+                                    f"{self.block_bytes} bytes; not loaded")
+            return [None] * n
+        store = self.load_link.get()
+        if store is None:
+            return [None] * n
+        try:
+            got = store.get(self.ns, self._keys(keys), out=dsts)
+        except LeaseError:
+            self._count(lost_leases=1, load_failures=1)
+            return [None] * n
+        except STORE_ERRORS as e:
+            self.load_link.failed(e, "load")
+            self._count(load_failures=1)
+            return [None] * n
+        self.load_link.ok()
+        self._count(loaded_pages=len(got))
+        return [target_locations[i] if i < len(got) else None for i in range(n)]
+
+    def set(self, key: str, value=None, target_location=None, target_sizes=None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values=None, target_locations=None, target_sizes=None) -> bool:
+        """Store flat page tensors; True when every page is stored or already held."""
+        n = len(keys)
+        if self.disabled or self.ns is None or not n or values is None or len(values) != n:
+            return False
+        srcs = [_as_bytes(v, self.block_bytes) for v in values]
+        if any(s is None for s in srcs):
+            self._warn_once("flat", "tierd storage backend: a page is not a contiguous tensor of "
+                                    f"{self.block_bytes} bytes; not stored")
+            return False
+        store = self.save_link.get()
+        if store is None:
+            return False
+        try:
+            stored = store.put(self.ns, self._keys(keys), srcs)
+        except STORE_ERRORS as e:
+            self.save_link.failed(e, "store")
+            self._count(store_failures=1)
+            return False
+        self.save_link.ok()
+        self._count(stored_pages=stored)
+        return True
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def clear(self) -> None:
+        """SGLang's `clear`: tierd's pages are shared with other engines, so nothing is deleted
+        (`tierd flush` does that for an operator)."""
+
+    def get_stats(self):
+        return None
+
+    def close(self) -> None:
+        for link in (self.lookup_link, self.load_link, self.save_link):
+            try:
+                link.close()
+            except Exception:  # noqa: BLE001
+                log.debug("closing a tierd link failed", exc_info=True)
+
+
+def _as_bytes(t, nbytes: int) -> np.ndarray | None:
+    """A torch tensor or array as a flat uint8 view of exactly `nbytes`, or None."""
+    try:
+        import torch
+        if isinstance(t, torch.Tensor):
+            if t.device.type != "cpu" or not t.is_contiguous():
+                return None
+            a = t.view(-1).view(torch.uint8).numpy()
+        else:
+            a = np.asarray(t).reshape(-1).view(np.uint8)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return a if a.nbytes == nbytes else None
+
+
+def _total_layers(model_dir: str) -> int:
+    cfg = read_model_config(model_dir)
+    return int(cfg.get("num_hidden_layers") or cfg.get("n_layer") or cfg.get("num_layers"))
+
+
+# -- SGLang plugin: an engine's shutdown waits for its storage writes --------------------------
+DRAIN_RPC = "tierd_storage_pending"
+DRAIN_DEFAULT_S = 30.0
+
+
+def sglang_plugin() -> None:
+    """SGLang general plugin (entry point `sglang.srt.plugins`, loaded by SGLang in each of its
+    processes): `Engine.shutdown` first waits for the schedulers' pending host and storage
+    writes, at most $TIERD_SGLANG_DRAIN_S seconds (30; 0 turns the wait off), and only for an
+    engine whose storage backend is this module's. Set TIERD_SGLANG_PLUGIN=0 to load nothing."""
+    if os.environ.get("TIERD_SGLANG_PLUGIN", "1") == "0":
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    HookRegistry.register("sglang.srt.entrypoints.engine.Engine.shutdown", _shutdown_hook, HookType.AROUND)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.handle_rpc_request", _rpc_hook,
+                          HookType.AROUND)
+
+
+def pending_writes(scheduler) -> int:
+    """Host write-throughs and storage backups one scheduler has issued and not yet seen end."""
+    cache = getattr(scheduler, "tree_cache", None)
+    n = sum(len(getattr(cache, name, None) or ()) for name in ("ongoing_write_through", "ongoing_backup"))
+    queue = getattr(getattr(cache, "cache_controller", None), "backup_queue", None)
+    return n + (queue.qsize() if queue is not None else 0)
+
+
+def _rpc_hook(original, self, recv_req):
+    """(In each scheduler.) Answer DRAIN_RPC: success only when no rank of this scheduler's
+    tensor-parallel group has a write pending."""
+    if getattr(recv_req, "method", None) != DRAIN_RPC:
+        return original(self, recv_req)
+    from sglang.srt.managers.io_struct import RpcReqOutput
+    try:
+        import torch
+        import torch.distributed as dist
+        n = torch.tensor([pending_writes(self)], dtype=torch.int64)
+        group = getattr(getattr(self, "tp_group", None), "cpu_group", None)
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)   # every rank gets the same RPC
+        pending = int(n.item())
+    except Exception as e:  # noqa: BLE001 -- an answer the engine can act on, never a dead loop
+        return RpcReqOutput(success=True, message=f"tierd: pending writes unknown ({e})")
+    return RpcReqOutput(success=pending == 0, message=f"{pending} writes pending")
+
+
+def _shutdown_hook(original, self, *args, **kwargs):
+    try:
+        drain_engine(self)
+    except Exception:  # noqa: BLE001 -- shutdown goes on whatever the wait met
+        log.exception("tierd: waiting for the engine's storage writes failed")
+    return original(self, *args, **kwargs)
+
+
+def drain_engine(engine, timeout_s: float | None = None) -> bool | None:
+    """Wait until `engine`'s schedulers have no host or storage write pending: True when they
+    drained, False on timeout, None when the engine does not use this backend (or is not the
+    owner of its schedulers). Called by `Engine.shutdown` through the plugin."""
+    if getattr(engine, "_tierd_drained", False) or getattr(engine, "_attached", False):
+        return None
+    args = getattr(engine, "server_args", None)
+    extra = str(getattr(args, "hicache_storage_backend_extra_config", "") or "")
+    if "tierd.connectors.sglang" not in extra or getattr(engine, "send_to_rpc", None) is None:
+        return None
+    engine._tierd_drained = True
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("TIERD_SGLANG_DRAIN_S", DRAIN_DEFAULT_S))
+    if timeout_s <= 0:
+        return None
+    import zmq
+    from sglang.srt.entrypoints import engine as engine_mod
+    from sglang.srt.managers.io_struct import RpcReqInput
+    deadline = time.monotonic() + timeout_s
+    start, message = time.monotonic(), ""
+    while True:
+        sock = engine.send_to_rpc
+        engine_mod.sock_send(sock, RpcReqInput(method=DRAIN_RPC, parameters=None))
+        # a scheduler that died never answers: wait for the reply no longer than the deadline
+        if not sock.poll(max(1, int((deadline - time.monotonic()) * 1000)), zmq.POLLIN):
+            log.warning("tierd: the engine's schedulers did not answer within %.0f s; shutting down", timeout_s)
+            return False
+        reply = engine_mod.sock_recv(sock, flags=zmq.BLOCKY)
+        if getattr(reply, "success", False):
+            log.info("tierd: the engine's storage writes drained in %.2f s", time.monotonic() - start)
+            return True
+        message = getattr(reply, "message", "")
+        if time.monotonic() >= deadline:
+            log.warning("tierd: shutting down with storage writes still pending after %.0f s (%s)",
+                        timeout_s, message)
+            return False
+        time.sleep(0.05)

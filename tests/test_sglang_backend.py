@@ -1,0 +1,275 @@
+"""tierd's SGLang storage backend (`tierd.connectors.sglang.TierdStorage`) against a real daemon,
+without SGLang: host pools here are stand-ins that lay out pages and answer
+`get_page_buffer_meta` as SGLang 0.5.23's `MHATokenToKVPoolHost` / `MLATokenToKVPoolHost` do
+(read from its wheel). Real SGLang engines run in tests/test_sglang.py.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tierd.connectors.sglang import TierdStorage, tier_keys
+from tierd.engine.random_model import write_random_model
+
+from .daemon import DaemonProc
+
+PAGE, LAYERS, HEADS, DIM = 16, 3, 2, 8
+
+
+class MHATokenToKVPoolHost:
+    """SGLang's MHA host pool as its storage backends see it (same class name, same meta)."""
+
+    def __init__(self, layout="layer_first", size=256, dtype=torch.float32, layers=LAYERS, seed=0):
+        self.layout, self.size, self.dtype, self.page_size = layout, size, dtype, PAGE
+        self.layer_num, self.head_num, self.head_dim = layers, HEADS, DIM
+        self.start_layer, self.end_layer = 0, layers
+        dims = {"layer_first": (2, layers, size, HEADS, DIM), "page_first": (2, size, layers, HEADS, DIM)}[layout]
+        g = torch.Generator().manual_seed(seed)
+        self.kv_buffer = torch.randn(dims, generator=g).to(dtype)
+
+    def get_page_buffer_meta(self, indices):
+        ptrs, isz = [], self.dtype.itemsize
+        base = self.kv_buffer.data_ptr()
+        v_off = self.layer_num * self.size * self.head_num * self.head_dim * isz
+        idx = indices.tolist()
+        if self.layout == "layer_first":
+            for i in range(0, len(idx), self.page_size):
+                for layer in range(self.layer_num):
+                    k = base + idx[i] * self.head_num * self.head_dim * isz + layer * self.size * self.head_num * self.head_dim * isz
+                    ptrs += [k, k + v_off]
+            size = isz * self.page_size * self.head_num * self.head_dim
+        else:
+            for i in range(0, len(idx), self.page_size):
+                k = base + idx[i] * self.layer_num * self.head_num * self.head_dim * isz
+                ptrs += [k, k + v_off]
+            size = self.layer_num * isz * self.page_size * self.head_num * self.head_dim
+        return ptrs, [size] * len(ptrs)
+
+    def page(self, start):
+        """One page's bytes, whatever the layout (for comparisons)."""
+        if self.layout == "layer_first":
+            return self.kv_buffer[:, :, start:start + PAGE].clone()
+        return self.kv_buffer[:, start:start + PAGE].clone()
+
+
+class MLATokenToKVPoolHost:
+    """SGLang's MLA host pool (layer_first): one latent row per token and layer."""
+
+    def __init__(self, size=256, latent=24, seed=0):
+        self.layout, self.size, self.dtype, self.page_size = "layer_first", size, torch.float32, PAGE
+        self.layer_num, self.kv_cache_dim = LAYERS, latent
+        self.start_layer, self.end_layer = 0, LAYERS
+        self.kv_buffer = torch.randn((LAYERS, size, 1, latent), generator=torch.Generator().manual_seed(seed))
+
+    def get_page_buffer_meta(self, indices):
+        idx, isz, base = indices.tolist(), 4, self.kv_buffer.data_ptr()
+        ptrs = [base + idx[i] * self.kv_cache_dim * isz + layer * self.size * self.kv_cache_dim * isz
+                for i in range(0, len(idx), PAGE) for layer in range(self.layer_num)]
+        return ptrs, [PAGE * self.kv_cache_dim * isz] * len(ptrs)
+
+    def page(self, start):
+        return self.kv_buffer[:, start:start + PAGE].clone()
+
+
+class PackedPool(MHATokenToKVPoolHost):
+    """A host pool whose pages this backend does not know (a quantized or packed one)."""
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sglang-models")
+    a = write_random_model(root / "a", num_hidden_layers=LAYERS, seed=0)
+    b = write_random_model(root / "b", num_hidden_layers=LAYERS, seed=1)   # same shapes, other weights
+    return str(a), str(b)
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = DaemonProc(tmp_path, host_bytes="32MiB").start()
+    yield d
+    if d.alive():
+        d.stop()
+
+
+def config(model, url, *, tp_rank=0, tp_size=1, mla=False, v1=True, **extra):
+    return SimpleNamespace(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                           is_mla_model=mla, is_storage_writer=not mla or tp_rank == 0, model_name=model,
+                           dcp_size=1, dcp_rank=0, is_page_first_layout=False,
+                           extra_config={"url": url, "interface_v1": int(v1), **extra})
+
+
+def backend(pool, model, url, **kw) -> TierdStorage:
+    b = TierdStorage(config(model, url, **kw))
+    b.register_mem_pool_host(pool)
+    b.on_host_pools_registered()
+    return b
+
+
+def keys(n, seed=0):
+    rng = random.Random(seed)
+    return ["%064x" % rng.getrandbits(256) for _ in range(n)]
+
+
+def pages(*starts):
+    return torch.cat([torch.arange(s, s + PAGE, dtype=torch.int64) for s in starts])
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_pages_round_trip_between_two_engines_bytes_equal(daemon, models, layout):
+    """Engine A stores pages from its host pool; engine B (another backend, another pool, other
+    host slots) finds and loads them: every byte equal, the pages after the stored run untouched."""
+    a_pool, b_pool = MHATokenToKVPoolHost(layout, seed=1), MHATokenToKVPoolHost(layout, seed=2)
+    a, b = backend(a_pool, models[0], daemon.url), backend(b_pool, models[0], daemon.url)
+    ks = keys(5)
+    assert a.batch_set_v1(ks[:4], pages(0, 32, 48, 96)) == [True] * 4
+    assert a.batch_set_v1(ks[:4], pages(0, 32, 48, 96)) == [True] * 4      # already held: still True
+    assert b.batch_exists(ks) == 4
+    untouched = b_pool.page(224)
+    assert b.batch_get_v1(ks, pages(16, 64, 128, 160, 224)) == [True] * 4 + [False]
+    for src, dst in zip((0, 32, 48, 96), (16, 64, 128, 160)):
+        assert torch.equal(a_pool.page(src), b_pool.page(dst))
+    assert torch.equal(b_pool.page(224), untouched)
+    assert b.stats["loaded_pages"] == 4 and a.stats["stored_pages"] == 4 and a.stats["stores_present"] == 4
+
+
+def test_layer_first_pages_are_tierd_canonical_blocks(daemon, models):
+    """A layer_first page on the zero-copy path is [layers, 2, page, heads, dim]: the layout of
+    every tierd block, so the namespace says so (no private layout) and a client reads it as such."""
+    pool = MHATokenToKVPoolHost("layer_first", seed=3)
+    b = backend(pool, models[0], daemon.url)
+    assert b.ns.layout == "" and b.ns.block_shape == (LAYERS, 2, PAGE, HEADS, DIM)
+    ks = keys(1, seed=9)
+    assert b.batch_set_v1(ks, pages(32)) == [True]
+    import tierd
+    with tierd.connect(daemon.url) as c:
+        (blk,) = c.get(b.ns, tier_keys(b.ns.root_key, ks))
+    got = torch.from_numpy(blk.view("float32").reshape(LAYERS, 2, PAGE, HEADS, DIM).copy())
+    assert torch.equal(got, pool.kv_buffer[:, :, 32:32 + PAGE].permute(1, 0, 2, 3, 4))
+
+
+def test_no_page_is_served_across_identities(daemon, models):
+    """The same SGLang keys under another model's weights, another tensor-parallel rank or size,
+    another host layout, the generic (flat page) calls or another KV dtype never hit."""
+    a = backend(MHATokenToKVPoolHost(seed=1), models[0], daemon.url)
+    ks = keys(3, seed=5)
+    assert a.batch_set_v1(ks, pages(0, 16, 32)) == [True] * 3
+    others = {
+        "other weights": backend(MHATokenToKVPoolHost(), models[1], daemon.url),
+        "tp rank 1 of 2": backend(MHATokenToKVPoolHost(), models[0], daemon.url, tp_rank=1, tp_size=2),
+        "tp rank 0 of 2": backend(MHATokenToKVPoolHost(), models[0], daemon.url, tp_rank=0, tp_size=2),
+        "page_first": backend(MHATokenToKVPoolHost("page_first"), models[0], daemon.url),
+        "flat pages": backend(MHATokenToKVPoolHost(), models[0], daemon.url, v1=False),
+        "bf16": backend(MHATokenToKVPoolHost(dtype=torch.bfloat16), models[0], daemon.url),
+    }
+    names = {a.ns.name}
+    for what, o in others.items():
+        assert o.batch_exists(ks) == 0, what
+        names.add(o.ns.name)
+    assert len(names) == len(others) + 1
+    assert backend(MHATokenToKVPoolHost(), models[0], daemon.url).batch_exists(ks) == 3   # the control
+
+
+def test_mla_one_namespace_for_every_rank(daemon, models):
+    """MLA: every rank holds the same latent rows, so rank 0 (SGLang's writer) stores and rank 1
+    reads the same pages; a latent namespace never meets an MHA one."""
+    r0_pool, r1_pool = MLATokenToKVPoolHost(seed=1), MLATokenToKVPoolHost(seed=2)
+    r0 = backend(r0_pool, models[0], daemon.url, mla=True, tp_rank=0, tp_size=2)
+    r1 = backend(r1_pool, models[0], daemon.url, mla=True, tp_rank=1, tp_size=2)
+    assert r0.writer and not r1.writer and r0.ns == r1.ns and r0.ns.planes == 1
+    ks = keys(2, seed=7)
+    assert r0.batch_set_v1(ks, pages(0, 16)) == [True, True]
+    assert r1.batch_exists(ks) == 2
+    assert r1.batch_get_v1(ks, pages(64, 80)) == [True, True]
+    assert torch.equal(r1_pool.page(64), r0_pool.page(0)) and torch.equal(r1_pool.page(80), r0_pool.page(16))
+
+
+def test_generic_calls_round_trip_flat_pages(daemon, models):
+    """Without interface_v1 SGLang hands flat page tensors: set/batch_set/get/batch_get/exists."""
+    pool = MHATokenToKVPoolHost()
+    b = backend(pool, models[0], daemon.url, v1=False)
+    n = b.block_bytes // 4
+    vals = [torch.randn(n) for _ in range(3)]
+    ks = keys(3, seed=11)
+    assert b.batch_set(ks[:2], vals[:2]) and b.set(ks[2], vals[2])
+    assert b.exists(ks[1]) and not b.exists(keys(1, seed=99)[0]) and b.batch_exists(ks) == 3
+    outs = [torch.zeros(n) for _ in range(4)]
+    got = b.batch_get(ks + keys(1, seed=98), outs)
+    assert all(g is o for g, o in zip(got[:3], outs)) and got[3] is None
+    assert all(torch.equal(v, o) for v, o in zip(vals, outs[:3]))
+    one = torch.zeros(n)
+    assert b.get(ks[0], one) is one and torch.equal(one, vals[0])
+    assert not b.batch_set(ks[:1], [torch.zeros(n + 1)])                  # not a page: refused, nothing stored
+    assert b.batch_get(ks[:1], [torch.zeros(n - 1)]) == [None]
+
+
+def test_bad_input_is_a_miss_never_an_exception(daemon, models):
+    pool = MHATokenToKVPoolHost()
+    b = backend(pool, models[0], daemon.url)
+    ks = keys(2, seed=13)
+    assert b.batch_set_v1(ks, pages(0)) == [False, False]                   # 2 keys, 1 page of indices
+    assert b.batch_exists(ks) == 0
+    assert b.batch_set_v1([], pages(0)[:0]) == [] and b.batch_exists([]) == 0
+    odd = ["", "not hex", "é" * 40, "0" * 10_000]
+    assert b.batch_set_v1(odd, pages(0, 16, 32, 48)) == [True] * 4
+    assert b.batch_exists(odd) == 4
+
+
+def test_unsupported_pools_and_hybrid_pools_are_declined(daemon, models, caplog):
+    b = backend(PackedPool(), models[0], daemon.url)
+    assert b.disabled and "PackedPool" in b.disabled
+    ks = keys(1)
+    assert b.batch_exists(ks) == 0 and b.batch_set_v1(ks, pages(0)) == [False]
+    assert b.batch_get_v1(ks, pages(0)) == [False]
+    ok = backend(MHATokenToKVPoolHost(), models[0], daemon.url)
+    ok.register_mem_host_pool_v2(MHATokenToKVPoolHost(), "mamba")
+    ok.register_mem_host_pool_v2(MHATokenToKVPoolHost(), "swa")
+    t = SimpleNamespace(name="mamba", keys=ks)
+    assert ok.batch_set_v2([t]) == {"mamba": [False]} and ok.batch_get_v2([t]) == {"mamba": [False]}
+    assert ok.batch_exists_v2(ks, [t]).kv_hit_pages == 0
+    assert sum("not cached" in r.getMessage() for r in caplog.records) == 1   # one line, not one per call
+    assert not TierdStorage(config("no/such/model", daemon.url)).ns
+    gone = TierdStorage(config("no/such/model", daemon.url))
+    gone.register_mem_pool_host(MHATokenToKVPoolHost())
+    assert "not a local directory" in gone.disabled
+
+
+def test_a_stopped_daemon_means_misses_within_the_timeout_then_recovery(tmp_path, models):
+    """Daemon killed mid-run: lookups, loads and stores answer 0 / False (no exception) and none
+    waits past its timeout; a restarted daemon is used again after the back-off."""
+    d = DaemonProc(tmp_path, host_bytes="32MiB").start()
+    try:
+        pool = MHATokenToKVPoolHost()
+        b = backend(pool, models[0], d.url, timeout_s=0.5)
+        ks = keys(2, seed=21)
+        assert b.batch_set_v1(ks, pages(0, 16)) == [True, True]
+        d.kill()
+        t = time.monotonic()
+        assert b.batch_exists(ks) == 0
+        assert b.batch_get_v1(ks, pages(32, 48)) == [False, False]
+        assert b.batch_set_v1(keys(2, seed=22), pages(32, 48)) == [False, False]
+        assert time.monotonic() - t < 3.0
+        d.start()
+        deadline = time.monotonic() + 40
+        while b.batch_set_v1(ks, pages(0, 16)) != [True, True]:
+            assert time.monotonic() < deadline, "the backend never came back to the restarted daemon"
+            time.sleep(0.2)
+        assert b.batch_exists(ks) == 2 and b.batch_get_v1(ks, pages(64, 80)) == [True, True]
+        assert torch.equal(pool.page(64), pool.page(0))
+    finally:
+        if d.alive():
+            d.stop()
+
+
+def test_a_daemon_that_was_never_there_costs_nothing(tmp_path, models):
+    b = backend(MHATokenToKVPoolHost(), models[0], f"unix://{Path(tmp_path) / 'none.sock'}")
+    t = time.monotonic()
+    for _ in range(20):
+        assert b.batch_exists(keys(2)) == 0
+        assert b.batch_set_v1(keys(1), pages(0)) == [False]
+    assert time.monotonic() - t < 3.0
