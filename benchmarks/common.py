@@ -140,3 +140,43 @@ def start_redis(workdir: str, maxmemory: str = "2gb"):
             time.sleep(0.05)
     p.kill()
     raise RuntimeError("redis-server did not start")
+
+
+def engine_python(venv: str, env_var: str, make_target: str) -> str:
+    """The python of an engine's environment (a venv in the checkout, or $env_var); exits with
+    how to build it when it is missing."""
+    from pathlib import Path
+    py = os.environ.get(env_var) or str(Path(__file__).resolve().parent.parent / venv / "bin" / "python")
+    if not Path(py).exists():
+        raise SystemExit(f"no {venv} environment; `make {make_target}` builds it")
+    return py
+
+
+def run_engine_process(py: str, module: str, work, name: str, spec: dict, env: dict | None = None) -> dict:
+    """Run one engine process (`python -m MODULE SPEC.json`, tests/vllm_engine.py or
+    tests/sglang_engine.py) in `work` and return what it wrote; its log goes to work/NAME.log
+    and a failure exits with the log's end."""
+    import subprocess
+    from pathlib import Path
+    work = Path(work)
+    root = Path(__file__).resolve().parent.parent
+    spec = {**spec, "out": str(work / f"{name}.json")}
+    path = work / f"{name}.spec.json"
+    path.write_text(json.dumps(spec))
+    # TMPDIR: the engine's IPC sockets and temporary files go with the run's directory
+    full_env = dict(os.environ, PYTHONPATH=str(root), TMPDIR=str(work), **(env or {}))
+    log = work / f"{name}.log"
+    with open(log, "wb") as f:
+        rc = subprocess.run([py, "-m", module, str(path)], cwd=root, env=full_env, stdout=f,
+                            stderr=subprocess.STDOUT, timeout=1800).returncode
+    if rc != 0:
+        raise SystemExit(f"engine {name} failed:\n{log.read_text()[-4000:]}")
+    print(f"  engine {name}: done")
+    return json.loads((work / f"{name}.json").read_text())
+
+
+def single_batches(prefix: str, prompts: list[list[int]], warmup: list[int] | None) -> list[dict]:
+    """One batch per prompt, so each prompt's TTFT is its own; a warm-up prompt first where given
+    (an engine's first request pays one-time costs), never counted."""
+    out = [{"name": "warmup", "prompts": [{"tokens": warmup, "max_tokens": 1}]}] if warmup else []
+    return out + [{"name": f"{prefix}{i}", "prompts": [{"tokens": p, "max_tokens": 1}]} for i, p in enumerate(prompts)]

@@ -30,11 +30,8 @@ Each prompt runs alone (TTFT is the engine's first-token latency); medians over 
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import statistics
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -42,47 +39,30 @@ import numpy as np
 
 import tierd
 
-from .common import DaemonUnderTest, Result, parse_args, report
+from .common import (DaemonUnderTest, Result, engine_python, parse_args, report, run_engine_process,
+                     single_batches)
 
-ROOT = Path(__file__).resolve().parent.parent
 BLOCK_TOKENS = 256
 
 
 def vllm_python() -> str:
-    py = os.environ.get("TEST_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
-    if not Path(py).exists():
-        raise SystemExit("no vLLM environment (.venv-vllm); `make vllm-env` builds one")
-    return py
+    return engine_python(".venv-vllm", "TEST_VLLM_PYTHON", "vllm-env")
 
 
 def run_engine(py: str, work: Path, name: str, model: Path, batches: list, *, connector=None, offload=None,
                engine=None) -> dict:
-    spec = {"model": str(model), "out": str(work / f"{name}.json"), "connector": connector, "offload": offload,
+    spec = {"model": str(model), "connector": connector, "offload": offload,
             "engine": {"max_num_batched_tokens": 2048, "enable_prefix_caching": False, "max_model_len": 4096,
                        **(engine or {})},
             "batches": batches}
-    path = work / f"{name}.spec.json"
-    path.write_text(json.dumps(spec))
-    # TMPDIR: vLLM's IPC sockets go with the run's directory
-    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING", TMPDIR=str(work))
-    log = work / f"{name}.log"
-    with open(log, "wb") as f:
-        rc = subprocess.run([py, "-m", "tests.vllm_engine", str(path)], cwd=ROOT, env=env, stdout=f,
-                            stderr=subprocess.STDOUT, timeout=1800).returncode
-    if rc != 0:
-        raise SystemExit(f"vLLM engine {name} failed:\n{log.read_text()[-4000:]}")
-    print(f"  engine {name}: done")
-    return json.loads((work / f"{name}.json").read_text())
+    return run_engine_process(py, "tests.vllm_engine", work, name, spec, {"VLLM_LOGGING_LEVEL": "WARNING"})
 
 
 WARMUP: list[int] = []
 
 
 def singles(prefix: str, prompts: list[list[int]], warmup: bool = True) -> list[dict]:
-    """One batch per prompt, so each prompt's TTFT is its own; a warm-up prompt first (an
-    engine's first request pays one-time costs), never counted."""
-    out = [{"name": "warmup", "prompts": [{"tokens": WARMUP, "max_tokens": 1}]}] if warmup else []
-    return out + [{"name": f"{prefix}{i}", "prompts": [{"tokens": p, "max_tokens": 1}]} for i, p in enumerate(prompts)]
+    return single_batches(prefix, prompts, WARMUP if warmup else None)
 
 
 def ttfts(run: dict, prefix: str) -> list[float]:

@@ -518,15 +518,17 @@ def _shutdown_hook(original, self, *args, **kwargs):
     return original(self, *args, **kwargs)
 
 
-def drain_engine(engine, timeout_s: float | None = None) -> bool | None:
+def drain_engine(engine, timeout_s: float | None = None, *, any_backend: bool = False) -> bool | None:
     """Wait until `engine`'s schedulers have no host or storage write pending: True when they
-    drained, False on timeout, None when the engine does not use this backend (or is not the
-    owner of its schedulers). Called by `Engine.shutdown` through the plugin."""
+    drained, False on timeout, None when the engine does not use this backend (unless
+    `any_backend`: then any storage backend) or does not own its schedulers. Called by
+    `Engine.shutdown` through the plugin."""
     if getattr(engine, "_tierd_drained", False) or getattr(engine, "_attached", False):
         return None
     args = getattr(engine, "server_args", None)
     extra = str(getattr(args, "hicache_storage_backend_extra_config", "") or "")
-    if "tierd.connectors.sglang" not in extra or getattr(engine, "send_to_rpc", None) is None:
+    ours = "tierd.connectors.sglang" in extra or (any_backend and getattr(args, "hicache_storage_backend", None))
+    if not ours or getattr(engine, "send_to_rpc", None) is None:
         return None
     engine._tierd_drained = True
     if timeout_s is None:

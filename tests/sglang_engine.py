@@ -13,6 +13,7 @@ SPEC: {"model": DIR, "out": PATH,
        "engine": {extra sglang.Engine arguments (tp_size, ...)},
        "env": {environment variables, set before SGLang is imported},
        "drain": true (default) | false: shutdown waits for storage writes (tierd's plugin),
+       "drain_any": true: wait for them whatever the storage backend (a peer's, in benchmarks),
        "batches": [{"name": ..., "prompts": [{"tokens": [...], "max_tokens": n, "salt": s}],
                     "pause": bool, "one_by_one": bool}]}
 
@@ -102,6 +103,9 @@ def main(spec_path: str) -> int:
             out_path.write_text(json.dumps(result))
     finally:
         t = time.perf_counter()
+        if spec.get("drain_any"):
+            from tierd.connectors.sglang import drain_engine
+            drain_engine(engine, any_backend=True)
         engine.shutdown()
         result["shutdown_s"] = time.perf_counter() - t
         out_path.write_text(json.dumps(result))

@@ -3,8 +3,10 @@ tests/sglang_cpu/) with tierd's storage backend against a real `tierd serve`, ea
 own process (tests/sglang_engine.py).
 
 One module-wide run does the work, so the suite starts four engines, not one per case:
-- A (TP=1): an empty daemon; its tokens are recompute's (nothing to load); it stores every
-  prompt, and its shutdown returns only once its writes are in tierd (tierd's SGLang plugin);
+- A (TP=1): an empty daemon, so its tokens are recompute's; it stores every prompt. Its last
+  batch runs while the daemon is stopped (SIGSTOP, resumed 4 s later), so that batch's writes
+  are still waiting when A shuts down: they reach tierd only because tierd's SGLang plugin makes
+  the shutdown wait for them;
 - B (TP=1), a fresh process: loads what A stored (two cache salts: only its own salt hits); then
   runs a batch with the daemon killed (recompute, no error) and one after a restart;
 - T1, T2 (TP=2): T1 stores, a fresh T2 loads; T2 finds nothing of the TP=1 engines' pages.

@@ -233,7 +233,6 @@ def test_unsupported_pools_and_hybrid_pools_are_declined(daemon, models, caplog)
     assert ok.batch_set_v2([t]) == {"mamba": [False]} and ok.batch_get_v2([t]) == {"mamba": [False]}
     assert ok.batch_exists_v2(ks, [t]).kv_hit_pages == 0
     assert sum("not cached" in r.getMessage() for r in caplog.records) == 1   # one line, not one per call
-    assert not TierdStorage(config("no/such/model", daemon.url)).ns
     gone = TierdStorage(config("no/such/model", daemon.url))
     gone.register_mem_pool_host(MHATokenToKVPoolHost())
     assert "not a local directory" in gone.disabled
