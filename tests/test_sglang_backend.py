@@ -272,3 +272,36 @@ def test_a_daemon_that_was_never_there_costs_nothing(tmp_path, models):
         assert b.batch_exists(keys(2)) == 0
         assert b.batch_set_v1(keys(1), pages(0)) == [False]
     assert time.monotonic() - t < 3.0
+
+
+def test_a_stalled_daemon_costs_a_call_at_most_its_timeout(tmp_path, models):
+    """A daemon that stops answering (SIGSTOP): a lookup is a miss after its deadline, a load
+    and a store fail after their timeout, nothing raises; once it answers again, so do they."""
+    import signal
+    d = DaemonProc(tmp_path, host_bytes="32MiB").start()
+    try:
+        pool = MHATokenToKVPoolHost()
+        b = backend(pool, models[0], d.url, timeout_s=0.5, lookup_deadline_ms=100)
+        ks = keys(2, seed=31)
+        assert b.batch_set_v1(ks, pages(0, 16)) == [True, True] and b.batch_exists(ks) == 2
+        d.signal(signal.SIGSTOP)
+        try:
+            t = time.monotonic()
+            assert b.batch_exists(ks) == 0
+            assert time.monotonic() - t < 0.6
+            t = time.monotonic()
+            assert b.batch_get_v1(ks, pages(32, 48)) == [False, False]
+            assert time.monotonic() - t < 1.5
+            t = time.monotonic()
+            assert b.batch_set_v1(keys(2, seed=32), pages(32, 48)) == [False, False]
+            assert time.monotonic() - t < 1.5
+        finally:
+            d.signal(signal.SIGCONT)
+        deadline = time.monotonic() + 40
+        while b.batch_exists(ks) != 2 or b.batch_get_v1(ks, pages(64, 80)) != [True, True]:
+            assert time.monotonic() < deadline, "the backend never came back to the resumed daemon"
+            time.sleep(0.2)
+        assert torch.equal(pool.page(64), pool.page(0)) and torch.equal(pool.page(80), pool.page(16))
+    finally:
+        if d.alive():
+            d.stop()
