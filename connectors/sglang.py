@@ -120,14 +120,14 @@ def _pool_geometry(pool, is_mla: bool, zero_copy: bool) -> dict[str, Any]:
         if dim is None or type(pool).__name__ != "MLATokenToKVPoolHost":
             raise _Disabled(f"MLA host pool {type(pool).__name__} is not a plain latent pool")
         heads, head_dim, planes = 1, int(dim), 1
-        # v1, layer_first: per page, one [page, latent] run per layer = [layers, page, latent]
-        canonical = zero_copy and layout == "layer_first"
     else:
         if type(pool).__name__ != "MHATokenToKVPoolHost":
             raise _Disabled(f"host pool {type(pool).__name__} (quantized or packed pages) is not supported")
         heads, head_dim, planes = int(pool.head_num), int(pool.head_dim), 2
-        # v1, layer_first: per page and layer a K run then a V run = [layers, 2, page, heads, dim]
-        canonical = zero_copy and layout == "layer_first"
+    # The zero-copy calls on a layer_first pool give, per page and layer, a K run then a V run
+    # (MLA: one latent run): [layers, 2, page, heads, dim] (MLA [layers, page, latent]), tierd's
+    # own block layout. Any other pool layout or call path orders bytes otherwise: named.
+    canonical = zero_copy and layout == "layer_first"
     if layout not in ("layer_first", "page_first", "page_first_direct", "page_head") or \
             (is_mla and layout == "page_head"):
         raise _Disabled(f"host pool layout {layout!r} is not supported")
