@@ -32,6 +32,32 @@ import time
 from pathlib import Path
 
 
+def shm_entries() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def drop_leaked_shm(before: set[str]) -> None:
+    """SGLang leaves a semaphore and a `sglang_loads_*` file in /dev/shm per engine; remove the
+    new ones no live process holds."""
+    import psutil
+    held = set()
+    for p in psutil.process_iter():
+        try:
+            held.update(m.path for m in p.memory_maps())
+        except (psutil.Error, OSError):
+            pass
+    for name in shm_entries() - before:
+        path = f"/dev/shm/{name}"
+        if name.startswith(("sglang_", "sgl_shm_", "sem.mp-")) and path not in held:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
 def engine_args(spec: dict) -> dict:
     kw = dict(model_path=spec["model"], device="cpu", attention_backend="torch_native",
               disable_cuda_graph=True, page_size=16, skip_tokenizer_init=True, dtype="float32",
@@ -69,6 +95,7 @@ def main(spec_path: str) -> int:
     import sglang as sgl
 
     out_path = Path(spec["out"])
+    shm = shm_entries()
     result: dict = {"batches": []}
     t0 = time.perf_counter()
     engine = sgl.Engine(**engine_args(spec))
@@ -109,6 +136,7 @@ def main(spec_path: str) -> int:
         engine.shutdown()
         result["shutdown_s"] = time.perf_counter() - t
         out_path.write_text(json.dumps(result))
+        drop_leaked_shm(shm)
     return 0
 
 

@@ -28,6 +28,7 @@ import pytest
 
 from . import vllm_wait
 from .daemon import DaemonProc
+from .sglang_engine import drop_leaked_shm, shm_entries
 
 ROOT = Path(__file__).resolve().parent.parent
 SGLANG_VENV = ROOT / ".venv-sglang"
@@ -98,32 +99,6 @@ class Engines:
         return self.finish(name, *self.start(name, batches, **spec))
 
 
-def _shm_entries() -> set[str]:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except OSError:
-        return set()
-
-
-def _drop_leaked_shm(before: set[str]) -> None:
-    """SGLang leaves a semaphore and a `sglang_loads_*` file in /dev/shm per engine; remove the
-    new ones no live process holds."""
-    import psutil
-    held = set()
-    for p in psutil.process_iter():
-        try:
-            held.update(m.path for m in p.memory_maps())
-        except (psutil.Error, OSError):
-            pass
-    for name in _shm_entries() - before:
-        path = f"/dev/shm/{name}"
-        if name.startswith(("sglang_", "sgl_shm_", "sem.mp-")) and path not in held:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     py = sglang_python()
@@ -131,7 +106,7 @@ def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sglang")
     model = write_random_model(tmp / "model", vocab_size=1024, hidden_size=256, intermediate_size=512,
                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
-    shm = _shm_entries()
+    shm = shm_entries()
     (tmp / "daemon").mkdir()
     daemon = DaemonProc(tmp / "daemon", host_bytes="256MiB", disk_bytes="256MiB").start()
     eng = Engines(tmp, py, str(model), daemon)
@@ -176,7 +151,7 @@ def run(tmp_path_factory):
     finally:
         if daemon.alive():
             daemon.stop()
-        _drop_leaked_shm(shm)
+        drop_leaked_shm(shm)
 
 
 def _outs(res, batch):
