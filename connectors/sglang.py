@@ -95,7 +95,7 @@ log = logging.getLogger("tierd.connectors.sglang")
 
 _KEY_DOMAIN = b"tierd/sglang-page/v1\x00"
 STAT_NAMES = ("lookups", "hit_pages", "loaded_pages", "load_failures", "stored_pages", "stores_present",
-              "store_failures", "lost_leases", "lookup_timeouts")
+              "store_failures", "lost_leases", "lookup_failures")
 
 
 def tier_keys(root: bytes, keys: Sequence[str]) -> list[bytes]:
@@ -141,10 +141,8 @@ class TierdStorage(HiCacheStorage):
     def __init__(self, storage_config, kwargs: dict | None = None):
         self.config = storage_config
         extra = dict(getattr(storage_config, "extra_config", None) or {})
-        self.extra = extra
         self.zero_copy = bool(int(extra.get("interface_v1", 0) or 0))
         self.is_mla = bool(getattr(storage_config, "is_mla_model", False))
-        self.writer = bool(getattr(storage_config, "is_storage_writer", True))
         self.ns: Namespace | None = None
         self.root = b""
         self.block_bytes = 0
@@ -276,7 +274,7 @@ class TierdStorage(HiCacheStorage):
             n = int(store.lookup(self.ns, self._keys(keys)))
         except STORE_ERRORS as e:
             link.failed(e, "lookup")
-            self._count(lookups=1, lookup_timeouts=1)
+            self._count(lookups=1, lookup_failures=1)
             return 0
         link.ok()
         self._count(lookups=1, hit_pages=n)
@@ -288,7 +286,7 @@ class TierdStorage(HiCacheStorage):
     def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
         """Hybrid models: their extra pools are not cached, so nothing is a hit."""
         self._warn_once("v2", "tierd storage backend: hybrid models' extra pools are not cached (no hit)")
-        return PoolTransferResult(0, {str(getattr(t, "name", "")): 0 for t in pool_transfers or ()})
+        return PoolTransferResult(0, {name: 0 for name in _pool_names(pool_transfers or ())})
 
     # -- loads -----------------------------------------------------------------------------------
     def batch_get_v1(self, keys: list[str], host_indices, extra_info=None) -> list[bool]:
@@ -366,10 +364,10 @@ class TierdStorage(HiCacheStorage):
 
     def batch_set_v2(self, transfers, extra_info=None) -> dict[str, list[bool]]:
         self._warn_once("v2", "tierd storage backend: hybrid models' extra pools are not cached (nothing stored)")
-        return {str(getattr(t, "name", "")): [False] * len(getattr(t, "keys", None) or ()) for t in transfers}
+        return _none_done(transfers)
 
     def batch_get_v2(self, transfers, extra_info=None) -> dict[str, list[bool]]:
-        return {str(getattr(t, "name", "")): [False] * len(getattr(t, "keys", None) or ()) for t in transfers}
+        return _none_done(transfers)
 
     # -- the generic calls (SGLang without interface_v1): one flat page tensor per key ----------
     def get(self, key: str, target_location=None, target_sizes=None):
@@ -443,6 +441,15 @@ class TierdStorage(HiCacheStorage):
                 link.close()
             except Exception:  # noqa: BLE001
                 log.debug("closing a tierd link failed", exc_info=True)
+
+
+def _pool_names(transfers) -> list[str]:
+    return [str(getattr(t, "name", "")) for t in transfers]
+
+
+def _none_done(transfers) -> dict[str, list[bool]]:
+    """A v2 call's answer for pools this backend does not cache: no page of any pool done."""
+    return {name: [False] * len(getattr(t, "keys", None) or ()) for name, t in zip(_pool_names(transfers), transfers)}
 
 
 def _as_bytes(t, nbytes: int) -> np.ndarray | None:

@@ -7,8 +7,6 @@ resolves to a stub that raises when called, so a test that strays onto a real ke
 
 from __future__ import annotations
 
-import torch
-
 __version__ = "0.0.0+tierd-test-stand-in"
 
 
@@ -38,5 +36,3 @@ def __getattr__(name):
         raise AttributeError(name)
     return _stub(name)
 
-
-torch.ops  # torch is imported first, as the real package does

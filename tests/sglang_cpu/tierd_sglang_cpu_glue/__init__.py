@@ -29,14 +29,10 @@ def _no_nccl(original, *args, **kwargs):
 
 def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
     """dst[dst_indices] = src[src_indices] for each (src, dst) layer pair (token-major rows)."""
-    src_indices = src_indices.to(torch_device(src_layers[0]))
-    dst_indices = dst_indices.to(torch_device(dst_layers[0]))
+    src_indices = src_indices.to(src_layers[0].device)
+    dst_indices = dst_indices.to(dst_layers[0].device)
     for src, dst in zip(src_layers, dst_layers):
         dst[dst_indices] = src[src_indices].to(dst.device)
-
-
-def torch_device(t):
-    return t.device
 
 
 def plugin() -> None:
