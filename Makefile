@@ -111,6 +111,7 @@ bench: $(STAMP) vllm-env sglang-env redis
 	$(PY) -m benchmarks.sglang_ttft --quick
 	$(PY) -m benchmarks.load --quick
 	$(PY) -m benchmarks.recovery --quick
+	$(PY) -m benchmarks.restart --quick
 	$(PY) -m benchmarks.engine_faults --quick
 	$(PY) -m benchmarks.gpu_kernels --quick
 

@@ -91,30 +91,55 @@ def best_of(fn, repeats: int = 3) -> float:
 
 
 class DaemonUnderTest:
-    """A `tierd serve` subprocess on a temporary socket (no metrics endpoint)."""
+    """A `tierd serve` subprocess on a temporary socket (no metrics endpoint). Its host arena
+    lives in a directory of its own under /dev/shm (a tmpfs, as in production), removed by
+    `stop`: the daemon keeps its arena across restarts (`kill` then `start` re-adopts it)."""
 
     def __init__(self, workdir: str, *, host_bytes: str, disk_path: str = "", disk_bytes: str = "64MiB",
                  toml: str = ""):
-        import subprocess
-        import sys
+        import tempfile
         self.workdir = workdir
         self.socket = os.path.join(workdir, "tierd.sock")
         cfg = os.path.join(workdir, "tierd.toml")
         with open(cfg, "w") as f:
-            f.write(toml)  # the host arena goes to /dev/shm (the default), as in production
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tierd", "serve", "--config", cfg, "--socket", self.socket,
-             "--host-bytes", host_bytes, "--disk-path", disk_path, "--disk-bytes", disk_bytes,
-             "--metrics-addr", "", "--log-level", "warning"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            f.write(toml)
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.arena_dir = tempfile.mkdtemp(prefix="tierd-bench-", dir=shm)
+        self.argv = ["-m", "tierd", "serve", "--config", cfg, "--socket", self.socket,
+                     "--host-bytes", host_bytes, "--disk-path", disk_path, "--disk-bytes", disk_bytes,
+                     "--metrics-addr", "", "--log-level", "warning"]
+        self.proc = None
+        self.start()
+
+    def start(self) -> float:
+        """Start the daemon; returns the seconds from exec to serving."""
+        import subprocess
+        import sys
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen([sys.executable, *self.argv], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, env={**os.environ, "TIERD_ARENA_DIR": self.arena_dir})
         line = self.proc.stdout.readline()
         if b"serving" not in line:
+            self._remove()
             raise RuntimeError(f"daemon did not start: {line!r}")
+        return time.perf_counter() - t0
+
+    def kill(self, sig=None) -> None:
+        """Stop the daemon (SIGKILL, or `sig`) and wait for it; its arena stays for `start`."""
+        import signal
+        self.proc.send_signal(signal.SIGKILL if sig is None else sig)
+        self.proc.wait(60)
 
     def stop(self) -> None:
         import signal
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(60)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(60)
+        self._remove()
+
+    def _remove(self) -> None:
+        import shutil
+        shutil.rmtree(self.arena_dir, ignore_errors=True)
 
 
 def start_redis(workdir: str, maxmemory: str = "2gb"):

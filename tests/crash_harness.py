@@ -10,7 +10,9 @@ writer against it and SIGKILLs the daemon after a random delay. The host tier is
 demotion runs all the time; the writer syncs every 4 chains. Every third round also damages the
 slab files before the restart (random bytes at random offsets, or a file truncated at a random
 length): blocks hit by that damage may be lost - they must then be missing, never wrong - and
-are reported. When the durable set nears the disk tier's capacity the harness flushes
+are reported. Every third round, offset by one, damages the host arena instead (random bytes in a
+re-adoptable block or anywhere, or a torn block record): the restarted daemon re-adopts the host
+blocks it can verify and must drop the rest, never serve them wrong. When the durable set nears the disk tier's capacity the harness flushes
 everything (and checks that flushed blocks stay gone), so eviction never explains a loss.
 
 CI runs 5 kills (tests/test_crash.py); `--kills 200` is the soak.
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -56,7 +59,10 @@ def check(url: str, durable: set[int], attempted: set[int], gone: set[int]) -> d
                 out["flushed_back"] += len(blocks)
             else:
                 out["served_extra"] += bool(blocks)
-        out["disk_blocks"] = c.stats()["tiers"]["disk"]["blocks"]
+        st = c.stats()["tiers"]
+        out["disk_blocks"] = st["disk"]["blocks"]
+        out["host_adopted"] = st["host"]["adopted_blocks"]
+        out["host_dropped"] = st["host"]["adopt_dropped"]
     return out
 
 
@@ -79,6 +85,38 @@ def damage(disk: Path, rng: random.Random, used_bytes: int) -> str:
     return f"{f.name} truncated to {cut}"
 
 
+def damage_host(arena_dir: Path, rng: random.Random) -> str:
+    """Random bytes in a re-adoptable host block (most of the time) or anywhere in the arena, or
+    a torn block record: what a stray write or a torn record looks like to the next daemon."""
+    from tierd.tiers.host_records import _DATA_OFF, REC_BYTES, read_records
+    (arena,) = [p for p in arena_dir.iterdir() if p.name.endswith(".host")]
+    rec = arena.with_name(arena.name + ".rec")
+    fd = os.open(arena, os.O_RDWR)
+    try:
+        try:
+            records = read_records(str(rec), fd)[0]
+        except FileNotFoundError:
+            records = []
+        size = os.fstat(fd).st_size
+        if records and rng.random() < 0.3:
+            r = rng.choice(records)
+            with open(rec, "r+b") as f:
+                at = _DATA_OFF + r.offset // 4096 * REC_BYTES + rng.randrange(REC_BYTES)
+                f.seek(at)
+                f.write(os.urandom(1 + rng.randrange(16)))
+            return f"host record of the block at {r.offset} torn"
+        if records and rng.random() < 0.8:
+            r = rng.choice(records)
+            off = r.offset + rng.randrange(r.length)
+        else:
+            off = rng.randrange(size - 64)
+        n = rng.randrange(1, 64)
+        os.pwrite(fd, os.urandom(n), off)
+        return f"{n} random bytes at host arena+{off}"
+    finally:
+        os.close(fd)
+
+
 def run(kills: int, seed: int, workdir: Path, log=print) -> dict:
     rng = random.Random(seed)
     d = DaemonProc(workdir, host_bytes="4MiB", disk_bytes=f"{DISK_BYTES >> 20}MiB")
@@ -95,6 +133,7 @@ def run(kills: int, seed: int, workdir: Path, log=print) -> dict:
         recovery_s = time.monotonic() - t0
         res = check(d.url, durable, attempted, gone)
         r = {"round": k, "recovery_s": round(recovery_s, 3), "disk_blocks": res["disk_blocks"],
+             "host_adopted": res["host_adopted"], "host_dropped": res["host_dropped"],
              "durable_checked": res["durable_checked"], "wrong": res["wrong"],
              "lost_durable": len(res["lost_durable"]), "flushed_back": res["flushed_back"]}
         damaged_round = bool(rounds) and rounds[-1].get("damage")
@@ -143,11 +182,15 @@ def run(kills: int, seed: int, workdir: Path, log=print) -> dict:
             raise AssertionError(f"round {k}: the disk tier uses {r['disk_bytes_on_disk']} bytes, over its cap")
         if k % 3 == 2:
             r["damage"] = damage(Path(d.disk), rng, used_bytes=(res["disk_blocks"] + 4 * CHAINS_PER_ROUND) * 20480)
+        elif k % 3 == 1:
+            r["host_damage"] = damage_host(Path(d.env["TIERD_ARENA_DIR"]), rng)
         rounds.append(r)
         log(json.dumps(r))
     return {"kills": kills, "seed": seed, "rounds": rounds, "lost_to_injected_damage": len(damaged_lost),
             "durable_at_end": len(durable),
             "recovery_s_max": max(x["recovery_s"] for x in rounds),
+            "host_adopted": sum(x["host_adopted"] for x in rounds),
+            "host_dropped": sum(x["host_dropped"] for x in rounds),
             "disk_blocks_max": max(x["disk_blocks"] for x in rounds)}
 
 
@@ -160,7 +203,11 @@ def main() -> int:
     args = ap.parse_args()
     workdir = Path(args.dir or tempfile.mkdtemp(prefix="tierd-crash-"))
     (workdir / "arena").mkdir(parents=True, exist_ok=True)
-    summary = run(args.kills, args.seed, workdir)
+    try:
+        summary = run(args.kills, args.seed, workdir)
+    finally:
+        if not args.dir:
+            shutil.rmtree(workdir, ignore_errors=True)
     print(json.dumps({k: v for k, v in summary.items() if k != "rounds"}))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))

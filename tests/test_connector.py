@@ -160,10 +160,18 @@ def test_through_the_daemon_across_engine_and_daemon_restarts(model_dir, cold, t
         assert hit.num_cached_tokens == 192 and hit.metrics["tier_sources"] == ["host"]
         assert_same(hit, cold)
         assert r.stdout.split()[1] == ",".join(map(str, cold.outputs[0].token_ids))
-        # the daemon is killed after a sync and restarted: the blocks come back from disk
+        # the daemon is killed after a sync and restarted: the blocks are host blocks again
+        # (re-adopted, re-verified); with the host tier flushed, they come back from disk
         from tierd.client import Client
         with Client(d.socket) as c:
             assert c.sync() >= 0
+        d.kill()
+        d.start()
+        after, _ = run(model_dir, d.url)
+        assert after.num_cached_tokens == 192 and after.metrics["tier_sources"] == ["host"]
+        assert_same(after, cold)
+        with Client(d.socket) as c:
+            assert c.flush(tier="host") > 0
         d.kill()
         d.start()
         after, _ = run(model_dir, d.url)

@@ -15,7 +15,7 @@ import tierd
 from tierd.client import Client
 from tierd.index import DISK, HOST, WAYS, SharedIndex
 
-from .daemon import DaemonProc
+from .daemon import SMALL_TOML, DaemonProc
 from .helpers import block_for, chain, make_ns
 
 
@@ -104,7 +104,9 @@ def test_index_answers_are_the_daemons_answers(tmp_path):
 
 
 def test_a_stopped_or_restarted_daemons_table_is_not_used(tmp_path):
-    d = DaemonProc(tmp_path).start()
+    # host.keep off: the restarted daemon starts with no host blocks, so an answer from the old
+    # daemon's table would show
+    d = DaemonProc(tmp_path, toml=SMALL_TOML.replace('slab_bytes = "1MiB"', 'slab_bytes = "1MiB"\nkeep = false', 1)).start()
     ns = make_ns()
     keys = chain(ns, 3, 4)
     c = Client(d.socket, timeout_s=0.5, retries=1)

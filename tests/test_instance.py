@@ -11,7 +11,7 @@ import pytest
 from tierd.client import Client, DaemonUnavailableError
 
 from .daemon import DaemonProc
-from .helpers import block_for, chain, make_ns
+from .helpers import block_for, chain, make_ns, wait_for
 
 
 def put_chain(c, ns, keys):
@@ -54,6 +54,7 @@ def test_a_second_daemon_on_a_live_socket_changes_nothing_of_the_first(tmp_path,
     try:
         old = Client(first.socket)
         assert put_chain(old, ns, keys) == 6
+        wait_for(lambda: old.stats()["tiers"]["host"]["keep_pending"] == 0, what="host block records")
         arena_files = sorted(os.listdir(first.env["TIERD_ARENA_DIR"]))
         stats = {p: os.stat(os.path.join(first.env["TIERD_ARENA_DIR"], p)).st_ino for p in arena_files}
 
@@ -134,7 +135,7 @@ def test_a_client_refuses_an_arena_file_that_is_not_its_daemons(daemon):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["write=EIO flush=EIO meta=EIO", "all=hang:300"], ids=["failing", "hanging"])
-def test_a_daemon_stopped_with_a_bad_disk_exits_0_and_leaves_nothing(tmp_path, fault):
+def test_a_daemon_stopped_with_a_bad_disk_exits_0_and_leaves_only_its_kept_arena(tmp_path, fault):
     faults = tmp_path / "faults"
     toml = f"""
 [host]
@@ -154,4 +155,6 @@ stall_s = 1.0
     assert d.proc.wait(120) == 0
     d._logf.close()
     assert not os.path.exists(d.socket)
-    assert os.listdir(d.env["TIERD_ARENA_DIR"]) == []
+    # nothing but the host arena and its block records, kept for the next start (host.keep)
+    left = sorted(os.listdir(d.env["TIERD_ARENA_DIR"]))
+    assert [f.split(".", 1)[1] for f in left] == ["host", "host.rec", "host.rec.ns"], left

@@ -245,6 +245,11 @@ class SharedArena:
                     f"filesystem more room (e.g. a larger /dev/shm: docker run --shm-size)") from None
             raise CapacityError(f"host tier: cannot reserve the shared-memory arena in {where}: {e.strerror}") from None
 
+    def reserve_now(self, setting: str = "host.bytes (--host-bytes)") -> None:
+        """Reserve the whole file now (an arena made with `reserve=False` while blocks of an
+        earlier arena were copied into it: the two never take their full size at once)."""
+        self._reserve(setting)
+
     def identity(self) -> tuple[int, int]:
         """(st_dev, st_ino) of the arena's file: a client that maps it by path checks it is
         this file, not one another daemon put at the same path."""
@@ -255,7 +260,9 @@ class SharedArena:
         """A writable (length,) uint8 view of the arena at `offset`."""
         return self.array[offset:offset + length]
 
-    def close(self) -> None:
+    def close(self, *, keep: bool = False) -> None:
+        """Unmap and close; the file is removed unless `keep` (a host tier that keeps its
+        blocks for the next daemon)."""
         if self.fd < 0:
             return
         self.array = None
@@ -263,7 +270,7 @@ class SharedArena:
             self._mmap.close()
         except BufferError:
             pass  # a caller still holds a view; the mapping goes when the last view does
-        if self.path is not None:
+        if self.path is not None and not keep:
             # only our own file: a path that names another file now is not ours to remove
             if same_file(self.fd, self.path):
                 try:

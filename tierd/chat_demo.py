@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,20 +23,27 @@ class _Daemon:
         self.workdir = workdir
         self.socket = os.path.join(workdir, "tierd.sock")
         self.proc = None
+        self.arena_dir = None
 
     def start(self) -> None:
+        # the host arena in a directory of the demo's own (kept across the daemon's restarts,
+        # removed at the end); /dev/shm where there is one, as in production
+        if self.arena_dir is None:
+            self.arena_dir = tempfile.mkdtemp(prefix="tierd-demo-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tierd", "serve", "--socket", self.socket, "--host-bytes", "256MiB",
              "--disk-path", os.path.join(self.workdir, "disk"), "--disk-bytes", "512MiB",
              "--metrics-addr", "", "--log-level", "warning"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={**os.environ, "TIERD_ARENA_DIR": self.arena_dir})
         line = self.proc.stdout.readline().decode().strip()
         if "serving" not in line:
             raise RuntimeError(f"tierd serve did not start: {line!r}")
 
-    def stop(self) -> None:
+    def stop(self, *, remove: bool = True) -> None:
         self.proc.send_signal(signal.SIGTERM)  # finishes requests, syncs host blocks to disk
         self.proc.wait(60)
+        if remove:
+            shutil.rmtree(self.arena_dir, ignore_errors=True)
 
 
 def run_chat_demo(*, embedded: bool = False, conversations: int = 3) -> None:
@@ -97,7 +105,7 @@ def run_chat_demo(*, embedded: bool = False, conversations: int = 3) -> None:
         turn(llm := engine(), "engine 2 (restarted)", 3)
         llm.close()
         if daemon is not None:
-            daemon.stop()
+            daemon.stop(remove=False)   # its host blocks are re-adopted by the next start
             daemon.start()
             phase = "daemon restarted"
         else:

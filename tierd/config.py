@@ -113,6 +113,10 @@ class StoreConfig:
     demotion_interval_s: float = 0.5     # background pass period (also woken on high watermark)
     host_shm_path: str | None = None     # None: an anonymous memfd; else a file other processes map
     host_shm_mode: int = 0o600
+    # keep the host tier's blocks across restarts: block records beside the arena, both files
+    # left in place at close, and blocks found at host_shm_path at open re-verified and re-adopted
+    # (needs host_shm_path and exclusive use of it: the daemon, which holds the instance lock)
+    host_keep: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def resolved(self) -> "StoreConfig":
@@ -233,6 +237,7 @@ SERVE_KEYS: dict[str, tuple[str, str, Any]] = {
     "host.slab_bytes": ("store", "host_slab_bytes", str),
     "host.high_watermark": ("store", "host_high_watermark", float),
     "host.low_watermark": ("store", "host_low_watermark", float),
+    "host.keep": ("store", "host_keep", _bool),
     "disk.path": ("store", "disk_path", str),
     "disk.bytes": ("store", "disk_bytes", str),
     "disk.slab_bytes": ("store", "disk_slab_bytes", str),
@@ -297,7 +302,8 @@ class ServeConfig:
     max_clients: int = 1024
     max_namespaces_per_uid: int = 4096   # with blocks or in use; unused ones are forgotten first
     store: StoreConfig = field(default_factory=lambda: StoreConfig(
-        host_bytes="10%", disk_path=os.path.join(default_state_dir(), "disk"), disk_bytes="4GiB"))
+        host_bytes="10%", disk_path=os.path.join(default_state_dir(), "disk"), disk_bytes="4GiB",
+        host_keep=True))
     sources: dict[str, str] = field(default_factory=dict)
     config_path: str | None = None
 

@@ -85,6 +85,16 @@ class _StoreCollector:
                     [([], 1 if disk["degraded"] else 0)] if disk else [])
         yield counter("tierd_disk_degraded_episodes", "Times the disk tier became degraded.", [],
                       [([], disk["degraded_episodes"])] if disk else [])
+        host = tiers.get("host", {})
+        if "adopted_blocks" in host:   # the host tier keeps its blocks across restarts
+            yield gauge("tierd_host_adopted_blocks", "Host blocks re-adopted (re-verified) at the last start.", [],
+                        [([], host["adopted_blocks"])])
+            yield gauge("tierd_host_adopt_dropped", "Host blocks of the last run dropped at start (torn, failed "
+                        "their checksum, or no room).", [], [([], host["adopt_dropped"])])
+            yield gauge("tierd_host_unrecorded_pending", "Host blocks whose records are not written yet (they "
+                        "would not survive a crash now).", [], [([], host["keep_pending"])])
+            yield counter("tierd_host_unrecorded", "Host blocks that could not be recorded (no room for "
+                          "their records).", [], [([], host["unrecorded"])])
         ns = st["namespaces"]
         yield counter("tierd_hits", "Blocks served.", ["namespace"], [([n], v["hits"]) for n, v in ns.items()])
         yield counter("tierd_misses", "Blocks asked for and not served.", ["namespace"],

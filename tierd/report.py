@@ -41,6 +41,11 @@ def format_stats(stats: dict) -> str:
     disk = tiers.get("disk")
     extra = [f"policy {stats['policy']}", f"leases {stats['leases']}",
              f"reservations {stats['reservations']}"]
+    host = tiers.get("host", {})
+    if "adopted_blocks" in host:
+        extra.append(f"host blocks kept across restarts: {host['adopted_blocks']} re-adopted at start "
+                     f"({format_size(host['adopted_bytes'])} in {host['adopt_seconds']:.2f}s, "
+                     f"{host['adopt_dropped']} dropped), {host['keep_pending']} not yet recorded")
     if disk:
         extra += [f"disk {disk['path']} ({'O_DIRECT' if disk['direct_io'] else 'buffered'}, "
                   f"codec {disk['codec']}, index from {disk['recovered_from']})",

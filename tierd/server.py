@@ -36,6 +36,7 @@ from .metrics import Metrics
 from .sdnotify import notify, watchdog_interval_s
 from .server_ops import Ops
 from .store import Lease, Reservation, TieredStore, WouldBlock
+from .tiers.host import records_path
 
 log = logging.getLogger("tierd.server")
 
@@ -303,10 +304,14 @@ class Daemon(Ops):
         cfg = self.cfg
         tag = hashlib.blake2b(os.path.abspath(cfg.socket).encode(), digest_size=6).hexdigest()
         self.arena_path = os.path.join(cfg.arena_dir, f"tierd-{os.geteuid()}-{tag}.host")
-        try:
-            os.unlink(self.arena_path)  # left by a daemon that died (we hold its lock now)
-        except FileNotFoundError:
-            pass
+        if not cfg.store.host_keep:
+            # left by a daemon that died (we hold its lock now); with host.keep the store
+            # re-adopts its verified blocks instead
+            for p in (self.arena_path, records_path(self.arena_path), records_path(self.arena_path) + ".ns"):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
         fs = filesystem_type(cfg.arena_dir)
         if fs not in ("tmpfs", "hugetlbfs", "ramfs"):
             log.warning("arena_dir %s is on %s, not tmpfs: the host tier will be written back to "

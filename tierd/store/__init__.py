@@ -10,6 +10,7 @@
     health.py      tier fault episodes and the disk tier's watch
     remote.py      the store's side of the remote tier (lookups, fetches, write-behind)
     feed.py        KV events and snapshots
+    keeping.py     host block records and their re-adoption after a restart
 """
 
 from .core import TieredStore

@@ -46,6 +46,7 @@ from .demotion import Demotion
 from .feed import EventFeed
 from .health import DiskHealth, TierHealth
 from .index import BlockIndex
+from .keeping import HostKeeping, set_aside
 from .namespaces import NamespaceTable
 from .ownership import Lease, Ownership, Reservation
 from .promotion import Promotion
@@ -57,7 +58,7 @@ log = logging.getLogger("tierd.store")
 
 
 class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, DiskHealth, RemoteLink,
-                  Promotion, Demotion):
+                  Promotion, Demotion, HostKeeping):
     """Embedded tiered block store (host RAM + optional disk, HBM and remote tiers). Thread-safe."""
 
     def __init__(self, config: StoreConfig | None = None, **overrides):
@@ -85,8 +86,12 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
                              children_of=lambda b: b.disk_children, evictable=self._disk_evictable)
         self._rg = Resident("gpu", make_policy("lru"), slot_of=lambda b: b.gpu_slot,
                              children_of=lambda b: 0, evictable=lambda b: b.gpu_pins == 0)
+        # an earlier arena at the same path (host_keep): its blocks are re-adopted below
+        old = set_aside(cfg.host_shm_path) if cfg.host_keep and cfg.host_shm_path else None
         self._rh.tier = HostTier(cfg.host_bytes, cfg.host_slab_bytes, shm_path=cfg.host_shm_path,
-                                 shm_mode=cfg.host_shm_mode)
+                                 shm_mode=cfg.host_shm_mode, keep=cfg.host_keep,
+                                 reserve=False if old else None)
+        self._keep_init()
         self._pad_bytes = 0  # slot padding of host blocks (slot size - block size), for waste
         self._admission = AdmissionFilter(cfg.disk_admit_min_hits)
         self._index = None   # the daemon's shared lookup index (tierd.index), if attached
@@ -113,6 +118,9 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
                 self.disk = self._open_disk()
                 self._rd.counters["corrupt_dropped"] = self.disk.corrupt_at_open
                 self._adopt_recovered()
+            if old is not None:
+                self._adopt_host(old)
+                self.host.arena.reserve_now()
             if cfg.remote_url:
                 # imports redis-py: only when a remote tier is wanted
                 from ..tiers.remote import RemoteMemory, RemoteTier, WriteBehind, read_fleet_key
@@ -131,6 +139,7 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
                                              probed=self._remote_probed)
         self._maintainer = threading.Thread(target=self._maintain, name="tierd-demoter", daemon=True)
         self._maintainer.start()
+        self._keep_start()
 
     # the tiers (storage only; the store's view of each is its _Resident record)
     @property
@@ -412,6 +421,8 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
         with self._cond:
             self._note_stall()
             tiers = {"host": self._rh.stats(extra_waste=self._pad_bytes)}
+            if self._keep_queue is not None:
+                tiers["host"].update(self._keep_stats, keep_pending=len(self._keep_queue) + self._keep_busy)
             if self.gpu is not None:
                 tiers["gpu"] = self._rg.stats()
             if self.disk is not None:
@@ -485,7 +496,8 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
                               "scans the slot headers", e)
         if self.gpu is not None:
             self.gpu.close()
-        self.host.close()
+        self._keep_close()
+        self.host.close(keep=self.config.host_keep)
 
     def __enter__(self) -> "TieredStore":
         return self

@@ -100,6 +100,8 @@ class BlockIndex:
         """(Lock held.) A flush dropped these copies of `b` while they are pinned (leased, being
         read or written): from now on they are not served, and they go when their pins do."""
         b.doomed |= copies
+        if copies & DOOM_HOST:
+            self._keep_forget(b)   # a flushed block never comes back after a restart
         self._publish(b)
         self._reap(b)
 
@@ -123,6 +125,7 @@ class BlockIndex:
             self._event(b, tier, True)
         p = self._blocks.get(b.parent) if b.parent else None
         if tier == "host":
+            self._keep_note(b)
             b.st.counters["host_blocks"] += 1
             self._pad_bytes += b.st.host_slot_bytes - b.st.block_bytes
             if p is not None:

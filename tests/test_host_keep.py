@@ -1,0 +1,242 @@
+"""A restarted daemon re-adopts its host arena: every block re-verified before it is served,
+anything torn, damaged, flushed or of another format dropped, never served; clients of the dead
+daemon cannot reach the new arena."""
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from tierd import TieredStore
+from tierd.client import Client
+from tierd.errors import TierdError
+from tierd.tiers.host_records import _DATA_OFF, REC_BYTES, read_records
+
+from .daemon import DaemonProc
+from .helpers import block_for, chain, make_ns, small_config, wait_for
+
+NO_DISK = ("--disk-path", "")
+
+
+def put_chain(c, ns, keys):
+    return c.put(ns, keys, [block_for(ns, k) for k in keys])
+
+
+def assert_exact(c, ns, keys):
+    got = c.get(ns, keys)
+    assert len(got) == len(keys)
+    for k, g in zip(keys, got):
+        assert np.array_equal(g, block_for(ns, k))
+
+
+def recorded(c):
+    wait_for(lambda: c.stats()["tiers"]["host"]["keep_pending"] == 0, what="host block records")
+
+
+def arena_files(d: DaemonProc) -> tuple[str, str]:
+    adir = d.env["TIERD_ARENA_DIR"]
+    host = [f for f in os.listdir(adir) if f.endswith(".host")]
+    assert len(host) == 1, os.listdir(adir)
+    return os.path.join(adir, host[0]), os.path.join(adir, host[0] + ".rec")
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_host_blocks_survive_a_restart_as_host_blocks_bit_exact(tmp_path, how):
+    ns, ns2 = make_ns(), make_ns(model="other", kv_dtype="bfloat16", num_layers=3)
+    keys, keys2 = chain(ns, 1, 12), chain(ns2, 2, 5)
+    d = DaemonProc(tmp_path, args=NO_DISK).start()
+    c = Client(d.socket)
+    try:
+        assert put_chain(c, ns, keys) == 12 and put_chain(c, ns2, keys2) == 5
+        recorded(c)
+        if how == "sigkill":
+            d.kill()
+        else:
+            assert d.stop() == 0
+        d.start()
+        # the same client reconnects by itself and is served from host RAM, bit-exact
+        assert c.lookup_all([(ns, keys), (ns2, keys2)], host=True) == [(12, 12), (5, 5)]
+        assert c.where(ns, keys) == ["host"] * 12
+        assert_exact(c, ns, keys)
+        assert_exact(c, ns2, keys2)
+        host = c.stats()["tiers"]["host"]
+        assert host["adopted_blocks"] == 17 and host["adopt_dropped"] == 0 and host["blocks"] == 17
+        # the re-adopted blocks are recorded again: a second restart keeps them too
+        assert put_chain(c, ns, chain(ns, 3, 2)) == 2
+        recorded(c)
+        d.kill()
+        d.start()
+        assert c.lookup_all([(ns, keys), (ns, chain(ns, 3, 2))], host=True) == [(12, 12), (2, 2)]
+        assert_exact(c, ns, keys)
+    finally:
+        c.close()
+        assert d.stop() == 0
+
+
+def test_damaged_torn_or_unrecorded_blocks_are_dropped_never_served(tmp_path):
+    ns = make_ns()
+    keys = chain(ns, 4, 10)
+    d = DaemonProc(tmp_path, args=NO_DISK).start()
+    c = Client(d.socket)
+    try:
+        put_chain(c, ns, keys)
+        recorded(c)
+        d.kill()
+        arena, rec = arena_files(d)
+        fd = os.open(arena, os.O_RDWR)
+        try:
+            records, _, why = read_records(rec, fd)
+            assert not why and len(records) == 10
+            at = {r.key: r for r in records}
+            # a flipped byte in block 3's bytes; block 6's record torn
+            os.pwrite(fd, bytes([os.pread(fd, 1, at[keys[3]].offset + 777)[0] ^ 0x40]), at[keys[3]].offset + 777)
+        finally:
+            os.close(fd)
+        with open(rec, "r+b") as f:
+            f.seek(_DATA_OFF + at[keys[6]].offset // 4096 * REC_BYTES + 40)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 1]))
+        d.start()
+        assert c.lookup(ns, keys) == 3                 # the chain stops at the damaged block
+        assert c.where(ns, keys) == ["host"] * 3 + [""] + ["host"] * 2 + [""] + ["host"] * 3
+        assert_exact(c, ns, keys[:3])
+        for k in keys[4:6] + keys[7:]:                 # every block served is exact
+            with c.acquire(ns, [k]) as lease:
+                assert np.array_equal(lease.buffers[0], block_for(ns, k))
+        host = c.stats()["tiers"]["host"]
+        assert host["adopted_blocks"] == 8 and host["adopt_dropped"] == 1   # the torn record reads as none
+        # the dropped blocks can be stored again
+        assert put_chain(c, ns, keys) == 2
+        assert_exact(c, ns, keys)
+    finally:
+        c.close()
+        assert d.stop() == 0
+
+
+def test_a_flushed_block_never_comes_back_after_a_kill(tmp_path):
+    ns = make_ns()
+    keys, other = chain(ns, 5, 6), chain(ns, 6, 4)
+    d = DaemonProc(tmp_path, args=NO_DISK).start()
+    c = Client(d.socket)
+    try:
+        put_chain(c, ns, keys)
+        put_chain(c, ns, other)
+        recorded(c)
+        lease = c.acquire(ns, other)          # pinned: the flush dooms them, the records go now
+        assert c.flush(tier="host") == 10
+        d.kill()
+        d.start()
+        assert c.lookup(ns, keys) == 0 and c.lookup(ns, other) == 0
+        assert c.stats()["tiers"]["host"]["adopted_blocks"] == 0
+        lease.__exit__(None, None, None)   # the dead daemon's lease: nothing to give back
+    finally:
+        c.close()
+        assert d.stop() == 0
+
+
+def test_a_dead_daemons_client_writing_late_cannot_reach_the_new_arena(tmp_path):
+    ns = make_ns()
+    old_keys, new_keys = chain(ns, 7, 4), chain(ns, 8, 6)
+    d = DaemonProc(tmp_path, args=NO_DISK).start()
+    stale = Client(d.socket)
+    fresh = None
+    try:
+        res = stale.reserve(ns, old_keys)
+        assert res.status == ["reserved"] * 4
+        views = list(res.buffers)
+        put_chain(stale, ns, chain(ns, 9, 3))
+        recorded(stale)
+        d.kill()
+        d.start()
+        fresh = Client(d.socket)
+        assert put_chain(fresh, ns, new_keys) == 6
+        for v in views:                       # the dead daemon's reservation, written after the restart
+            v[:] = 0xAB
+        assert_exact(fresh, ns, new_keys)
+        assert_exact(fresh, ns, chain(ns, 9, 3))
+        with pytest.raises(TierdError):
+            stale.commit(res)
+        assert fresh.lookup(ns, old_keys) == 0
+    finally:
+        stale.close()
+        if fresh is not None:
+            fresh.close()
+        assert d.stop() == 0
+
+
+def test_records_of_another_format_or_arena_are_not_read(tmp_path):
+    ns = make_ns()
+    keys = chain(ns, 10, 5)
+    path = str(tmp_path / "a.host")
+    cfg = small_config(host_bytes="2MiB", host_shm_path=path, host_keep=True)
+    with TieredStore(cfg) as s:
+        s.put(ns, keys, [block_for(ns, k) for k in keys])
+        wait_for(lambda: s.keep_pending() == 0)
+    with open(path + ".rec", "r+b") as f:      # a format this version does not know
+        f.seek(8)
+        f.write((99).to_bytes(2, "little"))
+    with TieredStore(cfg) as s:
+        assert s.lookup(ns, keys) == 0
+        s.put(ns, keys, [block_for(ns, k) for k in keys])
+        wait_for(lambda: s.keep_pending() == 0)
+    os.unlink(path)                             # the arena replaced under its records
+    with open(path, "wb") as f:
+        f.truncate(2 << 20)
+    with TieredStore(cfg) as s:
+        assert s.lookup(ns, keys) == 0
+        assert s.stats()["tiers"]["host"]["adopted_blocks"] == 0
+    assert sorted(os.listdir(tmp_path)) == ["a.host", "a.host.rec"]
+
+
+def test_a_smaller_arena_keeps_the_newest_blocks_and_host_keep_off_removes_the_files(tmp_path):
+    ns = make_ns()
+    path = str(tmp_path / "a.host")
+    chains = [chain(ns, 20 + i, 4) for i in range(6)]    # 24 blocks of 16 KiB
+    with TieredStore(small_config(host_bytes="1MiB", host_shm_path=path, host_keep=True)) as s:
+        for keys in chains:
+            s.put(ns, keys, [block_for(ns, k) for k in keys])
+        wait_for(lambda: s.keep_pending() == 0)
+    small = small_config(host_bytes="256KiB", host_slab_bytes="128KiB", host_shm_path=path, host_keep=True,
+                         host_high_watermark=1.0, host_low_watermark=1.0)
+    with TieredStore(small) as s:
+        host = s.stats()["tiers"]["host"]
+        assert host["adopted_blocks"] == 16 and host["adopt_dropped"] == 8
+        assert [s.lookup(ns, keys) for keys in chains] == [0, 0, 4, 4, 4, 4]
+        for keys in chains[2:]:
+            assert all(np.array_equal(g, block_for(ns, k)) for g, k in zip(s.get(ns, keys), keys))
+    with TieredStore(small_config(host_bytes="1MiB", host_shm_path=path + "2")) as s:
+        s.put(ns, chains[0], [block_for(ns, k) for k in chains[0]])
+    assert sorted(os.listdir(tmp_path)) == ["a.host", "a.host.rec", "a.host.rec.ns"]
+
+
+def test_a_live_store_keeps_its_files_from_a_second_one(tmp_path):
+    ns = make_ns()
+    path = str(tmp_path / "a.host")
+    cfg = small_config(host_shm_path=path, host_keep=True)
+    with TieredStore(cfg) as s:
+        keys = chain(ns, 30, 3)
+        s.put(ns, keys, [block_for(ns, k) for k in keys])
+        with pytest.raises(TierdError, match="live store"):
+            TieredStore(cfg)
+        assert all(np.array_equal(g, block_for(ns, k)) for g, k in zip(s.get(ns, keys), keys))
+
+
+def test_sigterm_with_a_backlog_records_it_before_exit(tmp_path):
+    ns = make_ns()
+    d = DaemonProc(tmp_path, args=NO_DISK, host_bytes="32MiB").start()
+    chains = [chain(ns, 40 + i, 8) for i in range(40)]
+    try:
+        with Client(d.socket) as c:
+            for keys in chains:
+                put_chain(c, ns, keys)
+        d.signal(signal.SIGTERM)                # no wait for the keeper: the close records the rest
+        assert d.proc.wait(60) == 0
+        d._logf.close()
+        d.start()
+        with Client(d.socket) as c:
+            assert [c.lookup(ns, keys) for keys in chains] == [8] * 40
+            assert c.stats()["tiers"]["host"]["adopted_blocks"] == 320
+    finally:
+        assert d.stop() == 0

@@ -1,0 +1,364 @@
+"""Keeping host blocks across restarts: block records written off the critical path, and the
+re-adoption of an earlier arena's blocks at open. Part of `TieredStore` (its one lock guards the
+queue and the blocks; the records file is the host tier's, `tiers/host_records.py`).
+
+**Recording.** A block that becomes READY in host RAM is queued; the keeper thread pins a batch,
+checksums the blocks outside the lock (xxh3, which lets go of the GIL), and writes each record
+under the lock only if the block is still READY in the same slot and not flushed. A record is
+cleared before its slot is freed (`HostTier.free_slot`) and when a flush dooms the block. A block
+that was not yet recorded when the daemon died is simply not re-adopted; a clean close records the
+backlog first (bounded by `KEEP_CLOSE_S`).
+
+**Re-adoption.** The earlier arena and its records are moved aside, and a fresh arena is made
+(a new file: a client of the dead daemon still copying through its old mapping can never touch
+the new arena's slots). Each recorded block, newest first while there is room, is copied into a
+slot of the new arena and its checksum computed over the copy that will be served; a mismatch,
+a torn record or a record of another format is dropped and counted, never served. Each block's
+pages in the old file are given back as it is copied, and the pages no record covers before any
+copy, so the two arenas never take their full size at once. The new arena reserves its memory
+once the copies are done, then the old files are removed. Adoption runs in the store's
+constructor, before the daemon serves: a restart costs the copy (memory speed), not the hits.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import mmap
+import os
+import threading
+import time
+
+import numpy as np
+
+from ..arena import slot_bytes_for
+from ..config import align_up, format_size
+from ..errors import CapacityError, TierdError
+from ..namespace import Namespace
+from ..tiers.disk import DiskTier
+from ..tiers.host import records_path
+from ..tiers.host_records import (
+    FLAG_DECODED,
+    HostRecord,
+    RecordsBusyError,
+    checksum,
+    punch_hole,
+    read_records,
+)
+from .records import ABSENT, DOOM_HOST, READY, Block, NsState
+
+log = logging.getLogger("tierd.store")
+
+_OLD = ".old"
+
+
+def set_aside(shm_path: str) -> tuple[str, str] | None:
+    """Move an earlier arena at `shm_path` and its records aside for re-adoption: (arena, records)
+    paths, or None when there is nothing to adopt. Raises RecordsBusyError if a live store
+    still holds them."""
+    rec = records_path(shm_path)
+    pairs = [(shm_path, shm_path + _OLD), (rec, rec + _OLD), (rec + ".ns", rec + _OLD + ".ns")]
+    if os.path.exists(shm_path):
+        if os.path.exists(rec):
+            _check_not_busy(rec)
+        for cur, old in pairs:       # the newest arena wins over one left by an interrupted adoption
+            if os.path.exists(cur):
+                os.replace(cur, old)
+            elif os.path.exists(old):
+                os.unlink(old)
+    elif not os.path.exists(shm_path + _OLD):
+        for cur, _ in pairs[1:]:     # records without their arena describe nothing
+            if os.path.exists(cur):
+                os.unlink(cur)
+        return None
+    return shm_path + _OLD, rec + _OLD
+
+
+def _check_not_busy(path: str) -> None:
+    import fcntl
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RecordsBusyError(f"{path} belongs to a live store; stop it first") from None
+    finally:
+        os.close(fd)
+
+
+class HostKeeping:
+    """Part of `TieredStore` (see its docstring): state and lock are the store's."""
+
+    KEEP_BATCH_BYTES = 64 << 20   # most bytes the keeper pins and checksums at a time
+    KEEP_CLOSE_S = 30.0           # how long a close waits for the keeper's backlog
+
+    def _keep_init(self) -> None:
+        self._keep_queue: collections.deque | None = (
+            collections.deque() if self.host.records is not None else None)
+        self._keep_wake = threading.Event()
+        self._keep_seq = 0
+        self._keep_busy = 0           # blocks of the batch being checksummed
+        self._keep_stop = False
+        self._keep_failing = False
+        self._keep_stats = {"adopted_blocks": 0, "adopted_bytes": 0, "adopt_dropped": 0,
+                            "adopt_seconds": 0.0, "records_written": 0, "unrecorded": 0}
+        self._keeper = None
+
+    def _keep_start(self) -> None:
+        if self._keep_queue is not None:
+            self._keeper = threading.Thread(target=self._keep_loop, name="tierd-keeper", daemon=True)
+            self._keeper.start()
+
+    def _keep_note(self, b: Block) -> None:
+        """(Lock held.) `b` became READY in host RAM: record it (soon, off the critical path)."""
+        if self._keep_queue is not None:
+            self._keep_queue.append(b)
+            self._keep_wake.set()
+
+    def _keep_forget(self, b: Block) -> None:
+        """(Lock held.) A flush doomed `b`'s host copy: its record goes now, before its pins do."""
+        rec = self.host.records
+        if rec is not None and b.host_slot >= 0:
+            rec.clear(self.host.alloc.offset(b.host_slot))
+
+    def _keep_loop(self) -> None:
+        while True:
+            self._keep_wake.wait(0.5)
+            self._keep_wake.clear()
+            try:
+                while self._keep_round():
+                    pass
+            except Exception:  # noqa: BLE001 -- records are best effort; serving goes on
+                log.exception("host tier: recording blocks failed; blocks stored from now on may "
+                              "not survive a restart")
+                return
+            if self._keep_stop:
+                return
+
+    def _keep_round(self) -> bool:
+        """Record one batch of queued blocks; False when the queue was empty."""
+        rec = self.host.records
+        batch = []
+        nbytes = 0
+        with self._cond:
+            q = self._keep_queue
+            while q and nbytes < self.KEEP_BATCH_BYTES:
+                b = q.popleft()
+                if b.host_state != READY or b.doomed & DOOM_HOST or b.host_slot < 0:
+                    continue
+                b.host_pins += 1
+                batch.append((b, b.host_slot))
+                nbytes += b.st.block_bytes
+            need = {b.st.ns_id: b.st.desc for b, _ in batch if b.st.ns_id not in rec.namespaces}
+            self._keep_busy = len(batch)
+        if not batch:
+            return False
+        named = True
+        try:
+            if need:
+                rec.remember_namespaces(need)
+            rec.reserve_pages(rec.pages_for(self.host.alloc.offset(slot) for _, slot in batch))
+        except OSError as e:
+            named = False
+            self._keep_stats["unrecorded"] += len(batch)
+            if not self._keep_failing:    # once per episode (stats count every block)
+                self._keep_failing = True
+                log.error("host tier: cannot write block records (%s); blocks stored meanwhile will not "
+                          "survive a restart (stats: unrecorded)", e)
+        else:
+            if self._keep_failing:
+                self._keep_failing = False
+                log.info("host tier: block records are written again")
+        sums = [checksum(self.host.view(slot, b.st.block_bytes)) for b, slot in batch]
+        with self._cond:
+            for (b, slot), ck in zip(batch, sums):
+                b.host_pins -= 1
+                if (named and not self._keep_stop and b.host_slot == slot and b.host_state == READY
+                        and not b.doomed & DOOM_HOST):
+                    self._keep_seq += 1
+                    if rec.write(HostRecord(self.host.alloc.offset(slot), b.st.ns_id, b.key,
+                                            b.parent[len(b.st.ns_id):] if b.parent else None,
+                                            b.st.block_bytes, self._keep_seq, ck,
+                                            FLAG_DECODED if b.decoded else 0)):
+                        self._keep_stats["records_written"] += 1
+                self._reap(b)
+            self._keep_busy = 0
+            self._cond.notify_all()
+        return True
+
+    def _keep_close(self) -> None:
+        """Record the backlog (at most KEEP_CLOSE_S), then stop the keeper."""
+        if self._keeper is None:
+            return
+        deadline = time.monotonic() + self.KEEP_CLOSE_S
+        while self._keeper.is_alive() and time.monotonic() < deadline:
+            with self._cond:
+                if not self._keep_queue and not self._keep_busy:
+                    break
+            self._keep_wake.set()
+            time.sleep(0.01)
+        with self._cond:
+            left = len(self._keep_queue)
+            self._keep_stop = True
+        self._keep_wake.set()
+        self._keeper.join(max(0.1, deadline - time.monotonic()))
+        if left:
+            log.warning("host tier: %d blocks were not recorded before the close; they will not be "
+                        "re-adopted", left)
+
+    def keep_pending(self) -> int:
+        """Blocks in host RAM whose records are not written yet."""
+        with self._cond:
+            return len(self._keep_queue) + self._keep_busy if self._keep_queue is not None else 0
+
+    # -- re-adoption at open ------------------------------------------------------------------
+    def _adopt_host(self, old: tuple[str, str]) -> None:
+        """Re-adopt the blocks of the arena set aside at `old` (see the module docstring);
+        remove the old files whatever happens."""
+        arena_path, rec_path = old
+        t0 = time.monotonic()
+        adopted, dropped, nbytes = [], 0, 0
+        try:
+            fd = os.open(arena_path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as e:
+            log.warning("host tier: cannot open the earlier arena %s (%s); starting empty", arena_path, e)
+            fd = -1
+        try:
+            records, descs, why = [], {}, ""
+            if fd >= 0:
+                try:
+                    records, descs, why = read_records(rec_path, fd)
+                except FileNotFoundError:
+                    why = "it has no block records"
+                if why:
+                    log.warning("host tier: not re-adopting the earlier arena: %s", why)
+            if records:
+                dropped, nbytes = self._adopt_records(fd, records, descs, adopted)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            for p in (arena_path, rec_path, rec_path + ".ns"):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+        dt = time.monotonic() - t0
+        self._keep_stats.update(adopted_blocks=len(adopted), adopted_bytes=nbytes, adopt_dropped=dropped,
+                                adopt_seconds=dt)
+        if adopted or dropped:
+            log.info("host tier: re-adopted %d blocks (%s) from the last run in %.2fs; %d dropped "
+                     "(torn, failed their checksum, or no room)", len(adopted), format_size(nbytes), dt, dropped)
+
+    ADOPT_THREADS = 8              # at most, for the copies of a re-adoption (page faults scale with cores)
+
+    def _adopt_records(self, fd: int, records: list[HostRecord], descs: dict, adopted: list) -> tuple[int, int]:
+        size = os.fstat(fd).st_size
+        # Give back the pages no record covers first: room for the copies.
+        spans = sorted((r.offset, r.offset + align_up(r.length)) for r in records)
+        pos = 0
+        for lo, hi in spans:
+            if lo > pos:
+                punch_hole(fd, pos, lo - pos)
+            pos = max(pos, hi)
+        punch_hole(fd, pos, size - pos)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        src = np.frombuffer(mm, dtype=np.uint8)
+        dropped = nbytes = 0
+        rec = self.host.records
+        try:
+            plan = []
+            with self._cond:                       # slots, newest first while there is room
+                for r in sorted(records, key=lambda r: -r.seq):
+                    st = self._adopt_ns(r, descs)
+                    slot = self.host.alloc_slot(st.host_slot_bytes) if st is not None else None
+                    if slot is None:
+                        dropped += 1
+                        punch_hole(fd, r.offset, align_up(r.length))
+                    else:
+                        plan.append((r, st, slot))
+
+            def copy(part) -> list[bool]:          # no lock: the slots are the store's alone yet
+                ok = []
+                for r, _, slot in part:
+                    dst = self.host.view(slot, r.length)
+                    np.copyto(dst, src[r.offset:r.offset + r.length])
+                    punch_hole(fd, r.offset, align_up(r.length))
+                    ok.append(checksum(dst) == r.checksum)   # over the copy that will be served
+                return ok
+
+            parts, cur, cur_bytes = [], [], 0
+            for item in plan:
+                cur.append(item)
+                cur_bytes += item[0].length
+                if cur_bytes >= 32 << 20:
+                    parts.append(cur)
+                    cur, cur_bytes = [], 0
+            if cur:
+                parts.append(cur)
+            threads = max(1, min(self.ADOPT_THREADS, os.cpu_count() or 1, len(parts)))
+            if threads > 1:
+                from concurrent.futures import ThreadPoolExecutor
+                with ThreadPoolExecutor(threads, thread_name_prefix="tierd-adopt") as ex:
+                    verdicts = [v for part in ex.map(copy, parts) for v in part]
+            else:
+                verdicts = [v for part in parts for v in copy(part)]
+            named = {}
+            with self._cond:
+                for (r, st, slot), good in zip(plan, verdicts):
+                    b = self._blocks.get(r.ns_id + r.key)
+                    if not good or (b is not None and b.host_state != ABSENT):
+                        self.host.free_slot(slot)
+                        dropped += 1
+                        continue
+                    if b is None:
+                        b = self._new_block(r.ns_id + r.key, st, r.key)
+                    if b.parent is None and r.parent:
+                        b.parent = r.ns_id + r.parent
+                    b.host_slot, b.host_state, b.decoded = slot, READY, bool(r.flags & FLAG_DECODED)
+                    self._rh.owner[slot] = b
+                    adopted.append((b, r))
+                    nbytes += r.length
+                    if r.ns_id in descs:
+                        named[r.ns_id] = descs[r.ns_id]
+            recorded = True
+            try:
+                if named:
+                    rec.remember_namespaces(named)
+                rec.reserve_pages(rec.pages_for(self.host.alloc.offset(b.host_slot) for b, _ in adopted))
+            except OSError as e:
+                recorded = False
+                log.error("host tier: cannot write the re-adopted blocks' records (%s); the keeper retries", e)
+            with self._cond:
+                self._keep_queue.clear()
+                for b, r in reversed(adopted):                       # oldest first: eviction order
+                    self._keep_seq += 1
+                    self._rh.policy.insert(b.ikey)
+                    self._enter(b, "host")   # queues it for the keeper
+                    if recorded and rec.write(HostRecord(self.host.alloc.offset(b.host_slot), r.ns_id, r.key,
+                                                         r.parent, r.length, self._keep_seq, r.checksum, r.flags)):
+                        self._keep_queue.pop()   # recorded here already
+        finally:
+            src = None   # noqa: F841 -- the last view of the mapping goes before it is closed
+            mm.close()
+        return dropped, nbytes
+
+    def _adopt_ns(self, r: HostRecord, descs: dict) -> NsState | None:
+        """(Lock held.) The namespace a re-adopted block belongs to (known from an earlier record
+        or the disk tier, else made from its description), or None when the block cannot be
+        one of its blocks here."""
+        st = self._namespaces.get(r.ns_id)
+        if st is None:
+            desc = descs.get(r.ns_id, {})
+            dtype_bytes = 2
+            if desc:
+                try:
+                    dtype_bytes = Namespace.from_dict(desc).dtype_bytes
+                except TierdError:
+                    desc = {}
+            try:
+                self.host.check_block(r.length)
+            except (CapacityError, TierdError):
+                return None
+            st = NsState(r.ns_id, None, r.length, dtype_bytes, slot_bytes_for(r.length),
+                         DiskTier.slot_bytes_for(r.length), desc)
+            self._namespaces[r.ns_id] = st
+        return st if st.block_bytes == r.length else None
