@@ -79,6 +79,43 @@ def report(name: str, results: list[Result], json_path: str | None) -> None:
         print(f"wrote {json_path}")
 
 
+def last_level_cache_bytes() -> int:
+    """The CPU's largest cache (from sysfs), or 32 MiB when it cannot be read."""
+    best = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for d in os.listdir(base):
+            try:
+                with open(os.path.join(base, d, "size")) as f:
+                    v = f.read().strip()
+            except OSError:
+                continue
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(v[-1:], 1)
+            best = max(best, int(v.rstrip("KMG")) * mult)
+    except (OSError, ValueError):
+        pass
+    return best or 32 << 20
+
+
+def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
+    """GB/s of one memcpy (numpy copyto) of `nbytes` from memory to memory: source and
+    destination written beforehand (no page faults), the CPU caches flushed before each copy
+    (by writing a buffer four times the last-level cache), the best of `repeats`. What a load
+    of blocks stored earlier copies: its bytes come from DRAM, not from a cache that holds
+    them — a warm copy of a few MiB runs at cache speed and is not this floor."""
+    import numpy as np
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    sweep = np.zeros(4 * last_level_cache_bytes(), dtype=np.uint8)
+    best = float("inf")
+    for i in range(repeats):
+        sweep[:] = i + 1
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
 def best_of(fn, repeats: int = 3) -> float:
     """Fastest wall time of `repeats` runs of fn() (seconds): the least disturbed run on a
     noisy machine."""

@@ -93,11 +93,13 @@ class EngineConnector:
             hold.enter_context(holding(store, lease))
             have = len(seq.block_table)                        # engine blocks already in place
             block_manager.allocate(seq, (first + n) * self.block_tokens - seq.num_computed)
-            ids = torch.full((n, self.ratio), -1, dtype=torch.long)
+            table, r = seq.block_table, self.ratio
+            rows = []                                           # -1: parts the engine already holds
             for j in range(n):
-                base = (first + j) * self.ratio
-                e0 = max(0, have - base)                        # parts the engine already holds
-                ids[j, e0:] = torch.tensor(seq.block_table[base + e0:base + self.ratio], dtype=torch.long)
+                base = (first + j) * r
+                e0 = min(r, max(0, have - base))
+                rows.append([-1] * e0 + table[base + e0:base + r])
+            ids = torch.tensor(rows, dtype=torch.long)
             self.xfer.attach(store)
             gpu = list(getattr(lease, "gpu_buffers", None) or ())[:n] or None
             job = self.xfer.load_layers(ids, lease.buffers[:n], gpu, layered=True)

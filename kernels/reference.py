@@ -9,6 +9,7 @@ scale); a tier block is [num_layers, 2, ratio * block_size, kv_heads, head_dim].
 from __future__ import annotations
 
 from collections.abc import Sequence
+from ctypes import memmove as _memmove
 
 import torch
 
@@ -69,11 +70,17 @@ def _copy_blocks(k_caches, v_caches, block_ids, slots, *, to_slots: bool) -> Non
     layers, ratio = len(k_caches), block_ids.shape[1]
     unit = k_caches[0].shape[1:]
     device = k_caches[0].device
+    # host caches laid out as (num_blocks, *unit), contiguous: plain memory moves, one per run of
+    # consecutive engine blocks, layer and plane (a tensor copy per piece costs several times more)
+    flat = device.type == "cpu" and all(c.is_contiguous() for _, cs in planes for c in cs)
     for t, row in enumerate(block_ids.tolist()):
         parts = [r for r in range(ratio) if row[r] >= 0]
         if not parts:
             continue
         s = _slot_view(slots[t], layers, ratio, unit, k_caches[0].dtype, len(planes))
+        if flat and s.device.type == "cpu" and s.is_contiguous():
+            _move_runs(planes, row, parts, s, to_slots)
+            continue
         whole = len(parts) == ratio
         ids = [row[r] for r in parts]
         if whole and ids == list(range(ids[0], ids[0] + ratio)):
@@ -91,6 +98,34 @@ def _copy_blocks(k_caches, v_caches, block_ids, slots, *, to_slots: bool) -> Non
                     cache[idx] = s[layer, kv].to(device)
                 else:
                     cache[idx] = s[layer, kv, parts].to(device)
+
+
+def _move_runs(planes, row: list[int], parts: list[int], s: torch.Tensor, to_slots: bool) -> None:
+    """`_copy_blocks` for contiguous host tensors: ctypes.memmove per run of parts whose engine
+    blocks are consecutive, per layer and plane. Every block id is range-checked first (a
+    tensor index would raise; a memory move must not go past the cache)."""
+    cache0 = planes[0][1][0]
+    n_blocks = cache0.shape[0]
+    unit_bytes = cache0[0].numel() * cache0.element_size()
+    if min(row[r] for r in parts) < 0 or max(row[r] for r in parts) >= n_blocks:
+        raise IndexError(f"engine block id out of range 0..{n_blocks - 1} in {row}")
+    runs, start = [], parts[0]
+    for a, b in zip(parts, parts[1:] + [None]):
+        if b is None or b != a + 1 or row[b] != row[a] + 1:
+            runs.append((start, a - start + 1))
+            start = b
+    n_planes, ratio = s.shape[1], s.shape[2]
+    base = s.data_ptr()
+    for layer in range(s.shape[0]):
+        for kv, caches in planes:
+            cache_base = caches[layer].data_ptr()
+            for r0, n in runs:
+                slot_at = base + ((layer * n_planes + kv) * ratio + r0) * unit_bytes
+                cache_at = cache_base + row[r0] * unit_bytes
+                if to_slots:
+                    _memmove(slot_at, cache_at, n * unit_bytes)
+                else:
+                    _memmove(cache_at, slot_at, n * unit_bytes)
 
 
 def _slot_view(slot: torch.Tensor, layers: int, ratio: int, unit: torch.Size, dtype: torch.dtype,
