@@ -20,6 +20,19 @@ def block_for(ns: Namespace, key: bytes) -> np.ndarray:
     return rng.integers(0, 256, ns.block_bytes, dtype=np.uint8)
 
 
+def put_chain(store, ns: Namespace, keys, **kw) -> int:
+    """Store each key's `block_for` content (an embedded store or a daemon's client)."""
+    return store.put(ns, keys, [block_for(ns, k) for k in keys], **kw)
+
+
+def assert_exact(store, ns: Namespace, keys) -> None:
+    """Every key is served, bit-exact."""
+    got = store.get(ns, keys)
+    assert len(got) == len(keys), f"{len(got)} of {len(keys)} blocks served"
+    for k, g in zip(keys, got):
+        assert np.array_equal(g, block_for(ns, k))
+
+
 def chain(ns: Namespace, seed: int, n_blocks: int) -> list[bytes]:
     """Keys of one prompt of `n_blocks` full blocks with token ids drawn from `seed`."""
     toks = np.random.default_rng(seed).integers(0, 32000, n_blocks * ns.block_tokens)

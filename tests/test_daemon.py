@@ -9,7 +9,6 @@ import sys
 import time
 
 import msgpack
-import numpy as np
 import pytest
 
 import tierd
@@ -17,18 +16,9 @@ from tierd.client import Client, DaemonUnavailableError
 from tierd.errors import LeaseError, UnknownNamespaceError
 
 from .daemon import ROOT, SMALL_TOML, DaemonProc
-from .helpers import block_for, chain, make_ns
+from .helpers import assert_exact, block_for, chain, make_ns, put_chain
 
 
-def put_chain(c, ns, keys):
-    return c.put(ns, keys, [block_for(ns, k) for k in keys])
-
-
-def assert_exact(c, ns, keys):
-    got = c.get(ns, keys)
-    assert len(got) == len(keys)
-    for k, g in zip(keys, got):
-        assert np.array_equal(g, block_for(ns, k))
 
 
 def wait_for(pred, timeout_s=10.0):

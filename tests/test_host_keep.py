@@ -14,20 +14,11 @@ from tierd.errors import TierdError
 from tierd.tiers.host_records import _DATA_OFF, REC_BYTES, read_records
 
 from .daemon import DaemonProc
-from .helpers import block_for, chain, make_ns, small_config, wait_for
+from .helpers import assert_exact, block_for, chain, make_ns, put_chain, small_config, wait_for
 
 NO_DISK = ("--disk-path", "")
 
 
-def put_chain(c, ns, keys):
-    return c.put(ns, keys, [block_for(ns, k) for k in keys])
-
-
-def assert_exact(c, ns, keys):
-    got = c.get(ns, keys)
-    assert len(got) == len(keys)
-    for k, g in zip(keys, got):
-        assert np.array_equal(g, block_for(ns, k))
 
 
 def recorded(c):

@@ -5,24 +5,14 @@ leaves nothing behind, whatever its disk is doing."""
 import os
 import signal
 
-import numpy as np
 import pytest
 
 from tierd.client import Client, DaemonUnavailableError
 
 from .daemon import DaemonProc
-from .helpers import block_for, chain, make_ns, wait_for
+from .helpers import assert_exact, chain, make_ns, put_chain, wait_for
 
 
-def put_chain(c, ns, keys):
-    return c.put(ns, keys, [block_for(ns, k) for k in keys])
-
-
-def assert_exact(c, ns, keys):
-    got = c.get(ns, keys)
-    assert len(got) == len(keys), f"{len(got)} of {len(keys)} blocks served"
-    for k, g in zip(keys, got):
-        assert np.array_equal(g, block_for(ns, k))
 
 
 def second_daemon(tmp_path, first: DaemonProc, *, same_disk: bool) -> DaemonProc:

@@ -16,18 +16,9 @@ from tierd.errors import (BlockError, CapacityError, ConfigError, DirectoryLocke
                           DiskTierError, KeyFormatError, LeaseError, NotASlabFileError,
                           StoreClosedError, UnknownNamespaceError)
 
-from .helpers import block_for, chain, make_ns, small_config
+from .helpers import assert_exact, block_for, chain, make_ns, put_chain, small_config
 
 
-def put_chain(store, ns, keys, **kw):
-    return store.put(ns, keys, [block_for(ns, k) for k in keys], **kw)
-
-
-def assert_exact(store, ns, keys):
-    got = store.get(ns, keys)
-    assert len(got) == len(keys)
-    for k, g in zip(keys, got):
-        assert np.array_equal(g, block_for(ns, k))
 
 
 # -- round trips ------------------------------------------------------------------------------

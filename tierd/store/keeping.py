@@ -31,11 +31,8 @@ import time
 
 import numpy as np
 
-from ..arena import slot_bytes_for
 from ..config import align_up, format_size
-from ..errors import CapacityError, TierdError
-from ..namespace import Namespace
-from ..tiers.disk import DiskTier
+from ..errors import TierdError
 from ..tiers.host import records_path
 from ..tiers.host_records import (
     FLAG_DECODED,
@@ -347,18 +344,9 @@ class HostKeeping:
         one of its blocks here."""
         st = self._namespaces.get(r.ns_id)
         if st is None:
-            desc = descs.get(r.ns_id, {})
-            dtype_bytes = 2
-            if desc:
-                try:
-                    dtype_bytes = Namespace.from_dict(desc).dtype_bytes
-                except TierdError:
-                    desc = {}
             try:
                 self.host.check_block(r.length)
-            except (CapacityError, TierdError):
+            except TierdError:
                 return None
-            st = NsState(r.ns_id, None, r.length, dtype_bytes, slot_bytes_for(r.length),
-                         DiskTier.slot_bytes_for(r.length), desc)
-            self._namespaces[r.ns_id] = st
+            st = self._recovered_ns(r.ns_id, r.length, descs.get(r.ns_id, {}))
         return st if st.block_bytes == r.length else None

@@ -66,18 +66,8 @@ class NamespaceTable:
         disk = self.disk
         adopted = []
         for e in sorted(disk.recovered, key=lambda e: e.seq):
-            st = self._namespaces.get(e.ns_id)
-            if st is None:
-                desc = disk.namespaces.get(e.ns_id, {})
-                dtype_bytes = 2
-                if desc:
-                    try:
-                        dtype_bytes = Namespace.from_dict(desc).dtype_bytes
-                    except TierdError:
-                        desc = {}
-                st = NsState(e.ns_id, None, e.raw_len, dtype_bytes, slot_bytes_for(e.raw_len),
-                              DiskTier.slot_bytes_for(e.raw_len), desc)
-                self._namespaces[e.ns_id] = st
+            st = self._namespaces.get(e.ns_id) or self._recovered_ns(e.ns_id, e.raw_len,
+                                                                     disk.namespaces.get(e.ns_id, {}))
             b = self._blocks.get(e.ns_id + e.key)
             if b is not None:
                 # a reopened directory: this node still holds the block in RAM; the copy on disk
@@ -99,6 +89,21 @@ class NamespaceTable:
             if p is not None:
                 p.disk_children += 1
         disk.recovered = []
+
+    def _recovered_ns(self, ns_id: bytes, block_bytes: int, desc: dict) -> NsState:
+        """(Lock held.) Enter a namespace known only from blocks found at open (on disk, or in
+        an earlier host arena) with the description stored beside them, if any; it is
+        completed when a client registers it."""
+        dtype_bytes = 2
+        if desc:
+            try:
+                dtype_bytes = Namespace.from_dict(desc).dtype_bytes
+            except TierdError:
+                desc = {}
+        st = NsState(ns_id, None, block_bytes, dtype_bytes, slot_bytes_for(block_bytes),
+                     DiskTier.slot_bytes_for(block_bytes), desc)
+        self._namespaces[ns_id] = st
+        return st
 
     def forget_unused(self, names) -> list[str]:
         """Forget the namespaces among `names` that hold no block in any local tier (and so no
