@@ -85,3 +85,17 @@ def test_remote_write_behind_parses_like_every_boolean(text, want):
     assert cfg.store.remote_write_behind is want
     with pytest.raises(ConfigError, match="true or false"):
         load_serve_config(None, env={"TIERD_REMOTE_WRITE_BEHIND": "maybe"})
+
+
+def test_host_keep_is_on_for_the_daemon_and_turned_off_by_file_or_environment(tmp_path):
+    """A daemon keeps its host tier across restarts unless told not to; the embedded store never
+    does (an anonymous arena dies with its process)."""
+    assert load_serve_config(None, env={}).store.host_keep is True
+    assert load_serve_config(None, env={"TIERD_HOST_KEEP": "off"}).store.host_keep is False
+    f = tmp_path / "tierd.toml"
+    f.write_text("[host]\nkeep = false\n")
+    assert load_serve_config(str(f), env={}).store.host_keep is False
+    with pytest.raises(ConfigError, match="true or false"):
+        load_serve_config(None, env={"TIERD_HOST_KEEP": "sometimes"})
+    from tierd import StoreConfig
+    assert StoreConfig().host_keep is False
