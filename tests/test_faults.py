@@ -383,3 +383,44 @@ def test_the_host_arena_is_reserved_at_start_or_refused_and_never_faults(tmp_pat
             assert d.stop() == 0
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_re_adopting_a_host_arena_into_a_full_tmpfs_drops_blocks_never_faults(tmp_path):
+    """The arena's tmpfs holds little more than the earlier arena: the copies of its blocks into
+    the new one find no room at first. A block that cannot be placed is dropped (its old pages
+    are given back, making room for the next), never a SIGBUS; what is adopted is exact."""
+    import numpy as np
+
+    from tierd import TieredStore
+
+    from .helpers import small_config
+    mnt = tmp_path / "shm"
+    if not _mount_tmpfs(mnt, "6m"):
+        pytest.skip("cannot mount a size-capped tmpfs here (needs root and mount rights)")
+    try:
+        ns = make_ns()
+        cfg = small_config(host_bytes="4MiB", host_shm_path=str(mnt / "a.host"), host_keep=True,
+                           host_high_watermark=1.0, host_low_watermark=1.0)
+        chains = [chain(ns, 60 + i, 4) for i in range(70)]
+        with TieredStore(cfg) as s:
+            for keys in chains:                      # 280 blocks through a 256-block arena: full
+                s.put(ns, keys, [block_for(ns, k) for k in keys])
+            wait_for(lambda: s.keep_pending() == 0)
+            held = s.stats()["tiers"]["host"]["blocks"]
+        free = shutil.disk_usage(mnt).free
+        with open(mnt / "filler", "wb") as f:        # leave about one block of room
+            f.write(b"\0" * max(0, free - 4096))
+        with TieredStore(cfg) as s:
+            host = s.stats()["tiers"]["host"]
+            assert host["adopted_blocks"] + host["adopt_dropped"] == held
+            assert host["adopted_blocks"] > 0
+            served = 0
+            for keys in chains:
+                for k in keys:
+                    if s.where(ns, [k]) == ["host"]:
+                        (got,) = s.get(ns, [k])
+                        assert np.array_equal(got, block_for(ns, k))
+                        served += 1
+            assert served == host["adopted_blocks"]
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

@@ -273,9 +273,17 @@ class HostKeeping:
                     else:
                         plan.append((r, st, slot))
 
+            new_fd = self.host.arena.fd
+
             def copy(part) -> list[bool]:          # no lock: the slots are the store's alone yet
                 ok = []
                 for r, _, slot in part:
+                    try:   # the slot's pages first: a full tmpfs is a dropped block, not a SIGBUS
+                        os.posix_fallocate(new_fd, self.host.alloc.offset(slot), align_up(r.length))
+                    except OSError:
+                        punch_hole(fd, r.offset, align_up(r.length))
+                        ok.append(False)
+                        continue
                     dst = self.host.view(slot, r.length)
                     np.copyto(dst, src[r.offset:r.offset + r.length])
                     punch_hole(fd, r.offset, align_up(r.length))
