@@ -85,7 +85,7 @@ def _check_not_busy(path: str) -> None:
 class HostKeeping:
     """Part of `TieredStore` (see its docstring): state and lock are the store's."""
 
-    KEEP_BATCH_BYTES = 64 << 20   # most bytes the keeper pins and checksums at a time
+    KEEP_BATCH_BYTES = 16 << 20   # most bytes the keeper pins and checksums at a time
     KEEP_CLOSE_S = 30.0           # how long a close waits for the keeper's backlog
 
     def _keep_init(self) -> None:
@@ -117,7 +117,13 @@ class HostKeeping:
         if rec is not None and b.host_slot >= 0:
             rec.clear(self.host.alloc.offset(b.host_slot))
 
+    KEEP_NICE = 19                # the keeper's niceness: it yields the CPU to requests and copies
+
     def _keep_loop(self) -> None:
+        try:   # this thread only (Linux: a thread id names one thread); best effort
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.KEEP_NICE)
+        except (OSError, AttributeError):
+            pass
         while True:
             self._keep_wake.wait(0.5)
             self._keep_wake.clear()
