@@ -171,7 +171,8 @@ class HostKeeping:
             if self._keep_failing:
                 self._keep_failing = False
                 log.info("host tier: block records are written again")
-        sums = [checksum(self.host.view(slot, b.st.block_bytes)) for b, slot in batch]
+        # no records can be written: the batch is only unpinned, not checksummed for nothing
+        sums = [checksum(self.host.view(slot, b.st.block_bytes)) if named else 0 for b, slot in batch]
         with self._cond:
             for (b, slot), ck in zip(batch, sums):
                 b.host_pins -= 1
