@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench soak venv vllm-env vllm-latest-env sglang-env peers-env peers-clean redis clean
+.PHONY: run test bench soak venv vllm-env vllm-latest-env sglang-env peers-env peers-clean redis fio clean
 
 venv: $(STAMP)
 
@@ -120,10 +120,15 @@ redis:
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
 
+# benchmarks.tiers sets tierd's disk tier beside fio at its best setting: Debian's fio,
+# installed when absent (without it that comparison is left out).
+fio:
+	@command -v fio >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio; }
+
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-bench: $(STAMP) vllm-env sglang-env redis
+bench: $(STAMP) vllm-env sglang-env redis fio
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(PY) -m benchmarks.tiers --quick
 	$(PY) -m benchmarks.daemon --quick

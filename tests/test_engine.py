@@ -434,3 +434,37 @@ def test_weights_split_over_several_safetensors_files(model_dir, tmp_path):
     a = LLM(model_dir, kv_cache_bytes="4MiB").generate(prompt_token_ids=list(range(30)), sampling_params=GREEDY)[0]
     b = LLM(d, kv_cache_bytes="4MiB").generate(prompt_token_ids=list(range(30)), sampling_params=GREEDY)[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_step_phase_times_account_for_the_generate_call(model_dir):
+    """benchmarks.engine_throughput prints where a step's time goes from these counters: they
+    must add up to (nearly) the whole of a generate call, forward pass inside it."""
+    import time
+    llm = LLM(model_dir, kv_cache_bytes="8MiB", max_num_seqs=4)
+    t0 = time.perf_counter()
+    llm.generate(prompt_token_ids=[[5, 6, 7] * 20, [9] * 33, [11, 12]],
+                 sampling_params=SamplingParams(temperature=0, max_tokens=6))
+    wall = time.perf_counter() - t0
+    ph = llm.phase_seconds
+    assert set(ph) == {"schedule", "inputs", "forward", "sample"}
+    assert all(v > 0 for v in ph.values())
+    assert 0 < llm.model.attention_seconds < ph["forward"]
+    assert 0.5 * wall < sum(ph.values()) <= wall
+
+
+def test_cpu_fp32_projections_run_prepacked_and_equal_plain_linear(model_dir):
+    """On a CPU in fp32 every projection and the LM head run through oneDNN on prepacked
+    weights (the plain copies dropped: no second copy of the weights), with F.linear's results."""
+    from tierd.engine.model import onednn_linear
+    if onednn_linear() is None:
+        pytest.skip("this torch has no oneDNN linear")
+    llm = LLM(model_dir, kv_cache_bytes="4MiB")
+    m = llm.model
+    assert m._dnn is not None
+    layer = m.w["layers"][0]
+    assert layer["qkv"] is None and layer["qkv_packed"] is not None and m.w["lm_head"] is None
+    from tierd.engine.model import load_weights
+    ref = load_weights(m.cfg, model_dir, torch.float32)["layers"][0]
+    x = torch.randn(7, m.cfg.hidden_size)
+    want = torch.nn.functional.linear(x, torch.cat([ref["q"], ref["k"], ref["v"]]))
+    torch.testing.assert_close(m.linear(x, layer, "qkv"), want, rtol=1e-5, atol=1e-5)

@@ -7,13 +7,15 @@ without `TierdConnector`, and writes what happened as JSON. Run in the vLLM envi
 SPEC: {"model": DIR, "out": PATH, "connector": null | {kv_connector_extra_config...},
        "connector_module": the connector's module (tierd.connectors.vllm by default),
        "env": {environment variables for vLLM, set before it is imported},
+       "connector_stats": bool (each batch's change in the worker connector's counters, through
+                          vLLM's collective_rpc: tierd's load_s and loaded_bytes),
        "offload": null | {kv_connector_extra_config of vLLM's OffloadingConnector (tierd's
                   TierdOffloadingConnector where a secondary tier is tierd's)},
        "kv_transfer": null | {KVTransferConfig arguments} (another connector: a peer's, for
                       benchmarks/vllm_ttft.py --peers),
        "engine": {extra vllm.LLM arguments}, "loras": {name: dir},
        "batches": [{"name": ..., "prompts": [{"tokens": [...], "salt": s, "lora": name,
-                    "max_tokens": n}], "pause": bool}]}
+                    "max_tokens": n, "ignore_eos": bool}], "pause": bool}]}
 
 A batch with "pause" first writes OUT.ready-NAME and waits for OUT.go-NAME (so a test can stop,
 kill or restart the daemon between batches). Per batch the output has each prompt's generated
@@ -38,11 +40,30 @@ def _counters(llm) -> dict[str, float]:
     return out
 
 
+def _connector_stats(worker) -> dict:
+    """The KV connector's counters in this worker (tierd's: load_s, loaded_bytes, ...), or {}."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
+    if not has_kv_transfer_group():
+        return {}
+    stats = getattr(get_kv_transfer_group(), "stats", None)
+    return {k: v for k, v in stats.items() if isinstance(v, (int, float))} if isinstance(stats, dict) else {}
+
+
+def _summed(per_worker: list[dict]) -> dict:
+    out: dict = {}
+    for d in per_worker:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     os.environ.update(spec.get("env") or {})                      # before vLLM reads its settings
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")   # same threads with and without a connector
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")         # GiB
+    if spec.get("connector_stats"):     # collective_rpc with a function (this harness's own, local)
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -87,13 +108,16 @@ def main(spec_path: str) -> int:
             if p.get("salt"):
                 tp["cache_salt"] = p["salt"]
             prompts.append(tp)
-            params.append(SamplingParams(max_tokens=p.get("max_tokens", 16), temperature=0.0, detokenize=False))
+            params.append(SamplingParams(max_tokens=p.get("max_tokens", 16), temperature=0.0, detokenize=False,
+                                         ignore_eos=bool(p.get("ignore_eos", False))))
             lreqs.append(lora_reqs[p["lora"]] if p.get("lora") else None)
         before = _counters(llm)
+        cbefore = _summed(llm.collective_rpc(_connector_stats)) if spec.get("connector_stats") else {}
         t = time.perf_counter()
         outs = llm.generate(prompts, params, lora_request=lreqs if loras else None, use_tqdm=False)
         wall = time.perf_counter() - t
         after = _counters(llm)
+        cafter = _summed(llm.collective_rpc(_connector_stats)) if spec.get("connector_stats") else {}
         rows = []
         for o in outs:
             m = o.metrics
@@ -103,7 +127,8 @@ def main(spec_path: str) -> int:
             rows.append({"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
                          "ttft_s": ttft})
         result["batches"].append({"name": batch["name"], "wall_s": wall, "outputs": rows,
-                                  "counters": {k: after.get(k, 0) - before.get(k, 0) for k in after}})
+                                  "counters": {k: after.get(k, 0) - before.get(k, 0) for k in after},
+                                  "connector": {k: cafter[k] - cbefore.get(k, 0) for k in cafter}})
         out.write_text(json.dumps(result))
     result["done"] = True
     out.write_text(json.dumps(result))

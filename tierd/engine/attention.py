@@ -94,25 +94,29 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     device. Returns (B, heads, d)."""
     nb, bs, kvh, d = k_cache.shape
     B, heads, _ = q.shape
-    offs = torch.arange(bs, device=q.device)
-    slots = (block_tables.long().unsqueeze(2) * bs + offs).view(B, -1)[:, :max_seq_len]   # (B, ctx)
-    k = k_cache.view(nb * bs, kvh, d)[slots]                            # (B, ctx, kvh, d)
-    v = v_cache.view(nb * bs, kvh, d)[slots]
+    nblk = -(-max_seq_len // bs)
+    tables = block_tables[:, :nblk].long()
+    # whole blocks at a time: one copy of a block's rows per table entry, not one per token
+    k = k_cache[tables].view(B, nblk * bs, kvh, d)                     # (B, ctx, kvh, d)
+    v = v_cache[tables].view(B, nblk * bs, kvh, d)
     if k_cache.dtype == torch.float8_e4m3fn:
         k, v = dequantize_fp8(k, k_scale, q.dtype), dequantize_fp8(v, v_scale, q.dtype)
-    qg = q.view(B, kvh, heads // kvh, d)
-    scores = torch.einsum("bkgd,bckd->bkgc", qg, k) * scale           # (B, kvh, g, ctx)
-    pos = torch.arange(k.shape[1], device=q.device).unsqueeze(0)     # (1, ctx)
+    elif k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    pos = torch.arange(nblk * bs, device=q.device).unsqueeze(0)        # (1, ctx)
     lens = seq_lens.long().unsqueeze(1)
-    mask = pos >= lens
+    keep = pos < lens
     if sliding_window is not None:
-        mask = mask | (pos <= (lens - 1) - sliding_window)
-    scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    # padded slots past a length hold whatever the cache holds there (NaN included): 0 * NaN is
-    # NaN, so they are zeroed rather than only weighted by 0
-    v = v.masked_fill(mask[:, :, None, None], 0)
-    return torch.einsum("bkgc,bckd->bkgd", probs, v).reshape(B, heads, d)
+        keep = keep & (pos > (lens - 1) - sliding_window)
+    # slots past a length hold whatever the cache holds there (NaN included): 0 * NaN and
+    # NaN - inf are NaN, so they are zeroed (in the gathered copies), not only masked
+    drop = ~keep[:, :, None, None]
+    k.masked_fill_(drop, 0)
+    v.masked_fill_(drop, 0)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep[:, None, None, :], scale=scale,
+        enable_gqa=kvh != heads)                                        # (B, heads, 1, d)
+    return out.squeeze(2)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float,
@@ -122,30 +126,42 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start
     Returns (n, heads, d)."""
     n, heads, d = q.shape
     ctx, kvh, _ = k.shape
+    gqa = kvh != heads
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if sliding_window is None and q_start == 0 and ctx == n:
+        # a whole prompt: plain causal attention, which torch runs in its fused (flash) kernel
+        out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
+                                                               enable_gqa=gqa)
+        return out.transpose(0, 1)
     qpos = torch.arange(q_start, q_start + n, device=q.device).unsqueeze(1)
     kpos = torch.arange(ctx, device=q.device).unsqueeze(0)
     allowed = kpos <= qpos
     if sliding_window is not None:
         allowed = allowed & (kpos > qpos - sliding_window)
-    kx = k.repeat_interleave(heads // kvh, dim=1) if kvh != heads else k
-    vx = v.repeat_interleave(heads // kvh, dim=1) if kvh != heads else v
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), kx.transpose(0, 1), vx.transpose(0, 1), attn_mask=allowed, scale=scale)
+    out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed, scale=scale,
+                                                           enable_gqa=gqa)
     return out.transpose(0, 1)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
-                    v_scale: float = 1.0, sliding_window: int | None = None, decode=None) -> torch.Tensor:
+                    v_scale: float = 1.0, sliding_window: int | None = None, decode=None,
+                    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention for a batch of sequences whose new tokens are packed in q (T, heads, d);
     the new tokens of a sequence are the last query_len of its context. Prefills run through
     torch's fused attention; decodes in one batch through `decode` (the paged decode kernel's
     signature, e.g. `tierd.kernels.paged_attention_decode`; by default, and for a sliding
-    window, `decode_attention`). Returns (T, heads, d)."""
+    window, `decode_attention`). new_kv: this step's keys and values (T, kv_heads, d), just
+    written to the cache: a sequence whose whole context is new reads them instead of gathering
+    the same values back (unless the cache holds them in another dtype). Returns (T, heads, d)."""
     out = torch.empty_like(q)
+    fresh = new_kv is not None and k_cache.dtype == new_kv[0].dtype == q.dtype
     for q0, n, ctx, table in meta.seqs:
-        k = gather_kv(k_cache, table, ctx, k_scale, q.dtype)
-        v = gather_kv(v_cache, table, ctx, v_scale, q.dtype)
+        if fresh and ctx == n:
+            k, v = new_kv[0][q0:q0 + n], new_kv[1][q0:q0 + n]
+        else:
+            k = gather_kv(k_cache, table, ctx, k_scale, q.dtype)
+            v = gather_kv(v_cache, table, ctx, v_scale, q.dtype)
         out[q0:q0 + n] = prefill_attention(q[q0:q0 + n], k, v, ctx - n, scale, sliding_window)
     if meta.dec_rows is not None:
         qd = q[meta.dec_rows]

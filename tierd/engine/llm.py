@@ -184,6 +184,9 @@ class LLM:
             from tokenizers import Tokenizer
             self.tokenizer = Tokenizer.from_file(str(tok))
         self._ids = itertools.count()
+        # seconds spent in each phase of `step` since the engine started (where a step's time
+        # goes: benchmarks.engine_throughput prints it)
+        self.phase_seconds = {"schedule": 0.0, "inputs": 0.0, "forward": 0.0, "sample": 0.0}
         self._seqs: dict[str, Sequence] = {}
         self.evicted_blocks = 0
 
@@ -306,7 +309,10 @@ class LLM:
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns the requests that finished in it."""
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        self.phase_seconds["schedule"] += t1 - t0
         if not batch:
             if self.connector is not None:
                 self._recompute(self.connector.finish_loads())
@@ -332,11 +338,12 @@ class LLM:
                 sampled.append(seq)
         dev = self.device
         conn = self.connector
+        inputs = (torch.tensor(tokens).to(dev, non_blocking=True), torch.tensor(positions).to(dev, non_blocking=True),
+                  torch.tensor(slots).to(dev, non_blocking=True))
+        t2 = time.perf_counter()
+        self.phase_seconds["inputs"] += t2 - t1
         try:
-            logits = self.model.forward(torch.tensor(tokens).to(dev, non_blocking=True),
-                                        torch.tensor(positions).to(dev, non_blocking=True),
-                                        torch.tensor(slots).to(dev, non_blocking=True),
-                                        seqs, self.kv_caches, torch.tensor(logits_rows, dtype=torch.long).to(dev),
+            logits = self.model.forward(*inputs, seqs, self.kv_caches, torch.tensor(logits_rows, dtype=torch.long).to(dev),
                                         self.kv_scales, streaming=self.streaming, mass=mass,
                                         before_layer=conn.wait_layer if conn is not None and conn.loading else None)
         finally:
@@ -344,6 +351,8 @@ class LLM:
             # lost meanwhile may have read overwritten bytes: its step is discarded, recomputed
             lost = conn.finish_loads() if conn is not None else []
         logits = logits.cpu()        # sampling runs on the host: the step's one wait for the device
+        t3 = time.perf_counter()
+        self.phase_seconds["forward"] += t3 - t2
         if lost:
             gone = {id(s) for s in lost}
             kept = [i for i, (seq, _) in enumerate(batch) if id(seq) not in gone]
@@ -395,6 +404,7 @@ class LLM:
                 self.scheduler.finish(seq)
                 finished.append(self._output(seq))
                 del self._seqs[seq.request_id]
+        self.phase_seconds["sample"] += time.perf_counter() - t3
         return finished
 
     def _recompute(self, seqs: list) -> None:
