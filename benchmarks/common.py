@@ -237,6 +237,17 @@ def run_engine_process(py: str, module: str, work, name: str, spec: dict, env: d
     return json.loads((work / f"{name}.json").read_text())
 
 
+def quick_model(work):
+    """The 4-layer random-weight model of the engine benchmarks' --quick runs, written under
+    `work` (vocabulary 512, hidden 128, 4 heads over 2 KV heads of 32)."""
+    from pathlib import Path
+
+    from tierd.engine.random_model import write_random_model
+    return write_random_model(Path(work) / "model", vocab_size=512, hidden_size=128, intermediate_size=256,
+                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=32, max_position_embeddings=4096, seed=3)
+
+
 def single_batches(prefix: str, prompts: list[list[int]], warmup: list[int] | None) -> list[dict]:
     """One batch per prompt, so each prompt's TTFT is its own; a warm-up prompt first where given
     (an engine's first request pays one-time costs), never counted."""

@@ -31,7 +31,7 @@ import numpy as np
 
 import tierd
 
-from .common import (DaemonUnderTest, Result, engine_python, parse_args, report, run_engine_process,
+from .common import (DaemonUnderTest, Result, engine_python, parse_args, quick_model, report, run_engine_process,
                      single_batches)
 
 PAGE = 64
@@ -74,13 +74,11 @@ def tokens(run: dict, prefix: str) -> list[list[int]]:
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     py = engine_python(".venv-sglang", "TEST_SGLANG_PYTHON", "sglang-env")
-    from tierd.engine.random_model import BENCH_MODEL, bench_model_dir, write_random_model
+    from tierd.engine.random_model import BENCH_MODEL, bench_model_dir
 
     work = Path(tempfile.mkdtemp(prefix="tierd-sglang-ttft-"))
     if args.quick:
-        model = write_random_model(work / "model", vocab_size=512, hidden_size=128, intermediate_size=256,
-                                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=32, max_position_embeddings=4096, seed=3)
+        model = quick_model(work)
         n_prompts, length, vocab = 2, 600, 500
     else:
         model = bench_model_dir()

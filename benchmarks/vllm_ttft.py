@@ -60,7 +60,7 @@ import numpy as np
 
 import tierd
 
-from .common import (DaemonUnderTest, Result, engine_python, memcpy_gbps, parse_args, report,
+from .common import (DaemonUnderTest, Result, engine_python, memcpy_gbps, parse_args, quick_model, report,
                      run_engine_process, single_batches)
 
 BLOCK_TOKENS = 256
@@ -111,9 +111,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="tierd-vllm-ttft-"))
     if args.quick:
-        model = write_random_model(work / "model", vocab_size=512, hidden_size=128, intermediate_size=256,
-                                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=32, max_position_embeddings=4096, seed=3)
+        model = quick_model(work)
         n_prompts, length, n_miss, vocab = 2, 600, 2, 500
     else:
         model = bench_model_dir()
@@ -256,15 +254,13 @@ def _spread(values: list[float]) -> str:
 
 
 def peers_main(args) -> None:
-    from tierd.engine.random_model import BENCH_MODEL, bench_model_dir, write_random_model
+    from tierd.engine.random_model import BENCH_MODEL, bench_model_dir
 
     from .peers import LMCACHE_ENV, LMCACHE_VERSION, LMCacheServer
     py = engine_python(".venv-peers", "TEST_PEERS_PYTHON", "peers-env")
     work = Path(tempfile.mkdtemp(prefix="tierd-vllm-peers-"))
     if args.quick:
-        model = write_random_model(work / "model", vocab_size=512, hidden_size=128, intermediate_size=256,
-                                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=32, max_position_embeddings=4096, seed=3)
+        model = quick_model(work)
         lengths, n_prompts, vocab = (256, 512), 1, 500
     else:
         model = bench_model_dir()
