@@ -215,6 +215,7 @@ class WorkerHalf:
         if store is not None:
             try:
                 lease = acquire_for(store, self.namespace(spec.salt), keys, self._device)
+                self.stats["load_acquire_s"] += time.perf_counter() - t0
                 self.link.ok()
             except STORE_ERRORS as e:
                 self.stats["load_failures"] += 1
@@ -227,7 +228,9 @@ class WorkerHalf:
                 self._xfer.attach(store)
                 ids = self._load_ids(spec, loaded)
                 gpu = list(getattr(lease, "gpu_buffers", None) or ())[:loaded] or None
+                t1 = time.perf_counter()
                 job = self._xfer.load_layers(ids, lease.buffers[:loaded], gpu, layered=True)
+                self.stats["load_copy_s"] += time.perf_counter() - t1     # queued only, on a GPU
                 self.stats["hbm_hit_blocks"] += job.device_blocks
                 return _Loading(spec, store, lease, loaded, job, hold, t0)
             except STORE_ERRORS as e:
