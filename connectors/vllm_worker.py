@@ -230,7 +230,9 @@ class WorkerHalf:
                 gpu = list(getattr(lease, "gpu_buffers", None) or ())[:loaded] or None
                 t1 = time.perf_counter()
                 job = self._xfer.load_layers(ids, lease.buffers[:loaded], gpu, layered=True)
-                self.stats["load_copy_s"] += time.perf_counter() - t1     # queued only, on a GPU
+                # queued only, on a GPU; load_s of a load made before the step also holds the
+                # forward pass (its lease is released after it)
+                self.stats["load_copy_s"] += time.perf_counter() - t1
                 self.stats["hbm_hit_blocks"] += job.device_blocks
                 return _Loading(spec, store, lease, loaded, job, hold, t0)
             except STORE_ERRORS as e:
