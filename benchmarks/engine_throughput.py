@@ -21,6 +21,7 @@ bookkeeping) is printed beside it, to show where the difference goes.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -88,7 +89,6 @@ def run_vllm(model_dir: Path, cases: list[tuple[str, list, list[int]]]) -> dict[
         if got != outs:
             raise SystemExit(f"vLLM generated {got} tokens for {outs}")
         out[name] = sum(outs) / b["wall_s"]
-    import shutil
     shutil.rmtree(work, ignore_errors=True)
     return out
 
@@ -139,9 +139,8 @@ def main() -> None:
             results.append(Result(f"{label} vs vLLM", params, ours, "tok/s", "vLLM CPU engine tok/s", vllm[name],
                                   note="the bundled engine's step phases: printed below"))
     for r in results:       # the step phases go with each result (in the JSON; the table below)
-        r.params = dict(r.params)
-    for r in results:
         if r.name.endswith("vs vLLM") or vllm is None:
+            r.params = dict(r.params)   # not the transformers result's dict
             key = "uniform batch 32" if "uniform" in r.name else f"batch {r.params['batch']}"
             r.params["phases_s"] = {k: round(v, 3) for k, v in phases[key].items()}
     report("engine_throughput", results, args.json)

@@ -111,28 +111,25 @@ class LlamaModel:
         if ops is None:
             return
         pack, linear = ops
+        weights = [(layer, n) for layer in self.w["layers"] for n in self.LINEARS] + [(self.w, "lm_head")]
         try:
+            packed = [pack(holder[n], PACK_BATCH_HINT) for holder, n in weights]
             g = torch.Generator().manual_seed(0)
             checked = set()
-            weights = [(layer, n) for layer in self.w["layers"] for n in self.LINEARS] + [(self.w, "lm_head")]
-            for holder, n in weights:
+            for (holder, n), p in zip(weights, packed):
                 w = holder[n]
                 if w.shape in checked:
                     continue
                 x = torch.randn(5, w.shape[1], generator=g)
                 want = F.linear(x, w)
-                got = linear(x, pack(w, PACK_BATCH_HINT), None, "none", [], "")
-                if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+                if not torch.allclose(linear(x, p, None, "none", [], ""), want, rtol=1e-4,
+                                      atol=1e-4 * float(want.abs().max())):
                     return
                 checked.add(w.shape)
-            for holder, n in weights:
-                holder[n + "_packed"] = pack(holder[n], PACK_BATCH_HINT)
         except RuntimeError:
-            for holder, n in [(layer, n) for layer in self.w["layers"] for n in self.LINEARS] + [(self.w, "lm_head")]:
-                holder.pop(n + "_packed", None)
             return
-        for holder, n in weights:      # the packed copy is the weight now (lm_head may be embed's)
-            holder[n] = None
+        for (holder, n), p in zip(weights, packed):   # the packed copy is the weight now
+            holder[n + "_packed"], holder[n] = p, None
         self._dnn = linear
 
     def linear(self, x: torch.Tensor, holder: dict, name: str) -> torch.Tensor:
