@@ -31,7 +31,8 @@ class EngineConnector:
     """Between one `tierd.engine.LLM` and one Store (`embedded://`, `unix://` URL or object)."""
 
     def __init__(self, store, namespace: Namespace, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 engine_block_size: int, *, max_pending_blocks: int = 64, retry_after_s: float = 1.0):
+                 engine_block_size: int, *, max_pending_blocks: int = 64, retry_after_s: float = 1.0,
+                 prefault: bool = True):
         if namespace.block_tokens % engine_block_size:
             raise TierdError(f"tier block of {namespace.block_tokens} tokens is not a multiple of the "
                              f"engine's {engine_block_size}-token blocks")
@@ -39,7 +40,9 @@ class EngineConnector:
         self.block_tokens = namespace.block_tokens
         self.ratio = namespace.block_tokens // engine_block_size
         self.engine_block_size = engine_block_size
-        self.link = StoreLink(store, max_pending_blocks=max_pending_blocks, retry_after_s=retry_after_s)
+        # `prefault`: a daemon's arena pages are mapped here ahead of the first copy (unix:// only)
+        self.link = StoreLink(store, max_pending_blocks=max_pending_blocks, retry_after_s=retry_after_s,
+                              prefault=prefault)
         self.stats = self.link.stats
         # copies between the caches and tier slots: gather/scatter kernels and their own streams
         # on a GPU (loads also from HBM-tier copies on this device), the references on CPU

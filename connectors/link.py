@@ -122,9 +122,13 @@ class StoreLink:
 
     def __init__(self, store, *, max_pending_blocks: int = 64, retry_after_s: float = 1.0,
                  max_batch: int = 16, name: str = "tierd-kv-store", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 background_connect: bool = False, retries: int | None = None, use_index: bool = False):
+                 background_connect: bool = False, retries: int | None = None, use_index: bool = False,
+                 prefault: bool = False):
         if isinstance(store, str) and store.startswith("unix:"):
             params = [] if use_index or "index=" in store else ["index=0"]
+            if prefault and "prefault=" not in store:
+                # a link that copies through slots maps the arena's pages ahead of its first copy
+                params.append("prefault=1")
             if "timeout_s=" not in store:
                 # a stalled daemon may cost a request at most this much before it recomputes
                 params.append(f"timeout_s={timeout_s:g}")

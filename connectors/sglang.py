@@ -159,10 +159,11 @@ class TierdStorage(HiCacheStorage):
         # gives its connection up) never drops the slots another holds.
         self.lookup_link = StoreLink(store, timeout_s=deadline_s, retries=0, background_connect=True,
                                      name="tierd-sglang-lookup", use_index=bool(extra.get("lookup_index", False)))
+        prefault = bool(extra.get("prefault", True))    # map the arena's pages before the first copy
         self.load_link = StoreLink(store, timeout_s=timeout_s, retries=0, background_connect=True,
-                                   name="tierd-sglang-load")
+                                   name="tierd-sglang-load", prefault=prefault)
         self.save_link = StoreLink(store, timeout_s=timeout_s, retries=0, background_connect=True,
-                                   name="tierd-sglang-save")
+                                   name="tierd-sglang-save", prefault=prefault)
         self._model = self._model_identity(extra)
 
     # -- identity --------------------------------------------------------------------------------

@@ -217,8 +217,10 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
                 self.link.get()       # start connecting now, so the first request can already hit
         else:
             # loads and saves on separate connections: a timeout on one never drops the other's slots
-            self.link = StoreLink(store, timeout_s=timeout_s, name="tierd-vllm-load")
-            self.save_link = StoreLink(store, timeout_s=timeout_s, name="tierd-vllm-save")
+            # both copy through the daemon's arena: its pages are mapped ahead of the first copy
+            prefault = bool(_extra(ktc, "prefault", True))
+            self.link = StoreLink(store, timeout_s=timeout_s, name="tierd-vllm-load", prefault=prefault)
+            self.save_link = StoreLink(store, timeout_s=timeout_s, name="tierd-vllm-save", prefault=prefault)
             self.save_link.stats = self.link.stats
         self.stats = self.link.stats
         for k in ("lookup_timeouts", "loads_async", "stores_present", "lost_leases", "requests_not_keyed",

@@ -413,3 +413,66 @@ def test_no_reservation_or_lease_outlives_its_request_on_a_live_connection(tmp_p
             assert c.stats()["daemon"]["reclaimed_reservations"] == 0
     finally:
         assert d.stop() == 0
+
+
+def _arena_rss(arena_dir, size: int) -> list[int]:
+    """Resident kB of each `size`-byte mapping of a file under `arena_dir` in this process
+    (/proc/self/smaps): the host arenas mapped here (the shared index is mapped from there too)."""
+    out, current = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:    # a mapping's header
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                current = len(fields) >= 6 and fields[5].startswith(str(arena_dir)) and hi - lo == size
+                if current:
+                    out.append(0)
+            elif fields[0] == "Rss:" and current:
+                out[-1] = int(fields[1])
+    return out
+
+
+def test_a_prefaulting_client_maps_the_whole_arena_ahead_of_use_and_again_after_a_restart(tmp_path):
+    d = DaemonProc(tmp_path, host_bytes="64MiB").start()
+    arena = tmp_path / "arena"
+    ns = make_ns()
+    keys = chain(ns, 4, 6)
+    plain = tierd.connect(d.url)
+    c = tierd.connect(d.url + "?prefault=1")
+    try:
+        assert c.prefault and not plain.prefault
+        size = 64 << 20
+        assert wait_for(lambda: c.prefaulted_bytes == size)
+        # the prefaulting client's mapping is resident in full; the plain one maps nothing yet
+        assert sorted(_arena_rss(arena, size)) == [0, size >> 10]
+        put_chain(plain, ns, keys)
+        assert_exact(c, ns, keys)      # mapping pages ahead changes no byte
+        assert d.stop() == 0
+        d.start()
+        assert c.lookup(ns, keys) == 6  # the restarted daemon re-adopted its arena
+        assert c.reconnects == 1        # and this client mapped it again, ahead of use again
+        assert wait_for(lambda: c.prefaulted_bytes == size)
+        assert sorted(_arena_rss(arena, size)) == [0, size >> 10]
+        assert_exact(c, ns, keys)
+        more = chain(ns, 5, 3)
+        put_chain(c, ns, more)
+        assert_exact(plain, ns, more)
+    finally:
+        plain.close()
+        c.close()
+    assert _arena_rss(arena, size) == []      # every mapping went with its client, the old arena's too
+    assert d.stop() == 0
+
+
+def test_closing_a_client_while_it_prefaults_stops_the_prefault(tmp_path):
+    import threading
+    d = DaemonProc(tmp_path, host_bytes="512MiB").start()
+    try:
+        for _ in range(3):
+            c = Client(d.socket, prefault=True)
+            c.close()
+            assert c.prefaulted_bytes < 512 << 20
+        assert wait_for(lambda: not any(t.name == "tierd-prefault" for t in threading.enumerate()))
+        assert _arena_rss(tmp_path / "arena", 512 << 20) == []
+    finally:
+        assert d.stop() == 0

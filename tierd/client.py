@@ -75,7 +75,7 @@ class Client(DaemonConnection):
 
     def __init__(self, path: str, *, timeout_s: float = 60.0, name: str | None = None,
                  connect_timeout_s: float = 5.0, retries: int = 1, spin_us: float = 100.0,
-                 use_index: bool = True, hbm: bool | None = None):
+                 use_index: bool = True, hbm: bool | None = None, prefault: bool = False):
         self.path = path
         self._spin_s = max(0.0, spin_us) / 1e6   # busy-poll for a reply this long (0: never)
         self._spin_skip = 0
@@ -89,6 +89,10 @@ class Client(DaemonConnection):
         self._namespaces: dict[str, Namespace] = {}
         self._arena = None
         self._arena_mmap = None
+        self.prefault = prefault     # map the arena's pages ahead of use, in the background
+        self.prefaulted_bytes = 0    # how far that has come
+        self._prefault_lock = threading.Lock()   # a prefault call and unmapping the arena
+        self._prefault_stop = threading.Event()  # set when the mapping it works on goes
         self._gpu_arena = None
         self._gpu_map = None         # the daemon's HBM tier as mapped here (tierd.tiers.gpu.IpcMapping)
         self._generation = 0
@@ -357,13 +361,7 @@ class Client(DaemonConnection):
             if self._index is not None:
                 self._index.close()
                 self._index = None
-            self._arena = None
-            if self._arena_mmap is not None:
-                try:
-                    self._arena_mmap.close()
-                except BufferError:
-                    pass
-                self._arena_mmap = None
+            self._close_arena()
             self._map_gpu([])
 
     def __enter__(self) -> "Client":
