@@ -89,6 +89,10 @@ def cache_views(layout: str, num_blocks: int, block_size: int, heads: int, head_
     if layout == "bhn2d":
         t = make((num_blocks, h, n, 2 * d))
         return [t], t[..., :d].transpose(1, 2), t[..., d:].transpose(1, 2)
+    if layout == "cpu_attn":    # vLLM's CPU attention: per (block, head) K as (D, N), then V as (N, D)
+        t = make((num_blocks, h, 2 * n * d))
+        return ([t], t[..., :n * d].view(num_blocks, h, d, n).permute(0, 3, 1, 2),
+                t[..., n * d:].view(num_blocks, h, n, d).permute(0, 2, 1, 3))
     raise ValueError(layout)
 
 
@@ -146,6 +150,30 @@ def scatter_case(device, fn):
     return [*block_copy_case(device, fn, scatter=True, dtype=torch.bfloat16, seed=8),
             *block_copy_case(device, fn, scatter=True, layout="bhn2d", seed=14),
             *block_copy_case(device, fn, scatter=True, kv_heads=1, head_dim=576, latent=True, seed=22)]
+
+
+def cpu_gather_case(device, fn):
+    """The C block copy's self-check: every layout engines hand over on a CPU (vLLM's CPU
+    attention's transposed K among them), 4-, 2- and 1-byte elements, and sizes that are not
+    multiples of its 8 x 8 tiles."""
+    return [*block_copy_case(device, fn, scatter=False, layout="cpu_attn", dtype=torch.float32, block_size=32),
+            *block_copy_case(device, fn, scatter=False, layout="cpu_attn", dtype=torch.bfloat16, seed=31,
+                             block_size=12, head_dim=20),
+            *block_copy_case(device, fn, scatter=False, layout="cpu_attn", dtype=torch.float8_e4m3fn, seed=32),
+            *block_copy_case(device, fn, scatter=False, seed=33),
+            *block_copy_case(device, fn, scatter=False, layout="bhn2d", dtype=torch.float32, seed=34),
+            *block_copy_case(device, fn, scatter=False, kv_heads=1, head_dim=576, latent=True, seed=35)]
+
+
+def cpu_scatter_case(device, fn):
+    return [*block_copy_case(device, fn, scatter=True, layout="cpu_attn", dtype=torch.float32, block_size=32,
+                             seed=40),
+            *block_copy_case(device, fn, scatter=True, layout="cpu_attn", dtype=torch.float16, seed=41,
+                             block_size=12, head_dim=20),
+            *block_copy_case(device, fn, scatter=True, layout="cpu_attn", dtype=torch.float8_e4m3fn, seed=42),
+            *block_copy_case(device, fn, scatter=True, layout="b2hnd", seed=43),
+            *block_copy_case(device, fn, scatter=True, layout="2bnhd", dtype=torch.float32, seed=44),
+            *block_copy_case(device, fn, scatter=True, kv_heads=1, head_dim=576, latent=True, seed=45)]
 
 
 def quantize_case(device, fn):

@@ -46,18 +46,24 @@ def _device_of(args, kwargs) -> torch.device | None:
 
 
 class KernelOp:
-    """One op with a reference, an optional kernel for `devices` (device types), and a self-check."""
+    """One op with a reference, optional kernels for some device types, and a self-check.
 
-    def __init__(self, name: str, reference: Callable, kernel: Callable | None = None, *,
-                 case: Case | None = None, compare: Callable[[torch.Tensor, torch.Tensor], bool] = same_bytes,
-                 devices: tuple[str, ...] = ("cuda",), available: Callable[[], bool] = lambda: True):
+    `kernel`, `available` and `case` are each one callable for every type in `devices`, or a
+    dict by device type ("cuda": the CUDA kernel through NVRTC, "cpu": C built here)."""
+
+    def __init__(self, name: str, reference: Callable, kernel: Callable | dict | None = None, *,
+                 case: Case | dict | None = None,
+                 compare: Callable[[torch.Tensor, torch.Tensor], bool] = same_bytes,
+                 devices: tuple[str, ...] = ("cuda",), available: Callable[[], bool] | dict = lambda: True):
         self.name = name
         self.reference = reference
-        self.kernel = kernel
-        self.case = case
+        if isinstance(kernel, dict):
+            self.kernels = dict(kernel)
+        else:
+            self.kernels = {d: kernel for d in devices} if kernel is not None else {}
+        self.available = available if isinstance(available, dict) else dict.fromkeys(self.kernels, available)
+        self.cases = case if isinstance(case, dict) else dict.fromkeys(self.kernels, case)
         self.compare = compare
-        self.devices = devices
-        self.available = available
         self._state: dict[str, str] = {}      # device -> "kernel" or "reference: why"
         self._lock = threading.Lock()
 
@@ -65,7 +71,7 @@ class KernelOp:
         device = _device_of(args, kwargs)
         if device is not None and self.use_kernel(device):
             try:
-                return self.kernel(*args, **kwargs)
+                return self.kernels[device.type](*args, **kwargs)
             except ValueError:
                 pass  # an input the kernel does not take (layout, dtype): the reference does
             except Exception as e:  # noqa: BLE001 -- any kernel failure means the reference
@@ -76,7 +82,7 @@ class KernelOp:
         return self._state.get(str(device), "unchecked")
 
     def use_kernel(self, device: torch.device) -> bool:
-        if self.kernel is None or device.type not in self.devices:
+        if device.type not in self.kernels:
             return False
         key = str(device)
         state = self._state.get(key)
@@ -88,13 +94,15 @@ class KernelOp:
         return state == "kernel"
 
     def _self_check(self, device: torch.device) -> str:
-        if not self.available():
-            return "reference: CUDA or CuPy not available"
-        if self.case is None:
+        kernel, case = self.kernels[device.type], self.cases.get(device.type)
+        if not self.available.get(device.type, lambda: True)():
+            return "reference: CUDA or CuPy not available" if device.type == "cuda" else \
+                f"reference: no {device.type} kernel here"
+        if case is None:
             return "reference: no self-check case"
         try:
-            want = self.case(device, self.reference)
-            got = self.case(device, self.kernel)
+            want = case(device, self.reference)
+            got = case(device, kernel)
             for i, (w, g) in enumerate(zip(want, got, strict=True)):
                 if not self.compare(w, g):
                     diff = (w.float().cpu() - g.float().cpu()).abs().nan_to_num(nan=float("inf")).max().item() \

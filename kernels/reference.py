@@ -73,6 +73,9 @@ def _copy_blocks(k_caches, v_caches, block_ids, slots, *, to_slots: bool) -> Non
     # host caches laid out as (num_blocks, *unit), contiguous: plain memory moves, one per run of
     # consecutive engine blocks, layer and plane (a tensor copy per piece costs several times more)
     flat = device.type == "cpu" and all(c.is_contiguous() for _, cs in planes for c in cs)
+    n_blocks = k_caches[0].shape[0]
+    if block_ids.numel() and int(block_ids.max()) >= n_blocks:      # checked before any copy
+        raise IndexError(f"engine block id {int(block_ids.max())} out of range 0..{n_blocks - 1}")
     for t, row in enumerate(block_ids.tolist()):
         parts = [r for r in range(ratio) if row[r] >= 0]
         if not parts:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cases, ops, reference
+from . import cases, native, ops, reference
 from .dispatch import KernelOp, close, same_bytes
 from .loader import available
 
@@ -13,10 +13,15 @@ reshape_and_cache = KernelOp("reshape_and_cache", reference.reshape_and_cache, o
 paged_attention_decode = KernelOp("paged_attention_decode", reference.paged_attention_decode,
                                   ops.paged_attention_decode, case=cases.attention_case,
                                   compare=close(atol=1e-3), available=available)
-gather_blocks = KernelOp("gather_blocks", reference.gather_blocks, ops.gather_blocks, case=cases.gather_case,
-                         available=available)
-scatter_blocks = KernelOp("scatter_blocks", reference.scatter_blocks, ops.scatter_blocks, case=cases.scatter_case,
-                          available=available)
+# block copies: CUDA kernels, and on the CPU the C copy (kernels/native.py)
+gather_blocks = KernelOp("gather_blocks", reference.gather_blocks,
+                         {"cuda": ops.gather_blocks, "cpu": native.gather_blocks},
+                         case={"cuda": cases.gather_case, "cpu": cases.cpu_gather_case},
+                         available={"cuda": available, "cpu": native.available})
+scatter_blocks = KernelOp("scatter_blocks", reference.scatter_blocks,
+                          {"cuda": ops.scatter_blocks, "cpu": native.scatter_blocks},
+                          case={"cuda": cases.scatter_case, "cpu": cases.cpu_scatter_case},
+                          available={"cuda": available, "cpu": native.available})
 quantize_fp8 = KernelOp("quantize_fp8", reference.quantize_fp8, ops.quantize_fp8, case=cases.quantize_case,
                         available=available)
 dequantize_fp8 = KernelOp("dequantize_fp8", reference.dequantize_fp8, ops.dequantize_fp8,
@@ -36,5 +41,5 @@ def status(device: torch.device | str = "cuda") -> dict[str, str]:
     return {op.name: op.status(device) for op in OPS}
 
 
-__all__ = ["KernelOp", "close", "same_bytes", "available", "status", "reference", "ops", "cases",
+__all__ = ["KernelOp", "close", "same_bytes", "available", "status", "reference", "ops", "cases", "native",
            *[op.name for op in OPS]]

@@ -159,6 +159,10 @@ class BlockTransfer:
         self._pin_lock = threading.Lock()              # loads and saves attach from several threads
         # streams: CUDA's on a CUDA device; none on CPU (copies run at once), or a test's stand-in
         self.streams = streams if streams is not None else (CudaStreams(self.device) if self.cuda else None)
+        if self.device.type == "cpu":
+            # the C copy is built and checked now (once per process), not in the first load
+            gather_blocks.use_kernel(self.device)
+            scatter_blocks.use_kernel(self.device)
         if self.streams is not None:
             self.d2h = self.streams.stream()
             self.h2d = self.streams.stream()

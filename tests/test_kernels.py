@@ -6,6 +6,7 @@ kernels against the references on the full grid where CUDA and CuPy are present.
 from __future__ import annotations
 
 import logging
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -327,6 +328,81 @@ def test_on_cpu_the_real_ops_run_their_references():
                             max_len=40, dtype=torch.float32)
     assert torch.equal(K.paged_attention_decode(**a), reference.paged_attention_decode(**a))
     assert K.status("cpu")["paged_attention_decode"] == "unchecked"   # no kernel for CPU tensors
+
+
+# -- the C block copy on the CPU -------------------------------------------------------------------
+needs_cc = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+
+
+def test_c_source_compiles_with_warnings_as_errors(tmp_path):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    r = subprocess.run([cc, "-O2", "-march=native", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared",
+                        str(KERNEL_DIR / "cpu_copy.c"), "-o", str(tmp_path / "c.so")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+@needs_cc
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="SIMD paths are x86's")
+def test_c_block_copy_without_simd_matches_the_reference():
+    """The portable tiles (what a CPU without AVX or SSE2 runs) give the same bytes."""
+    from tierd.kernels import native
+    lib = native._build((("-mno-avx", "-mno-sse2"),))
+    for dtype in (torch.float32, torch.bfloat16):
+        for scatter in (False, True):
+            ref = reference.scatter_blocks if scatter else reference.gather_blocks
+            want = cases.block_copy_case(torch.device("cpu"), ref, scatter=scatter, layout="cpu_attn", dtype=dtype,
+                                         block_size=24, head_dim=20, seed=3)
+            got = cases.block_copy_case(torch.device("cpu"),
+                                        lambda *a: native._copy_blocks(*a, to_slots=not scatter, lib=lib),
+                                        scatter=scatter, layout="cpu_attn", dtype=dtype, block_size=24,
+                                        head_dim=20, seed=3)
+            assert all(same_bytes(w, g) for w, g in zip(want, got, strict=True))
+
+
+@needs_cc
+@pytest.mark.parametrize("layout", [*cases.LAYOUTS, "cpu_attn"])
+@pytest.mark.parametrize("dtype,bs,d", [(torch.float32, 16, 64), (torch.bfloat16, 32, 128), (torch.float16, 13, 36),
+                                        (torch.float8_e4m3fn, 16, 64), (torch.float32, 7, 9)])
+def test_c_block_copy_matches_the_reference_on_every_layout(layout, dtype, bs, d):
+    """Bit for bit what the reference does, both ways, on every engine layout (vLLM's CPU
+    attention's transposed K among them), for 4-, 2- and 1-byte elements and sizes that are no
+    multiple of its 8 x 8 tiles; parts marked -1 untouched."""
+    from tierd.kernels import native
+    for scatter in (False, True):
+        want = cases.block_copy_case(torch.device("cpu"), reference.scatter_blocks if scatter else
+                                     reference.gather_blocks, scatter=scatter, layout=layout, dtype=dtype,
+                                     block_size=bs, head_dim=d, kv_heads=3, seed=bs + d)
+        got = cases.block_copy_case(torch.device("cpu"), native.scatter_blocks if scatter else native.gather_blocks,
+                                    scatter=scatter, layout=layout, dtype=dtype, block_size=bs, head_dim=d,
+                                    kv_heads=3, seed=bs + d)
+        untouched = cases.block_copy_case(torch.device("cpu"), lambda *a: None, scatter=scatter, layout=layout,
+                                          dtype=dtype, block_size=bs, head_dim=d, kv_heads=3, seed=bs + d)
+        assert all(same_bytes(w, g) for w, g in zip(want, got, strict=True))
+        assert not all(same_bytes(w, u) for w, u in zip(want, untouched))     # the case copies something
+
+
+@needs_cc
+def test_cpu_ops_use_the_c_copy_after_its_check_and_fall_back_for_what_it_does_not_take():
+    from tierd.kernels import native
+    cpu = torch.device("cpu")
+    assert K.gather_blocks.use_kernel(cpu) and K.scatter_blocks.use_kernel(cpu), K.status("cpu")
+    assert native.available() and native.why_not() is None
+    layers, ratio, bs, h, d, nb = 2, 2, 16, 2, 32, 8
+    made = [cases.cache_views("cpu_attn", nb, bs, h, d, lambda s: torch.zeros(s)) for _ in range(layers)]
+    ks, vs = [m[1] for m in made], [m[2] for m in made]
+    slot = torch.randn(layers * 2 * ratio * bs * h * d)
+    with pytest.raises(IndexError):             # never a copy past the cache: the reference's error
+        K.scatter_blocks(ks, vs, torch.tensor([[nb - 1, nb]]), [slot])
+    assert all(not m[0][0].any() for m in made)    # nothing was copied, not even the valid part first
+    with pytest.raises(ValueError):
+        native.scatter_blocks(ks, vs, torch.tensor([[0, 1]]), [slot[:-1]])    # a slot too small
+    K.scatter_blocks(ks, vs, torch.tensor([[5, -1]]), [slot])
+    want = slot.view(layers, 2, ratio, bs, h, d)
+    assert torch.equal(ks[1][5], want[1, 0, 0]) and torch.equal(vs[0][5], want[0, 1, 0])
+    assert K.scatter_blocks.status(cpu) == "kernel"   # bad input never unpins it
 
 
 # -- on a GPU -------------------------------------------------------------------------------------

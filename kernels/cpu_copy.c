@@ -1,0 +1,155 @@
+/* Block copies between tier slots and an engine's paged KV cache on the CPU, for caches whose
+ * blocks are not one run of the slot's bytes (vLLM's CPU attention keeps K transposed per block
+ * and head) and for many blocks per call. Built by kernels/native.py with the system C compiler
+ * and checked against the torch reference (kernels/reference.py) before use.
+ *
+ * A slot part holds one engine block of one plane, token-major: element (n, h, d) at
+ * ((n * H) + h) * D + d. The cache block's element (n, h, d) is at n * sn + h * sh + d * sd
+ * (strides in elements). Every address is checked by the caller: this file trusts them.
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX__) || defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+#define TIERD_CPU_COPY_ABI 1
+
+int tierd_cpu_copy_abi(void) { return TIERD_CPU_COPY_ABI; }
+
+/* dst[j * ld + i] = src[i * ls + j] for an 8 x 8 tile (strides in bytes) */
+static inline void tile32(const char *src, int64_t ls, char *dst, int64_t ld) {
+#if defined(__AVX__)
+    __m256 r0 = _mm256_loadu_ps((const float *)(src + 0 * ls)), r1 = _mm256_loadu_ps((const float *)(src + 1 * ls));
+    __m256 r2 = _mm256_loadu_ps((const float *)(src + 2 * ls)), r3 = _mm256_loadu_ps((const float *)(src + 3 * ls));
+    __m256 r4 = _mm256_loadu_ps((const float *)(src + 4 * ls)), r5 = _mm256_loadu_ps((const float *)(src + 5 * ls));
+    __m256 r6 = _mm256_loadu_ps((const float *)(src + 6 * ls)), r7 = _mm256_loadu_ps((const float *)(src + 7 * ls));
+    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_storeu_ps((float *)(dst + 0 * ld), _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps((float *)(dst + 1 * ld), _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps((float *)(dst + 2 * ld), _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps((float *)(dst + 3 * ld), _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps((float *)(dst + 4 * ld), _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps((float *)(dst + 5 * ld), _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps((float *)(dst + 6 * ld), _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps((float *)(dst + 7 * ld), _mm256_permute2f128_ps(u3, u7, 0x31));
+#else
+    for (int i = 0; i < 8; i++)
+        for (int j = 0; j < 8; j++)
+            memcpy(dst + j * ld + 4 * i, src + i * ls + 4 * j, 4);
+#endif
+}
+
+static inline void tile16(const char *src, int64_t ls, char *dst, int64_t ld) {
+#if defined(__SSE2__)
+    __m128i a0 = _mm_loadu_si128((const __m128i *)(src + 0 * ls)), a1 = _mm_loadu_si128((const __m128i *)(src + 1 * ls));
+    __m128i a2 = _mm_loadu_si128((const __m128i *)(src + 2 * ls)), a3 = _mm_loadu_si128((const __m128i *)(src + 3 * ls));
+    __m128i a4 = _mm_loadu_si128((const __m128i *)(src + 4 * ls)), a5 = _mm_loadu_si128((const __m128i *)(src + 5 * ls));
+    __m128i a6 = _mm_loadu_si128((const __m128i *)(src + 6 * ls)), a7 = _mm_loadu_si128((const __m128i *)(src + 7 * ls));
+    __m128i b0 = _mm_unpacklo_epi16(a0, a1), b1 = _mm_unpackhi_epi16(a0, a1);
+    __m128i b2 = _mm_unpacklo_epi16(a2, a3), b3 = _mm_unpackhi_epi16(a2, a3);
+    __m128i b4 = _mm_unpacklo_epi16(a4, a5), b5 = _mm_unpackhi_epi16(a4, a5);
+    __m128i b6 = _mm_unpacklo_epi16(a6, a7), b7 = _mm_unpackhi_epi16(a6, a7);
+    __m128i c0 = _mm_unpacklo_epi32(b0, b2), c1 = _mm_unpackhi_epi32(b0, b2);
+    __m128i c2 = _mm_unpacklo_epi32(b1, b3), c3 = _mm_unpackhi_epi32(b1, b3);
+    __m128i c4 = _mm_unpacklo_epi32(b4, b6), c5 = _mm_unpackhi_epi32(b4, b6);
+    __m128i c6 = _mm_unpacklo_epi32(b5, b7), c7 = _mm_unpackhi_epi32(b5, b7);
+    _mm_storeu_si128((__m128i *)(dst + 0 * ld), _mm_unpacklo_epi64(c0, c4));
+    _mm_storeu_si128((__m128i *)(dst + 1 * ld), _mm_unpackhi_epi64(c0, c4));
+    _mm_storeu_si128((__m128i *)(dst + 2 * ld), _mm_unpacklo_epi64(c1, c5));
+    _mm_storeu_si128((__m128i *)(dst + 3 * ld), _mm_unpackhi_epi64(c1, c5));
+    _mm_storeu_si128((__m128i *)(dst + 4 * ld), _mm_unpacklo_epi64(c2, c6));
+    _mm_storeu_si128((__m128i *)(dst + 5 * ld), _mm_unpackhi_epi64(c2, c6));
+    _mm_storeu_si128((__m128i *)(dst + 6 * ld), _mm_unpacklo_epi64(c3, c7));
+    _mm_storeu_si128((__m128i *)(dst + 7 * ld), _mm_unpackhi_epi64(c3, c7));
+#else
+    for (int i = 0; i < 8; i++)
+        for (int j = 0; j < 8; j++)
+            memcpy(dst + j * ld + 2 * i, src + i * ls + 2 * j, 2);
+#endif
+}
+
+/* a row of `bytes` bytes: 32 at a time where both are whole multiples (a call to memcpy per
+ * short row costs about as much as the copy) */
+static inline void row_copy(char *dst, const char *src, int64_t bytes) {
+#if defined(__AVX__)
+    if ((bytes & 31) == 0) {
+        for (int64_t k = 0; k < bytes; k += 32)
+            _mm256_storeu_si256((__m256i *)(dst + k), _mm256_loadu_si256((const __m256i *)(src + k)));
+        return;
+    }
+#endif
+    memcpy(dst, src, (size_t)bytes);
+}
+
+static inline void tile_any(const char *src, int64_t ls, char *dst, int64_t ld, int es) {
+    for (int i = 0; i < 8; i++)
+        for (int j = 0; j < 8; j++)
+            memcpy(dst + j * ld + (int64_t)es * i, src + i * ls + (int64_t)es * j, (size_t)es);
+}
+
+/* One block of one plane whose cache tokens are contiguous (sn == 1): per head a (D, N) matrix
+ * with row stride sd, against the slot's (N, D) rows of stride H * D. */
+static void transposed(char *c, char *s, int64_t N, int64_t H, int64_t D, int64_t sh, int64_t sd, int es,
+                       int to_cache) {
+    const int64_t srow = H * D * es, crow = sd * es;
+    const int64_t N8 = N & ~(int64_t)7, D8 = D & ~(int64_t)7;
+    for (int64_t h = 0; h < H; h++) {
+        char *ch = c + h * sh * es, *sh0 = s + h * D * es;
+        /* tiles in the order that writes the destination's rows front to back */
+        const int64_t outer = to_cache ? D8 : N8, inner = to_cache ? N8 : D8;
+        for (int64_t a = 0; a < outer; a += 8)
+            for (int64_t b = 0; b < inner; b += 8) {
+                const int64_t n0 = to_cache ? b : a, d0 = to_cache ? a : b;
+                char *sp = sh0 + n0 * srow + d0 * es, *cp = ch + d0 * crow + n0 * es;
+                if (es == 4) {
+                    if (to_cache) tile32(sp, srow, cp, crow); else tile32(cp, crow, sp, srow);
+                } else if (es == 2) {
+                    if (to_cache) tile16(sp, srow, cp, crow); else tile16(cp, crow, sp, srow);
+                } else {
+                    if (to_cache) tile_any(sp, srow, cp, crow, es); else tile_any(cp, crow, sp, srow, es);
+                }
+            }
+        for (int64_t n = 0; n < N; n++)          /* what the 8 x 8 tiles left: ragged edges */
+            for (int64_t d = (n < N8 ? D8 : 0); d < D; d++) {
+                char *sp = sh0 + n * srow + d * es, *cp = ch + d * crow + n * es;
+                if (to_cache) memcpy(cp, sp, (size_t)es); else memcpy(sp, cp, (size_t)es);
+            }
+    }
+}
+
+/* `count` (cache block, slot part) pairs of one plane, addresses in bytes; `to_cache`: slot ->
+ * cache (a load), else cache -> slot (a save). */
+int tierd_copy_blocks(int64_t count, const int64_t *cache_addr, const int64_t *slot_addr, int to_cache, int es,
+                      int64_t N, int64_t H, int64_t D, int64_t sn, int64_t sh, int64_t sd) {
+    const int whole = sd == 1 && sh == D && sn == H * D;
+    for (int64_t i = 0; i < count; i++) {
+        char *c = (char *)(intptr_t)cache_addr[i], *s = (char *)(intptr_t)slot_addr[i];
+        if (whole) {
+            if (to_cache) memcpy(c, s, (size_t)(N * H * D * es)); else memcpy(s, c, (size_t)(N * H * D * es));
+        } else if (sd == 1) {                 /* rows of D elements, the cache's in its order */
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t n = 0; n < N; n++) {
+                    char *cp = c + (n * sn + h * sh) * es, *sp = s + ((n * H + h) * D) * es;
+                    if (to_cache) row_copy(cp, sp, D * es); else row_copy(sp, cp, D * es);
+                }
+        } else if (sn == 1) {
+            transposed(c, s, N, H, D, sh, sd, es, to_cache);
+        } else {                               /* any other strides: element by element */
+            for (int64_t n = 0; n < N; n++)
+                for (int64_t h = 0; h < H; h++)
+                    for (int64_t d = 0; d < D; d++) {
+                        char *cp = c + (n * sn + h * sh + d * sd) * es, *sp = s + ((n * H + h) * D + d) * es;
+                        if (to_cache) memcpy(cp, sp, (size_t)es); else memcpy(sp, cp, (size_t)es);
+                    }
+        }
+    }
+    return 0;
+}

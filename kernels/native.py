@@ -1,0 +1,151 @@
+"""Block copies on the CPU in C (`cpu_copy.c`): what `gather_blocks` / `scatter_blocks` run for
+CPU caches once the C copy has matched the torch reference (`kernels/dispatch.py`).
+
+The reference copies a transposed cache (vLLM's CPU attention keeps K as (head_dim, tokens) per
+block and head) through torch's strided copy, one element at a time, at about a fifth of memcpy
+here, and a contiguous cache through one ctypes memmove per run, from Python. The C copy
+transposes in 8 x 8 tiles (AVX for 4-byte elements, SSE2 for 2-byte ones, where the compiler
+targets them) and takes every block of a plane in one call.
+
+The source is compiled at first use, once per process, by the system C compiler (`$CC`, else
+`cc`) for this machine (`-march=native`), in a private temporary directory that is removed once
+the library is loaded. Without a compiler, or if the build or the self-check fails, the torch
+reference runs: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger("tierd.kernels")
+
+SOURCE = Path(__file__).resolve().parent / "cpu_copy.c"
+ABI = 1
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_why: str | None = None        # why there is no library, once a build failed
+
+
+def _build(flags: tuple[tuple[str, ...], ...] = (("-march=native",), ())) -> ctypes.CDLL:
+    """Compile and load the copy with the first of `flags` the compiler takes."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+    work = tempfile.mkdtemp(prefix="tierd-cpu-copy-")
+    try:
+        out = os.path.join(work, "cpu_copy.so")
+        errors = ""
+        for arch in flags:      # a compiler without -march=native: its default target
+            r = subprocess.run([cc, "-O3", *arch, "-fPIC", "-shared", "-o", out, str(SOURCE)],
+                               capture_output=True, text=True, timeout=120)
+            if r.returncode == 0:
+                break
+            errors = r.stderr.strip()[-500:]
+        else:
+            raise RuntimeError(f"{cc} failed: {errors}")
+        lib = ctypes.CDLL(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)    # the loaded library stays mapped
+    if lib.tierd_cpu_copy_abi() != ABI:
+        raise RuntimeError("cpu_copy.c does not match this module")
+    p64 = ctypes.POINTER(ctypes.c_int64)
+    i64 = ctypes.c_int64
+    lib.tierd_copy_blocks.argtypes = (i64, p64, p64, ctypes.c_int, ctypes.c_int, i64, i64, i64, i64, i64, i64)
+    lib.tierd_copy_blocks.restype = ctypes.c_int
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled copy (built at the first call in this process), or None if it cannot be."""
+    global _lib, _why
+    if _lib is not None or _why is not None:
+        return _lib
+    with _lock:
+        if _lib is None and _why is None:
+            try:
+                _lib = _build()
+            except Exception as e:  # noqa: BLE001 - no native copy: the reference runs
+                _why = str(e)
+                log.info("tierd: the C block copy is not available (%s); the torch reference copies", e)
+    return _lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def why_not() -> str | None:
+    return _why
+
+
+def gather_blocks(k_caches, v_caches, block_ids, slots) -> None:
+    _copy_blocks(k_caches, v_caches, block_ids, slots, to_slots=True)
+
+
+def scatter_blocks(k_caches, v_caches, block_ids, slots) -> None:
+    _copy_blocks(k_caches, v_caches, block_ids, slots, to_slots=False)
+
+
+def _plane(caches, k0: torch.Tensor) -> tuple[int, int, int, int]:
+    """(block, token, head, dim) strides in elements shared by every view of a plane (of K's
+    shape and element size)."""
+    first = caches[0]
+    if not all(c.device.type == "cpu" and c.shape == k0.shape and c.stride() == first.stride()
+               and c.element_size() == k0.element_size() for c in caches):
+        raise ValueError("every view of a plane needs one shape and one layout on the CPU")
+    return tuple(first.stride())
+
+
+def _copy_blocks(k_caches, v_caches, block_ids, slots, *, to_slots: bool, lib: ctypes.CDLL | None = None) -> None:
+    """The reference's `_copy_blocks` (same arguments, same result), in C. Raises ValueError for
+    inputs it does not take; the reference then runs. (`lib`: another build, for tests.)"""
+    lib = lib or library()
+    if lib is None:
+        raise ValueError(f"no C block copy: {_why}")
+    k0 = k_caches[0]
+    if k0.dim() != 4 or k0.device.type != "cpu":
+        raise ValueError("CPU caches of (blocks, block_size, heads, head_dim) expected")
+    es = k0.element_size()
+    planes = [k_caches] if v_caches is None else [k_caches, v_caches]
+    strides = [_plane(p, k0) for p in planes]
+    num_blocks, n, h, d = k0.shape
+    layers, ratio = len(k_caches), block_ids.shape[1]
+    ids = block_ids.to(torch.int64).numpy().reshape(-1, ratio) if block_ids.numel() else \
+        np.zeros((0, ratio), np.int64)
+    if len(slots) != ids.shape[0]:
+        raise ValueError(f"{len(slots)} slots for {ids.shape[0]} tier blocks")
+    unit = n * h * d * es                                   # one engine block of one plane, bytes
+    need = layers * len(planes) * ratio * unit
+    slot_base = np.empty(len(slots), np.int64)
+    for t, s in enumerate(slots):
+        if s.device.type != "cpu" or not s.is_contiguous() or s.numel() * s.element_size() < need:
+            raise ValueError("slots must be contiguous CPU memory of a whole tier block")
+        slot_base[t] = s.data_ptr()
+    used = ids >= 0
+    if not used.any():
+        return
+    if ids[used].max() >= num_blocks:
+        raise ValueError(f"engine block id out of range 0..{num_blocks - 1}")  # the reference raises
+    if any(x < 0 for st in strides for x in st):
+        raise ValueError("negative strides")
+    t_idx, r_idx = np.nonzero(used)
+    blocks = ids[t_idx, r_idx]
+    p64 = ctypes.POINTER(ctypes.c_int64)
+    for kv, (caches, (sb, sn, sh, sd)) in enumerate(zip(planes, strides)):
+        # every layer's pairs of this plane in one call: (layers, pairs) addresses, flattened
+        bases = np.array([c.data_ptr() for c in caches], np.int64)
+        cache_at = (bases[:, None] + (blocks * (sb * es))[None, :]).reshape(-1)
+        offsets = ((np.arange(layers, dtype=np.int64)[:, None] * len(planes) + kv) * ratio + r_idx[None, :]) * unit
+        slot_at = (slot_base[t_idx][None, :] + offsets).reshape(-1)
+        lib.tierd_copy_blocks(len(cache_at), cache_at.ctypes.data_as(p64), slot_at.ctypes.data_as(p64),
+                              0 if to_slots else 1, es, n, h, d, sn, sh, sd)
