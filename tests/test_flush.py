@@ -158,3 +158,20 @@ def test_a_flush_drops_pinned_copies_as_their_pins_go_and_never_serves_them_mean
         assert store.where(ns, leased_keys + [reading]) == ["", "", ""]
     finally:
         store.close()
+
+
+def test_a_block_flushed_while_leased_is_not_written_back_by_a_sync(store):
+    """A flush drops a leased block for every new reader; its bytes live on for the lease only.
+    A sync meanwhile must not write it to disk (it would come back, flushed, as a disk copy),
+    and `where` must not report it (a new reader is not served it)."""
+    ns = make_ns()
+    keys = chain(ns, 7, 2)
+    store.put(ns, keys, [block_for(ns, k) for k in keys])
+    lease = store.acquire(ns, keys[:1])
+    assert store.flush(tier="all") == 2
+    assert store.where(ns, keys) == ["", ""] and store.lookup(ns, keys) == 0
+    assert store.sync() == 0
+    assert store.where(ns, keys) == ["", ""] and store.get(ns, keys) == []
+    assert np.array_equal(lease.buffers[0], block_for(ns, keys[0]))   # the lease still reads its bytes
+    store.release(lease)
+    assert store.lookup(ns, keys) == 0 and store.stats()["tiers"]["disk"]["blocks"] == 0

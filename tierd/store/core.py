@@ -315,7 +315,9 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
         return n, n_host
 
     def where(self, ns: Namespace, keys: Sequence[bytes]) -> list[str]:
-        """Per key: "host", "disk", "host+disk" or "" (absent)."""
+        """Per key: "host", "disk", "host+disk" or "" (absent): the copies a new reader would be
+        served (a copy a flush dropped while it was leased is not, though it lives on until the
+        lease ends)."""
         keys = check_keys(keys)
         with self._cond:
             st = self._ns(ns)
@@ -323,9 +325,9 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
             for k in keys:
                 b = self._blocks.get(st.ns_id + k)
                 tiers = []
-                if b is not None and b.host_state == READY:
+                if b is not None and self._host_servable(b):
                     tiers.append("host")
-                if b is not None and b.disk is not None:
+                if b is not None and self._disk_servable(b):
                     tiers.append("disk")
                 out.append("+".join(tiers))
             return out

@@ -76,7 +76,7 @@ class Demotion:
         jobs = []
         remember: dict[bytes, dict] = {}
         for b in blocks:
-            if b.host_state != READY or b.disk is not None or b.disk_writing:
+            if not self._unsynced(b):      # written meanwhile, or flushed while it waited
                 continue
             st = b.st
             slot = self._disk_alloc(st)   # no I/O: slab headers are queued

@@ -212,4 +212,6 @@ class BlockIndex:
 
     @staticmethod
     def _unsynced(b: Block) -> bool:
-        return b.host_state == READY and b.disk is None and not b.disk_writing
+        """A host-only block that a sync or a demotion would write to disk (not one a flush
+        dropped while it was leased: written down, it would come back as a disk copy)."""
+        return b.host_state == READY and not b.doomed & DOOM_HOST and b.disk is None and not b.disk_writing
