@@ -68,6 +68,19 @@ def attention_case(device, fn):
     return outs
 
 
+def cpu_attention_case(device, fn):
+    """The C decode attention's self-check: float32 and bfloat16 caches (and queries), GQA, a
+    head size and block size that are no multiple of 8, NaN in every slot past a length."""
+    outs = []
+    for dtype, heads, kv_heads, head_dim, bs in ((torch.float32, 8, 2, 64, 16), (torch.bfloat16, 8, 2, 64, 16),
+                                                 (torch.float32, 6, 3, 36, 12), (torch.float32, 4, 4, 128, 32)):
+        a = decode_inputs(device, batch=5, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=bs,
+                          num_blocks=400, max_len=600, dtype=dtype, seed=head_dim + bs)
+        outs.append(fn(a["q"], a["k_cache"], a["v_cache"], a["block_tables"], a["seq_lens"], a["scale"],
+                       a["k_scale"], a["v_scale"], max_seq_len=600).float())
+    return outs
+
+
 LAYOUTS = ("contiguous", "2bnhd", "b2hnd", "bhn2d")
 
 

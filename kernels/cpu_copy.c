@@ -1,19 +1,21 @@
-/* Block copies between tier slots and an engine's paged KV cache on the CPU, for caches whose
- * blocks are not one run of the slot's bytes (vLLM's CPU attention keeps K transposed per block
- * and head) and for many blocks per call. Built by kernels/native.py with the system C compiler
- * and checked against the torch reference (kernels/reference.py) before use.
+/* The CPU kernels: block copies between tier slots and an engine's paged KV cache, for caches
+ * whose blocks are not one run of the slot's bytes (vLLM's CPU attention keeps K transposed per
+ * block and head) and for many blocks per call; and the bundled engine's decode attention over
+ * its paged cache, read in place (at the end). Built by kernels/native.py with the system C
+ * compiler and checked against the torch references (kernels/reference.py) before use.
  *
  * A slot part holds one engine block of one plane, token-major: element (n, h, d) at
  * ((n * H) + h) * D + d. The cache block's element (n, h, d) is at n * sn + h * sh + d * sd
  * (strides in elements). Every address is checked by the caller: this file trusts them.
  */
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 #if defined(__AVX__) || defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
-#define TIERD_CPU_COPY_ABI 1
+#define TIERD_CPU_COPY_ABI 2
 
 int tierd_cpu_copy_abi(void) { return TIERD_CPU_COPY_ABI; }
 
@@ -149,6 +151,73 @@ int tierd_copy_blocks(int64_t count, const int64_t *cache_addr, const int64_t *s
                         char *cp = c + (n * sn + h * sh + d * sd) * es, *sp = s + ((n * H + h) * D + d) * es;
                         if (to_cache) memcpy(cp, sp, (size_t)es); else memcpy(sp, cp, (size_t)es);
                     }
+        }
+    }
+    return 0;
+}
+
+/* ---- decode attention over a paged cache, read in place ------------------------------------
+ * One query per sequence: q (B, heads, d) float32; the caches (blocks, bs, kv_heads, d)
+ * contiguous, float32 (es 4) or bfloat16 (es 2); tables (B, max_blocks) int32; lens (B,) int32;
+ * out (B, heads, d) float32. Sequences [b0, b1) only (callers split a batch across threads).
+ * Exact softmax in two passes per (sequence, kv head): the scores of every token, their max,
+ * then the weighted sum of V; float32 throughout, no token at or past a length is read.
+ * `work`: room for heads / kv_heads * max length floats. */
+static inline float load_el(const char *p, int es) {
+    if (es == 4) { float f; memcpy(&f, p, 4); return f; }
+    uint16_t h; memcpy(&h, p, 2);
+    uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;   /* bfloat16 */
+}
+
+int tierd_decode_attention(const float *q, const char *k_cache, const char *v_cache, int es,
+                           const int32_t *tables, int64_t max_blocks, const int32_t *lens,
+                           int64_t b0, int64_t b1, int64_t heads, int64_t kvh, int64_t d, int64_t bs,
+                           float scale, float *out, float *work, float *kbuf) {
+    const int64_t group = heads / kvh, row = kvh * d;       /* a token's row, elements */
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t n = lens[b];
+        const int32_t *table = tables + b * max_blocks;
+        for (int64_t g = 0; g < kvh; g++) {
+            const float *qg = q + (b * heads + g * group) * d;
+            float *sc = work;                                 /* (group, n) scores */
+            for (int64_t t = 0; t < n; t++) {
+                const char *kp = k_cache + (((int64_t)table[t / bs] * bs + t % bs) * row + g * d) * es;
+                const float *k;
+                if (es == 4) k = (const float *)kp;
+                else { for (int64_t i = 0; i < d; i++) kbuf[i] = load_el(kp + i * es, es); k = kbuf; }
+                for (int64_t j = 0; j < group; j++) {
+                    const float *qq = qg + j * d;
+                    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f, s4 = 0.f, s5 = 0.f, s6 = 0.f, s7 = 0.f;
+                    int64_t i = 0;
+                    for (; i + 8 <= d; i += 8) {
+                        s0 += qq[i] * k[i]; s1 += qq[i + 1] * k[i + 1]; s2 += qq[i + 2] * k[i + 2];
+                        s3 += qq[i + 3] * k[i + 3]; s4 += qq[i + 4] * k[i + 4]; s5 += qq[i + 5] * k[i + 5];
+                        s6 += qq[i + 6] * k[i + 6]; s7 += qq[i + 7] * k[i + 7];
+                    }
+                    for (; i < d; i++) s0 += qq[i] * k[i];
+                    sc[j * n + t] = ((s0 + s1) + (s2 + s3) + ((s4 + s5) + (s6 + s7))) * scale;
+                }
+            }
+            for (int64_t j = 0; j < group; j++) {
+                float *s = sc + j * n, m = -INFINITY, l = 0.f;
+                for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
+                for (int64_t t = 0; t < n; t++) { s[t] = expf(s[t] - m); l += s[t]; }
+                float *o = out + (b * heads + g * group + j) * d;
+                for (int64_t i = 0; i < d; i++) o[i] = 0.f;
+                const float inv = n > 0 ? 1.f / l : 0.f;
+                for (int64_t t = 0; t < n; t++) s[t] *= inv;
+            }
+            for (int64_t t = 0; t < n; t++) {
+                const char *vp = v_cache + (((int64_t)table[t / bs] * bs + t % bs) * row + g * d) * es;
+                const float *v;
+                if (es == 4) v = (const float *)vp;
+                else { for (int64_t i = 0; i < d; i++) kbuf[i] = load_el(vp + i * es, es); v = kbuf; }
+                for (int64_t j = 0; j < group; j++) {
+                    const float p = sc[j * n + t];
+                    float *o = out + (b * heads + g * group + j) * d;
+                    for (int64_t i = 0; i < d; i++) o[i] += p * v[i];
+                }
+            }
         }
     }
     return 0;

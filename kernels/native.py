@@ -1,5 +1,6 @@
-"""Block copies on the CPU in C (`cpu_copy.c`): what `gather_blocks` / `scatter_blocks` run for
-CPU caches once the C copy has matched the torch reference (`kernels/dispatch.py`).
+"""The CPU kernels in C (`cpu_copy.c`): what `gather_blocks` / `scatter_blocks` run for CPU
+caches, and `paged_attention_decode` for the bundled engine's decode steps on the CPU, once each
+has matched its torch reference (`kernels/dispatch.py`).
 
 The reference copies a transposed cache (vLLM's CPU attention keeps K as (head_dim, tokens) per
 block and head) through torch's strided copy, one element at a time, at about a fifth of memcpy
@@ -30,7 +31,7 @@ import torch
 log = logging.getLogger("tierd.kernels")
 
 SOURCE = Path(__file__).resolve().parent / "cpu_copy.c"
-ABI = 1
+ABI = 2
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _why: str | None = None        # why there is no library, once a build failed
@@ -46,7 +47,7 @@ def _build(flags: tuple[tuple[str, ...], ...] = (("-march=native",), ())) -> cty
         out = os.path.join(work, "cpu_copy.so")
         errors = ""
         for arch in flags:      # a compiler without -march=native: its default target
-            r = subprocess.run([cc, "-O3", *arch, "-fPIC", "-shared", "-o", out, str(SOURCE)],
+            r = subprocess.run([cc, "-O3", *arch, "-fPIC", "-shared", "-o", out, str(SOURCE), "-lm"],
                                capture_output=True, text=True, timeout=120)
             if r.returncode == 0:
                 break
@@ -62,6 +63,10 @@ def _build(flags: tuple[tuple[str, ...], ...] = (("-march=native",), ())) -> cty
     i64 = ctypes.c_int64
     lib.tierd_copy_blocks.argtypes = (i64, p64, p64, ctypes.c_int, ctypes.c_int, i64, i64, i64, i64, i64, i64)
     lib.tierd_copy_blocks.restype = ctypes.c_int
+    vp = ctypes.c_void_p
+    lib.tierd_decode_attention.argtypes = (vp, vp, vp, ctypes.c_int, vp, i64, vp, i64, i64, i64, i64, i64, i64,
+                                           ctypes.c_float, vp, vp, vp)
+    lib.tierd_decode_attention.restype = ctypes.c_int
     return lib
 
 
@@ -149,3 +154,77 @@ def _copy_blocks(k_caches, v_caches, block_ids, slots, *, to_slots: bool, lib: c
         slot_at = (slot_base[t_idx][None, :] + offsets).reshape(-1)
         lib.tierd_copy_blocks(len(cache_at), cache_at.ctypes.data_as(p64), slot_at.ctypes.data_as(p64),
                               0 if to_slots else 1, es, n, h, d, sn, sh, sd)
+
+
+_pool = None
+_pool_lock = threading.Lock()
+
+
+def _workers():
+    """Threads beside the caller for one attention call: as many as torch's intra-op threads,
+    less the caller's own (the kernel lets go of the GIL)."""
+    global _pool
+    n = torch.get_num_threads() - 1
+    if n < 1:
+        return None, 1
+    with _pool_lock:
+        if _pool is None or _pool._max_workers != n:
+            from concurrent.futures import ThreadPoolExecutor
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(n, thread_name_prefix="tierd-attn")
+        return _pool, n + 1
+
+
+def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=1.0, v_scale=1.0, *,
+                           version=None, max_seq_len=None):
+    """`reference.paged_attention_decode` in C: each sequence's cache read where it lies (no
+    gathered copy, no padding to the longest), float32 throughout, the batch split across
+    torch's intra-op threads. float32 and bfloat16 caches; ValueError for anything else (the
+    reference runs)."""
+    lib = library()
+    if lib is None:
+        raise ValueError(f"no C kernels: {_why}")
+    if k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
+        raise ValueError("float32 or bfloat16 caches only")
+    if not (q.device.type == k_cache.device.type == v_cache.device.type == "cpu"):
+        raise ValueError("CPU tensors only")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape != v_cache.shape:
+        raise ValueError("contiguous caches of one shape only")
+    num_blocks, bs, kvh, d = k_cache.shape
+    B, heads, qd = q.shape
+    if qd != d or heads % kvh:
+        raise ValueError(f"q of {heads} heads x {qd} for a cache of {kvh} heads x {d}")
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    if B == 0:
+        return torch.empty_like(q)
+    n_max = int(lens.max())
+    need = (lens.long() + bs - 1) // bs
+    if int(lens.min()) < 0 or int(need.max()) > tables.shape[1]:
+        raise ValueError("a length past its block table")
+    used = torch.arange(tables.shape[1]).unsqueeze(0) < need.unsqueeze(1)
+    if used.any():
+        ids = tables[used]
+        if int(ids.min()) < 0 or int(ids.max()) >= num_blocks:
+            raise ValueError(f"block id out of range 0..{num_blocks - 1}")   # the reference raises
+    qf = q.to(torch.float32).contiguous()
+    out = torch.empty((B, heads, d), dtype=torch.float32)
+    pool, parts = _workers()
+    parts = max(1, min(parts, B))
+    group = heads // kvh
+    work = torch.empty((parts, group * max(n_max, 1)), dtype=torch.float32)
+    kbuf = torch.empty((parts, d), dtype=torch.float32)
+    es = k_cache.element_size()
+    bounds = [B * i // parts for i in range(parts + 1)]
+
+    def run(i):
+        return lib.tierd_decode_attention(qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), es,
+                                          tables.data_ptr(), tables.shape[1], lens.data_ptr(), bounds[i],
+                                          bounds[i + 1], heads, kvh, d, bs, float(scale), out.data_ptr(),
+                                          work[i].data_ptr(), kbuf[i].data_ptr())
+    futures = [pool.submit(run, i) for i in range(1, parts)] if parts > 1 else []
+    run(0)
+    for f in futures:
+        f.result()
+    return out.to(q.dtype)

@@ -11,8 +11,9 @@ from .loader import available
 reshape_and_cache = KernelOp("reshape_and_cache", reference.reshape_and_cache, ops.reshape_and_cache,
                              case=cases.reshape_self_check, available=available)
 paged_attention_decode = KernelOp("paged_attention_decode", reference.paged_attention_decode,
-                                  ops.paged_attention_decode, case=cases.attention_case,
-                                  compare=close(atol=1e-3), available=available)
+                                  {"cuda": ops.paged_attention_decode, "cpu": native.paged_attention_decode},
+                                  case={"cuda": cases.attention_case, "cpu": cases.cpu_attention_case},
+                                  compare=close(atol=1e-3), available={"cuda": available, "cpu": native.available})
 # block copies: CUDA kernels, and on the CPU the C copy (kernels/native.py)
 gather_blocks = KernelOp("gather_blocks", reference.gather_blocks,
                          {"cuda": ops.gather_blocks, "cpu": native.gather_blocks},

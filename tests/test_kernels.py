@@ -24,6 +24,7 @@ HEAD_PAIRS = [(32, 8), (40, 40), (64, 8)]
 HEAD_SIZES = [64, 80, 96, 112, 128, 256]
 BLOCK_SIZES = [16, 32]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+needs_cc = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
 
 
 # -- nvcc ---------------------------------------------------------------------------------------
@@ -323,15 +324,44 @@ def test_reference_int4_decode_matches_the_engine_path():
         **{**args, "k_min": args["k_min"] * 0, "k_step": args["k_step"] * 0}), atol=1e-3)
 
 
-def test_on_cpu_the_real_ops_run_their_references():
+def test_on_cpu_the_real_ops_run_their_references_or_the_checked_c_kernels():
+    x = torch.randn(100)
+    assert same_bytes(K.quantize_fp8(x, 0.1), reference.quantize_fp8(x, 0.1))
+    assert K.status("cpu")["quantize_fp8"] == "unchecked"              # no kernel for CPU tensors
     a = cases.decode_inputs("cpu", batch=2, heads=4, kv_heads=2, head_dim=64, block_size=16, num_blocks=32,
                             max_len=40, dtype=torch.float32)
-    assert torch.equal(K.paged_attention_decode(**a), reference.paged_attention_decode(**a))
-    assert K.status("cpu")["paged_attention_decode"] == "unchecked"   # no kernel for CPU tensors
+    torch.testing.assert_close(K.paged_attention_decode(**a), reference.paged_attention_decode(**a),
+                               atol=1e-5, rtol=1e-5)
+    assert K.status("cpu")["paged_attention_decode"] == ("kernel" if K.native.available() else
+                                                          "reference: no cpu kernel here")
+    fp8 = cases.decode_inputs("cpu", batch=2, heads=4, kv_heads=2, head_dim=64, block_size=16, num_blocks=32,
+                              max_len=40, dtype=torch.float16, fp8=True)
+    assert torch.equal(K.paged_attention_decode(**fp8), reference.paged_attention_decode(**fp8))   # the reference's
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_decode_attention_matches_the_reference_and_reads_nothing_past_a_length(dtype):
+    """GQA groups of 1 to 8, ragged head and block sizes, NaN past every length (one NaN read
+    would show), a batch split across threads; and bad tables refused before any read."""
+    from tierd.kernels import native
+    for heads, kvh, d, bs, batch in ((8, 1, 64, 16, 7), (6, 3, 20, 5, 4), (4, 4, 128, 32, 1), (16, 2, 72, 8, 9)):
+        a = cases.decode_inputs("cpu", batch=batch, heads=heads, kv_heads=kvh, head_dim=d, block_size=bs,
+                                num_blocks=400, max_len=300, dtype=dtype, seed=heads * d)
+        got = native.paged_attention_decode(**a)
+        want = reference.paged_attention_decode(**a)
+        assert got.dtype == want.dtype and not got.isnan().any()
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-3 if dtype == torch.bfloat16 else 1e-5,
+                                   rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    bad = dict(a, block_tables=a["block_tables"].clone())
+    bad["block_tables"][0, 0] = 400
+    with pytest.raises(ValueError):
+        native.paged_attention_decode(**bad)
+    with pytest.raises(ValueError):
+        native.paged_attention_decode(**dict(a, seq_lens=a["seq_lens"] + bs * a["block_tables"].shape[1]))
 
 
 # -- the C block copy on the CPU -------------------------------------------------------------------
-needs_cc = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
 
 
 def test_c_source_compiles_with_warnings_as_errors(tmp_path):

@@ -140,16 +140,13 @@ class LlamaModel:
         return F.linear(x, holder[name], bias)
 
     def ops(self):
-        """(reshape_and_cache, decode) for this device: tierd.kernels' self-checked CUDA kernels
-        where they passed on this device (else their references); the engine's own batched
-        decode on CPU (the same arguments)."""
+        """(reshape_and_cache, decode) for this device: tierd.kernels' self-checked kernels where
+        they passed on this device (CUDA; on the CPU the C decode attention), else the engine's
+        own batched decode (the same arguments)."""
         if self._ops is None:
-            if self.device.type == "cuda":
-                import tierd.kernels as K   # not at import time: tierd.kernels imports the engine's references
-                decode = K.paged_attention_decode if K.paged_attention_decode.use_kernel(self.device) else None
-                self._ops = (K.reshape_and_cache, decode)
-            else:
-                self._ops = (reshape_and_cache, None)
+            import tierd.kernels as K   # not at import time: tierd.kernels imports the engine's references
+            decode = K.paged_attention_decode if K.paged_attention_decode.use_kernel(self.device) else None
+            self._ops = (K.reshape_and_cache if self.device.type == "cuda" else reshape_and_cache, decode)
         return self._ops
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
