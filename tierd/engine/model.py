@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from ..errors import ConfigError
-from .attention import (AttentionMetadata, paged_attention, paged_attention_int4, reshape_and_cache,
-                        streaming_attention)
+from .attention import (AttentionMetadata, decode_attention, paged_attention, paged_attention_int4,
+                        reshape_and_cache, streaming_attention)
 from .config import ModelConfig
 from .int4 import Int4LayerCache
 
@@ -146,6 +146,15 @@ class LlamaModel:
         if self._ops is None:
             import tierd.kernels as K   # not at import time: tierd.kernels imports the engine's references
             decode = K.paged_attention_decode if K.paged_attention_decode.use_kernel(self.device) else None
+            if decode is not None and self.device.type == "cpu":
+                kernel = decode
+
+                def decode(q, k_cache, v_cache, *args, **kwargs):
+                    # caches the C kernel does not take (fp8) go to the engine's batched decode,
+                    # not to the kernel's per-sequence reference
+                    if k_cache.dtype in (torch.float32, torch.bfloat16):
+                        return kernel(q, k_cache, v_cache, *args, **kwargs)
+                    return decode_attention(q, k_cache, v_cache, *args, **kwargs)
             self._ops = (K.reshape_and_cache if self.device.type == "cuda" else reshape_and_cache, decode)
         return self._ops
 
