@@ -12,13 +12,15 @@ import time
 import numpy as np
 
 import tierd
+from tierd.client import Client
 
 from .helpers import block_for, chain, make_ns
 
 
 def main() -> int:
     sock, mode, seed, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    c = tierd.connect(f"unix://{sock}")
+    # hold: a reservation the daemon keeps (the reserve path; staged slots have a test of their own)
+    c = Client(sock, stage_bytes=0) if mode == "hold" else tierd.connect(f"unix://{sock}")
     spaces = [make_ns(), make_ns(model="second", kv_dtype="bfloat16")]
     if mode == "hold":
         ns = spaces[0]

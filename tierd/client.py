@@ -34,11 +34,15 @@ class ClientReservation:
     """Slots in the daemon's arena to write into; `commit` makes them visible. It holds its
     connection open until committed or aborted (see `Client.acquire`)."""
 
-    def __init__(self, rid, ns, keys, status, buffers, generation, link=None):
+    def __init__(self, rid, ns, keys, status, buffers, generation, link=None, staged=None):
         self.id, self.namespace, self.keys = rid, ns, keys
         self.status, self.buffers = status, buffers
         self._generation = generation
         self._link = link   # the held connection (None: nothing reserved, nothing held)
+        # Staged (see Client.reserve): per key, the staged slot's offset or -1; its commit is
+        # a deferred `put`, with the parent and token ids kept here until then.
+        self._staged = staged
+        self._parent = self._tokens = None
 
     @property
     def num_reserved(self) -> int:
@@ -70,12 +74,13 @@ class ClientLease:
 class Client(DaemonConnection):
     """A connection to `tierd serve` with the same interface as `TieredStore`."""
 
-    RETRY_OPS = {"lookup", "lookup_all", "where", "acquire", "stats", "ping", "flush", "sync", "register"}
+    RETRY_OPS = {"lookup", "lookup_all", "where", "acquire", "stage", "stats", "ping", "flush", "sync", "register"}
     NS_PER_REQUEST = 64   # namespaces per hello or register request (the daemon's limit)
 
     def __init__(self, path: str, *, timeout_s: float = 60.0, name: str | None = None,
                  connect_timeout_s: float = 5.0, retries: int = 1, spin_us: float = 100.0,
-                 use_index: bool = True, hbm: bool | None = None, prefault: bool = False):
+                 use_index: bool = True, hbm: bool | None = None, prefault: bool = False,
+                 stage_bytes: int = 64 << 20):
         self.path = path
         self._spin_s = max(0.0, spin_us) / 1e6   # busy-poll for a reply this long (0: never)
         self._spin_skip = 0
@@ -96,7 +101,13 @@ class Client(DaemonConnection):
         self._gpu_arena = None
         self._gpu_map = None         # the daemon's HBM tier as mapped here (tierd.tiers.gpu.IpcMapping)
         self._generation = 0
-        self._deferred: list[dict] = []
+        self._deferred: list[tuple[dict, object]] = []   # (request, callback for its reply)
+        # Staged slots (see `reserve`): free slots of the daemon's arena this connection holds,
+        # per namespace, to write blocks into with no request; 0 turns staging off.
+        self.stage_bytes = stage_bytes
+        self._stage_pool: dict[str, list[int]] = {}
+        self._putting: dict[bytes, int] = {}   # namespaced keys of puts sent, reply not read yet
+        self._stage_ok = stage_bytes > 0   # False against a daemon without the `stage` op
         self._deferred_commits = 0   # commits among them (a lookup from the index waits for them)
         self._rbuf = bytearray()     # received bytes not yet parsed into a reply
         self._index = None           # the daemon's shared lookup index (tierd.index), when mapped
@@ -185,6 +196,11 @@ class Client(DaemonConnection):
         The reservation holds its connection open until `commit` or `abort` (see `acquire`)."""
         keys = check_keys(keys)          # bad input is refused before anything is asked
         nsobj = self._namespace(ns)
+        staged = self._reserve_staged(nsobj, keys)
+        if staged is not None:
+            staged._parent = None if parent is None else check_keys([parent])[0]
+            staged._tokens = [int(t) for t in token_ids] if token_ids is not None and self.events else None
+            return staged
         fields = {"ns": nsobj.name, "keys": keys}
         if parent is not None:
             fields["parent"] = check_keys([parent])[0]
@@ -199,13 +215,121 @@ class Client(DaemonConnection):
             link = self._pin() if r["res"] else None
         return ClientReservation(r["res"], nsobj, keys, status, buffers, gen, link)
 
+    # -- staged slots ---------------------------------------------------------------------------
+    # A write needs slots in the daemon's arena before its bytes can be copied. Asking for them
+    # per write (reserve) costs a round trip to the daemon on the writer's critical path. So a
+    # client holds a few free slots per namespace ahead of time ("staged": the daemon's `stage`
+    # op): a write copies into them at once and names its keys in one `put` request whose reply
+    # is read later; that reply hands out as many new slots as the put used. Only this
+    # connection may name its staged slots, and they go back to the daemon's free pool when it
+    # closes. Keys the daemon's shared index already shows are not written; a key written that
+    # the daemon has meanwhile is dropped there (its slot freed). The pool is at most
+    # `stage_bytes` per namespace; larger writes, a daemon without the op, or a full arena take
+    # the reserve path.
+
+    def _stage_take(self, nsobj: Namespace, want: int) -> list[int] | None:
+        """(Lock held.) `want` staged slots for `nsobj`, or None (then reserve instead)."""
+        if not self._stage_ok or self._sock is None or want * nsobj.block_bytes * 2 > self.stage_bytes:
+            return None
+        pool = self._stage_pool.setdefault(nsobj.name, [])
+        if len(pool) < want and self._deferred:
+            deadline = time.monotonic() + self.timeout_s
+            try:   # replies of earlier puts bring new slots
+                while len(pool) < want and self._deferred:
+                    self._read_deferred(deadline)
+            except (OSError, EOFError):
+                self._disconnect()
+                return None
+            if not self._deferred:
+                self._deferred_commits = 0
+        if len(pool) < want:
+            try:
+                r = self._call("stage", ns=nsobj.name, n=2 * want - len(pool))
+            except P.RemoteError as e:
+                if e.code != "unknown_op":
+                    raise
+                self._stage_ok = False   # an older daemon: reserve from now on
+                return None
+            pool = self._stage_pool.setdefault(nsobj.name, [])   # (a reconnect made a new pool)
+            pool.extend(r["slots"])
+            if len(pool) < want:
+                return None   # no room now: reserve says which blocks are dropped
+        return [pool.pop() for _ in range(want)]
+
+    def _give_back(self, name: str, offsets: list[int], link, generation: int) -> None:
+        """(Lock held.) Staged slots taken but not written: back into the pool, if it is
+        still the same connection's."""
+        if link is not None and link is self._link and not link.dead and generation == self._generation:
+            self._stage_pool.setdefault(name, []).extend(offsets)
+
+    def _reserve_staged(self, nsobj: Namespace, keys: list[bytes]) -> ClientReservation | None:
+        """A reservation in staged slots (no request), or None."""
+        with self._lock:
+            if not self._stage_ok or self._sock is None:
+                return None
+            idx = self._index
+            present = idx.key_states(nsobj.id, keys) if idx is not None and idx.fresh() else None
+            putting = self._putting
+            todo = [i for i, k in enumerate(keys)
+                    if (present is None or not present[i]) and nsobj.id + k not in putting]
+            if not todo:
+                return None   # all present: reserve re-links the chain for eviction order
+            offsets = self._stage_take(nsobj, len(todo))
+            if offsets is None:
+                return None
+            staged = [-1] * len(keys)
+            status = ["present"] * len(keys)
+            buffers: list = [None] * len(keys)
+            for i, off in zip(todo, offsets):
+                staged[i], status[i] = off, "reserved"
+                buffers[i] = self._view(off, nsobj.block_bytes, True)
+            return ClientReservation(-1, nsobj, keys, status, buffers, self._generation, self._pin(), staged)
+
+    def _send_put(self, res: ClientReservation) -> None:
+        """(Lock held, its connection checked.) The deferred `put` of a staged reservation."""
+        name = res.namespace.name
+        msg = {"op": "put", "ns": name, "keys": res.keys, "slots": res._staged, "refill": res.num_reserved}
+        if res._parent is not None:
+            msg["parent"] = res._parent
+        if res._tokens is not None:
+            msg["tokens"] = res._tokens
+        # this client's own puts count as present until their replies are read
+        written = [res.namespace.id + k for k, off in zip(res.keys, res._staged) if off >= 0]
+        putting = self._putting
+        for k in written:
+            putting[k] = putting.get(k, 0) + 1
+
+        def done(r: dict) -> None:
+            for k in written:
+                left = putting.get(k, 0) - 1
+                if left > 0:
+                    putting[k] = left
+                else:
+                    putting.pop(k, None)
+            if "slots" in r:
+                self._stage_pool.setdefault(name, []).extend(r["slots"])
+
+        if not self._send_deferred(msg, done):
+            raise E.LeaseError(f"lost the tierd daemon at {self.path} before this put was sent; nothing was stored")
+        self._deferred_commits += 1
+
     def commit(self, res: ClientReservation) -> int:
         """Make the reserved blocks visible. Raises LeaseError, committing nothing, when the
         reservation's connection was lost (a daemon restart, or a timeout on another thread):
-        what was copied into its slots is then discarded."""
+        what was copied into its slots is then discarded. A staged reservation's commit is not
+        waited for: this client's next requests see its blocks, and it returns how many blocks
+        were written (a key another writer stored meanwhile is dropped by the daemon)."""
         if res.id == 0:
             return 0   # nothing was reserved: the daemon keeps no reservation
         link, res._link = res._link, None
+        if res._staged is not None:
+            try:
+                with self._lock:
+                    self._check_held(res, link, "reservation")
+                    self._send_put(res)
+                    return res.num_reserved
+            finally:
+                self._unpin(link)
         try:
             with self._lock:
                 self._check_held(res, link, "reservation")
@@ -225,7 +349,11 @@ class Client(DaemonConnection):
         link, res._link = res._link, None
         try:
             with self._lock:
-                if link is not None and link is self._link and not link.dead:
+                if res._staged is not None:   # nothing was asked: the slots go back to the pool
+                    self._give_back(res.namespace.name, [o for o in res._staged if o >= 0], link,
+                                    res._generation)
+                    res._staged = []
+                elif link is not None and link is self._link and not link.dead:
                     self._call("abort", res=res.id)
         finally:
             self._unpin(link)
@@ -245,6 +373,8 @@ class Client(DaemonConnection):
         fill_reservation(self, res, views)
         if not res.num_reserved:
             return 0
+        if res._staged is not None:
+            return self.commit(res)
         link, res._link = res._link, None
         try:
             with self._lock:

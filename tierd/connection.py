@@ -238,17 +238,25 @@ class DaemonConnection:
     def _drain_deferred(self, deadline: float) -> None:
         """Read the replies of the requests sent deferred (they come first, in order)."""
         while self._deferred:
-            sent = self._deferred.pop(0)
-            r = self._read_reply(deadline)
-            if "error" in r:
-                log.warning("deferred %s failed: %s", sent["op"], r["error"].get("message"))
+            self._read_deferred(deadline)
         self._deferred_commits = 0
+
+    def _read_deferred(self, deadline: float) -> None:
+        """Read the reply of the oldest request sent deferred, and hand it to its callback."""
+        sent, on_reply = self._deferred.pop(0)
+        r = self._read_reply(deadline)
+        if "error" in r:
+            log.warning("deferred %s failed: %s", sent["op"], r["error"].get("message"))
+        if on_reply is not None:
+            on_reply(r)
 
     def _disconnect(self) -> None:
         """Give up the connection for new requests (lock held). Its socket closes now, or —
         when threads still hold its slots — when the last of them lets go."""
         self._deferred = []
         self._deferred_commits = 0
+        self._stage_pool = {}        # staged slots belong to the connection
+        self._putting = {}
         self._rbuf = bytearray()
         if self._sock is not None:
             link, self._sock, self._link = self._link, None, None
@@ -301,13 +309,14 @@ class DaemonConnection:
         """Changes with every new connection: slots obtained under an older one are gone."""
         return self._generation
 
-    def _send_deferred(self, msg: dict) -> bool:
-        """Send a request whose reply is read later (before the next reply). False if the
-        connection is gone (and with it whatever the request was about)."""
+    def _send_deferred(self, msg: dict, on_reply=None) -> bool:
+        """Send a request whose reply is read later (before the next reply), then handed to
+        `on_reply` (an error reply too). False if the connection is gone (and with it whatever
+        the request was about)."""
         msg["id"] = next(self._ids)
         try:
             self._send(P.encode(msg), time.monotonic() + self.timeout_s)
-            self._deferred.append(msg)
+            self._deferred.append((msg, on_reply))
             return True
         except (OSError, EOFError):
             self._disconnect()

@@ -220,3 +220,17 @@ class SharedIndex:
         host = (state & HOST) != 0
         n_host = n_any if host[:n_any].all() else int(np.argmin(host))
         return n_any, n_host
+
+    def key_states(self, ns_id: bytes, keys: list[bytes]) -> np.ndarray:
+        """Per key, its state bits in the table (HOST | DISK | LOADING; 0: not in the table,
+        which may also mean a bucket that overflowed). A writer's hint: a key seen here is not
+        written again; one not seen is written, and the daemon drops the copy if it has it."""
+        n = len(keys)
+        if not n:
+            return np.zeros(0, dtype=np.uint8)
+        mask = np.frombuffer(ns_id, dtype=np.uint64)
+        tags = np.frombuffer(b"".join(keys), dtype=np.uint64).reshape(n, 2) ^ mask
+        buckets = (tags[:, 0] & np.uint64(self._mask)).astype(np.intp)
+        rows = self.tags[buckets]
+        match = (rows[:, :, 0] == tags[:, 0:1]) & (rows[:, :, 1] == tags[:, 1:2])
+        return np.bitwise_or.reduce(np.where(match, self.states[buckets], 0), axis=1)

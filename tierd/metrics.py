@@ -108,6 +108,8 @@ class _StoreCollector:
                     [([], daemon.get("clients", 0))])
         yield gauge("tierd_leases", "Open leases.", [], [([], st["leases"])])
         yield gauge("tierd_reservations", "Open reservations.", [], [([], st["reservations"])])
+        yield gauge("tierd_staged_slots", "Free host slots held by clients ahead of their writes.", [],
+                    [([], st.get("staged_slots", 0))])
         yield counter("tierd_reclaimed", "Leases and reservations reclaimed from disconnected clients.",
                       ["kind"], [(["lease"], daemon.get("reclaimed_leases", 0)),
                                  (["reservation"], daemon.get("reclaimed_reservations", 0))])

@@ -43,7 +43,8 @@ log = logging.getLogger("tierd.server")
 # ops that never wait on disk I/O (only briefly on the store lock): served on the event loop
 # thread, saving a thread hop; the others (acquire may read disk, reserve may wait for room,
 # flush and sync write) run on the worker pool.
-_INLINE_OPS = {"hello", "register", "lookup", "lookup_all", "where", "commit", "abort", "release", "stats", "ping"}
+_INLINE_OPS = {"hello", "register", "lookup", "lookup_all", "where", "commit", "abort", "release", "put", "stats",
+               "ping"}
 # ... but with a remote tier a lookup may ask the server: then it runs on the worker pool
 _REMOTE_OPS = {"lookup", "lookup_all"}
 
@@ -212,7 +213,7 @@ class _Conn(asyncio.Protocol):
     def _write(self, reply: dict) -> None:
         if self._closed or self.transport is None:
             return
-        if "_obj" in reply:
+        if "_obj" in reply or "_staged" in reply:
             reply = _strip_private(reply)
         try:
             self.transport.write(P.encode(reply))
@@ -251,9 +252,11 @@ class _Conn(asyncio.Protocol):
             self._write(P.error_reply(None, "timeout", "frame incomplete"))
             self._close()
             return
-        if cfg.idle_timeout_s and not self._busy and not self.held and now - self._last > cfg.idle_timeout_s:
-            # (a connection with open leases or reservations is never idle: its client may be
-            # copying through their slots right now, and closing it would reclaim them)
+        if (cfg.idle_timeout_s and not self._busy and not self.held and now - self._last > cfg.idle_timeout_s
+                and not self.d.store.staged_slots(self.id)):
+            # (a connection with open leases, reservations or staged slots is never idle: its
+            # client may be copying through their slots right now, and closing it would
+            # reclaim them)
             self._write(P.error_reply(None, "timeout", "connection idle"))
             self._close()
             return
@@ -347,6 +350,8 @@ class Daemon(Ops):
             except Exception as e:  # noqa: BLE001 -- clients then read HBM blocks from host copies
                 log.warning("cannot export the HBM tier to clients (%s); they will use host copies", e)
         self.executor = ThreadPoolExecutor(32, thread_name_prefix="tierd-op")
+        # staged slots one connection may hold (see Ops._op_stage)
+        self.stage_limit_bytes = min(self.STAGE_LIMIT_BYTES, self.store.host.capacity_bytes // 8)
         self.metrics = Metrics(self.stats)
         self.conns: dict[int, _Conn] = {}
         self.uid_namespaces: dict[int, set[str]] = {}   # what each uid registered (see _register)
@@ -371,6 +376,7 @@ class Daemon(Ops):
 
     # -- lifecycle ----------------------------------------------------------------------------
     STOP_REQUESTS_S = 20.0   # how long a stop waits for requests still running
+    STAGE_LIMIT_BYTES = 256 << 20   # staged slots per connection (at most 1/8 of the arena)
     SYNC_ON_STOP_S = 60.0    # how long a stop waits for sync_on_stop (a hung disk: not longer)
 
     async def run(self) -> None:
@@ -543,7 +549,7 @@ class Daemon(Ops):
         self.counters["requests"] += 1
         handler = getattr(self, f"_op_{op}")
         msg.pop("_inline", None)        # the daemon's own mark, never a client's
-        quick = op in ("acquire", "reserve") and self._quick(op, msg)
+        quick = op in ("acquire", "reserve", "stage") and self._quick(op, msg)
         if (op in _INLINE_OPS and not (op in _REMOTE_OPS and self.store.remote is not None)) or quick:
             t0 = time.perf_counter()
             if quick:
@@ -584,6 +590,9 @@ class Daemon(Ops):
     def _quick(self, op: str, msg: dict) -> bool:
         try:
             ns = self.store.namespace(msg["ns"])
+            if op == "stage":
+                n = msg.get("n", 0)
+                return self.store.is_quick("reserve", ns, range(n if isinstance(n, int) and 0 <= n <= 4096 else 0))
             keys = msg["keys"]
             if not isinstance(keys, list) or len(keys) > self.cfg.max_keys_per_request:
                 return False
@@ -593,6 +602,8 @@ class Daemon(Ops):
 
     def _undo_late(self, reply: dict, conn: "_Conn") -> None:
         """A request of `conn` answered with a timeout finished later: give back what it took."""
+        if reply.get("_staged"):
+            self.store.unstage(conn.id)   # the connection is gone: so are its staged slots
         obj = reply.get("_obj")
         conn.held.discard(("lease" if isinstance(obj, Lease) else "res", getattr(obj, "id", 0)))
         try:

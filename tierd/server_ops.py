@@ -99,9 +99,8 @@ class Ops:
         ns = self._ns(conn, msg)
         return {"tiers": self.store.where(ns, P.keys_field(msg, self.cfg.max_keys_per_request))}
 
-    def _op_reserve(self, conn, msg: dict) -> dict:
-        ns = self._ns(conn, msg)
-        keys = P.keys_field(msg, self.cfg.max_keys_per_request)
+    def _write_fields(self, msg: dict, ns: Namespace, keys: list[bytes]):
+        """(parent, token ids) of a reserve or put request, checked."""
         parent = P.field(msg, "parent", bytes, default=None)
         if parent is not None and len(parent) != 16:
             raise P.ProtocolError("parent must be a 16-byte key")
@@ -111,12 +110,54 @@ class Ops:
         if tokens is not None and (len(tokens) != len(keys) * ns.block_tokens
                                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
             raise P.ProtocolError(f"tokens must be {ns.block_tokens} integers per key")
+        return parent, tokens
+
+    def _op_reserve(self, conn, msg: dict) -> dict:
+        ns = self._ns(conn, msg)
+        keys = P.keys_field(msg, self.cfg.max_keys_per_request)
+        parent, tokens = self._write_fields(msg, ns, keys)
         res = self.store.reserve(ns, keys, parent=parent, owner=conn.id, token_ids=tokens,
                                  inline=msg.get("_inline", False))
         if res.id:
             conn.held.add(("res", res.id))
         slots = [[P.SLOT_STATUS[s], off] for s, off in zip(res.status, res.offsets)]
         return {"res": res.id, "slots": slots, "_obj": res}
+
+    def _count_field(self, msg: dict, name: str) -> int:
+        n = P.field(msg, name, int, default=0)
+        if not 0 <= n <= self.cfg.max_keys_per_request:
+            raise P.ProtocolError(f"{name} must be between 0 and {self.cfg.max_keys_per_request}")
+        return n
+
+    def _op_stage(self, conn, msg: dict) -> dict:
+        """Free slots for this connection to write blocks into before it names their keys
+        (`put`): fewer than asked where there is no room or past the per-connection limit."""
+        ns = self._ns(conn, msg)
+        n = self._count_field(msg, "n")
+        offsets = self.store.stage(ns, n, owner=conn.id, inline=msg.get("_inline", False),
+                                   limit_bytes=self.stage_limit_bytes)
+        return {"slots": offsets, "_staged": True}
+
+    def _op_put(self, conn, msg: dict) -> dict:
+        """Blocks written into this connection's staged slots, stored under their keys; the
+        reply hands out up to `refill` new staged slots (free ones only: a put never waits)."""
+        ns = self._ns(conn, msg)
+        keys = P.keys_field(msg, self.cfg.max_keys_per_request)
+        offsets = P.field(msg, "slots", list, what="a list of arena offsets (-1: not written)")
+        if len(offsets) != len(keys) or not all(isinstance(o, int) and not isinstance(o, bool) and o >= -1
+                                                for o in offsets):
+            raise P.ProtocolError("slots must hold one arena offset (or -1) per key")
+        refill = self._count_field(msg, "refill")
+        try:
+            parent, tokens = self._write_fields(msg, ns, keys)
+            n = self.store.put_staged(ns, keys, offsets, owner=conn.id, parent=parent, token_ids=tokens)
+        except Exception:
+            # the client gave these slots up when it sent them: back to the free pool
+            self.store.unstage(conn.id, [o for o in offsets if o >= 0])
+            raise
+        refilled = self.store.stage(ns, refill, owner=conn.id, inline=True,
+                                    limit_bytes=self.stage_limit_bytes) if refill else []
+        return {"n": n, "slots": refilled}
 
     def _op_commit(self, conn, msg: dict) -> dict:
         rid = P.field(msg, "res", int)

@@ -74,6 +74,7 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
         self._by_name: dict[str, NsState] = {}
         self._reservations: dict[int, Reservation] = {}
         self._leases: dict[int, Lease] = {}
+        self._staged: dict[object, dict[int, int]] = {}   # owner -> {arena offset: slot} (ownership.py)
         self._ids = itertools.count(1)
         self._closed = False
         self._writes_in_flight = 0
@@ -178,50 +179,62 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
             st = self._ns(ns)
             if inline and self.host.alloc.free_slot_count(st.host_slot_bytes) < len(keys):
                 raise WouldBlock()
-            if token_ids is not None and len(token_ids) != len(keys) * st.ns.block_tokens:
-                raise TierdError(f"reserve: {len(token_ids)} token ids for {len(keys)} blocks of "
-                                 f"{st.ns.block_tokens} tokens")
-            pid = st.ns_id
-            status, blocks = [], []
-            rid = next(self._ids)
-            for i, k in enumerate(keys):
-                ikey = pid + k
-                b = self._blocks.get(ikey)
-                if b is None or (b.host_state == ABSENT and b.disk is None and not b.disk_writing):
-                    slot = self._host_alloc(st)
-                    b = self._blocks.get(ikey)  # the lock may have been released
-                    if b is not None and (b.host_state != ABSENT or b.disk is not None or b.disk_writing):
-                        if slot is not None:
-                            self.host.free_slot(slot)
-                        status.append("present"); blocks.append(None)
-                        continue
-                    if slot is None:
-                        st.counters["put_dropped"] += 1
-                        status.append("full"); blocks.append(None)
-                        continue
-                    if b is None:
-                        b = self._new_block(ikey, st, k)
-                    b.host_slot, b.host_state, b.owner_res = slot, RESERVED, rid
-                    b.decoded = False   # the writer's own bytes
-                    b.doomed = 0
-                    self._rh.owner[slot] = b
-                    status.append("reserved")
-                    blocks.append(b)
-                else:
-                    status.append("present"); blocks.append(None)
-            offsets = [self.host.alloc.offset(b.host_slot) if b is not None else None for b in blocks]
-            if not any(b is not None for b in blocks):
-                # Nothing to write: no reservation is left open (id 0; commit and abort are
-                # no-ops), and the chain is re-linked for eviction order now.
-                self._relink(st.ns_id, keys, parent)
-                res = Reservation(0, st.ns, keys, status, blocks, owner, offsets, self.host)
-                res._parent = parent
-                return res
-            res = Reservation(rid, st.ns, keys, status, blocks, owner, offsets, self.host)
-            res._parent = parent
-            res._tokens = list(token_ids) if token_ids is not None and self._events is not None else None
-            self._reservations[rid] = res
+            res = self._reserve_locked(st, keys, parent, owner, token_ids)
+            if res.id:
+                self._reservations[res.id] = res
             return res
+
+    def _reserve_locked(self, st: NsState, keys: list[bytes], parent: bytes | None, owner,
+                        token_ids, slots: list[int] | None = None) -> Reservation:
+        """(Lock held.) Blocks RESERVED for `keys`: in new host slots, or in `slots[i]` (a
+        staged slot of the writer's, already written; -1: the writer skipped the key) — a slot
+        given for a key that turns out present goes back to the free pool."""
+        if token_ids is not None and len(token_ids) != len(keys) * st.ns.block_tokens:
+            raise TierdError(f"reserve: {len(token_ids)} token ids for {len(keys)} blocks of "
+                             f"{st.ns.block_tokens} tokens")
+        pid = st.ns_id
+        status, blocks = [], []
+        rid = next(self._ids)
+        for i, k in enumerate(keys):
+            ikey = pid + k
+            b = self._blocks.get(ikey)
+            given = slots[i] if slots is not None else None
+            if given == -1 or not (b is None or (b.host_state == ABSENT and b.disk is None and not b.disk_writing)):
+                if given is not None and given >= 0:
+                    self.host.free_slot(given)
+                status.append("present"); blocks.append(None)
+                continue
+            slot = given if given is not None else self._host_alloc(st)
+            b = self._blocks.get(ikey)  # the lock may have been released
+            if b is not None and (b.host_state != ABSENT or b.disk is not None or b.disk_writing):
+                if slot is not None:
+                    self.host.free_slot(slot)
+                status.append("present"); blocks.append(None)
+                continue
+            if slot is None:
+                st.counters["put_dropped"] += 1
+                status.append("full"); blocks.append(None)
+                continue
+            if b is None:
+                b = self._new_block(ikey, st, k)
+            b.host_slot, b.host_state, b.owner_res = slot, RESERVED, rid
+            b.decoded = False   # the writer's own bytes
+            b.doomed = 0
+            self._rh.owner[slot] = b
+            status.append("reserved")
+            blocks.append(b)
+        offsets = [self.host.alloc.offset(b.host_slot) if b is not None else None for b in blocks]
+        if not any(b is not None for b in blocks):
+            # Nothing to write: no reservation is left open (id 0; commit and abort are
+            # no-ops), and the chain is re-linked for eviction order now.
+            self._relink(st.ns_id, keys, parent)
+            res = Reservation(0, st.ns, keys, status, blocks, owner, offsets, self.host)
+            res._parent = parent
+            return res
+        res = Reservation(rid, st.ns, keys, status, blocks, owner, offsets, self.host)
+        res._parent = parent
+        res._tokens = list(token_ids) if token_ids is not None and self._events is not None else None
+        return res
 
     def commit(self, res: Reservation) -> int:
         """Make the reserved blocks visible. Returns how many became visible."""
@@ -231,37 +244,41 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
             self._check_open()
             if self._reservations.pop(res.id, None) is None:
                 raise LeaseError(f"reservation {res.id} is unknown or already committed/aborted")
-            pid = res.namespace.id
-            n = 0
-            # Links first, then residency in reverse chain order so that the chain's tail is
-            # the least recent: descendants are evicted before their ancestors.
+            return self._commit_locked(res)
+
+    def _commit_locked(self, res: Reservation) -> int:
+        """(Lock held.) Make a reservation's blocks visible (it is no longer registered)."""
+        pid = res.namespace.id
+        n = 0
+        # Links first, then residency in reverse chain order so that the chain's tail is
+        # the least recent: descendants are evicted before their ancestors.
+        for i, b in enumerate(res._blocks):
+            if b is not None:
+                self._link(b, pid + res.keys[i - 1] if i else (pid + res._parent if res._parent else None))
+        for i in range(len(res._blocks) - 1, -1, -1):
+            b = res._blocks[i]
+            if b is None or b.host_state != RESERVED or b.owner_res != res.id:
+                continue
+            b.host_state, b.owner_res = READY, 0
+            self._rh.policy.insert(b.ikey)
+            self._enter(b, "host", event=False)   # events below, in chain order
+            b.st.counters["puts"] += 1
+            b.st.counters["put_bytes"] += b.st.block_bytes
+            self._rh.counters["bytes_in"] += b.st.block_bytes
+            n += 1
+        self._relink(pid, res.keys, res._parent)
+        if self._events is not None:
+            bt = len(res._tokens) // len(res.keys) if res._tokens else 0
             for i, b in enumerate(res._blocks):
-                if b is not None:
-                    self._link(b, pid + res.keys[i - 1] if i else (pid + res._parent if res._parent else None))
-            for i in range(len(res._blocks) - 1, -1, -1):
-                b = res._blocks[i]
-                if b is None or b.host_state != RESERVED or b.owner_res != res.id:
-                    continue
-                b.host_state, b.owner_res = READY, 0
-                self._rh.policy.insert(b.ikey)
-                self._enter(b, "host", event=False)   # events below, in chain order
-                b.st.counters["puts"] += 1
-                b.st.counters["put_bytes"] += b.st.block_bytes
-                self._rh.counters["bytes_in"] += b.st.block_bytes
-                n += 1
-            self._relink(pid, res.keys, res._parent)
-            if self._events is not None:
-                bt = len(res._tokens) // len(res.keys) if res._tokens else 0
-                for i, b in enumerate(res._blocks):
-                    if b is not None and b.host_state == READY and b.owner_res == 0:
-                        self._event(b, "host", True, res._tokens[i * bt:(i + 1) * bt] if bt else None)
-            if self.remote is not None and self.config.remote_write_behind:   # in chain order
-                for b in res._blocks:
-                    if b is not None and b.host_state == READY and b.owner_res == 0:
-                        self._remote_enqueue(b)
-            self._wake_demoter()
-            self._cond.notify_all()
-            return n
+                if b is not None and b.host_state == READY and b.owner_res == 0:
+                    self._event(b, "host", True, res._tokens[i * bt:(i + 1) * bt] if bt else None)
+        if self.remote is not None and self.config.remote_write_behind:   # in chain order
+            for b in res._blocks:
+                if b is not None and b.host_state == READY and b.owner_res == 0:
+                    self._remote_enqueue(b)
+        self._wake_demoter()
+        self._cond.notify_all()
+        return n
 
     def put(self, ns: Namespace, keys: Sequence[bytes], blocks: Sequence, *,
             parent: bytes | None = None, token_ids: Sequence[int] | None = None) -> int:
@@ -451,7 +468,8 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
                 c["description"] = st.desc
                 namespaces[st.name] = c
             return {"tiers": tiers, "namespaces": namespaces, "leases": len(self._leases),
-                    "reservations": len(self._reservations), "policy": self.config.eviction_policy,
+                    "reservations": len(self._reservations),
+                    "staged_slots": sum(len(m) for m in self._staged.values()), "policy": self.config.eviction_policy,
                     "time": time.time()}
 
     def _check_open(self) -> None:

@@ -42,6 +42,7 @@ from ..tiers.host_records import (
     punch_hole,
     read_records,
 )
+from ..tiers.host_records import pack as pack_record
 from .records import ABSENT, DOOM_HOST, READY, Block, NsState
 
 log = logging.getLogger("tierd.store")
@@ -86,6 +87,7 @@ class HostKeeping:
     """Part of `TieredStore` (see its docstring): state and lock are the store's."""
 
     KEEP_BATCH_BYTES = 16 << 20   # most bytes the keeper pins and checksums at a time
+    KEEP_SETTLE_BLOCKS = 16       # records it writes per hold of the store lock
     KEEP_CLOSE_S = 30.0           # how long a close waits for the keeper's backlog
 
     def _keep_init(self) -> None:
@@ -172,21 +174,33 @@ class HostKeeping:
                 self._keep_failing = False
                 log.info("host tier: block records are written again")
         # no records can be written: the batch is only unpinned, not checksummed for nothing
-        sums = [checksum(self.host.view(slot, b.st.block_bytes)) if named else 0 for b, slot in batch]
-        with self._cond:
-            for (b, slot), ck in zip(batch, sums):
-                b.host_pins -= 1
-                if (named and not self._keep_stop and b.host_slot == slot and b.host_state == READY
-                        and not b.doomed & DOOM_HOST):
-                    self._keep_seq += 1
-                    if rec.write(HostRecord(self.host.alloc.offset(slot), b.st.ns_id, b.key,
-                                            b.parent[len(b.st.ns_id):] if b.parent else None,
-                                            b.st.block_bytes, self._keep_seq, ck,
-                                            FLAG_DECODED if b.decoded else 0)):
-                        self._keep_stats["records_written"] += 1
-                self._reap(b)
-            self._keep_busy = 0
-            self._cond.notify_all()
+        # Checksums and records are made outside the lock (the blocks are pinned; a parent or
+        # flag read here a moment early only orders eviction); under it, a few blocks at a
+        # time, each record is written only if its block still holds that slot, READY and not
+        # flushed: the lock is never held for long by this thread, whose work is not urgent.
+        recs = []
+        for b, slot in batch:
+            if not named:
+                recs.append(None)
+                continue
+            self._keep_seq += 1   # (this thread's alone)
+            recs.append(pack_record(HostRecord(
+                self.host.alloc.offset(slot), b.st.ns_id, b.key, b.parent[len(b.st.ns_id):] if b.parent else None,
+                b.st.block_bytes, self._keep_seq, checksum(self.host.view(slot, b.st.block_bytes)),
+                FLAG_DECODED if b.decoded else 0)))
+        for i in range(0, len(batch), self.KEEP_SETTLE_BLOCKS):
+            if i:
+                time.sleep(0)   # let the GIL and the lock go to requests between chunks
+            with self._cond:
+                for (b, slot), data in zip(batch[i:i + self.KEEP_SETTLE_BLOCKS], recs[i:i + self.KEEP_SETTLE_BLOCKS]):
+                    b.host_pins -= 1
+                    if (data is not None and not self._keep_stop and b.host_slot == slot
+                            and b.host_state == READY and not b.doomed & DOOM_HOST):
+                        if rec.write_packed(self.host.alloc.offset(slot), data):
+                            self._keep_stats["records_written"] += 1
+                    self._reap(b)
+                    self._keep_busy -= 1
+                self._cond.notify_all()
         return True
 
     def _keep_close(self) -> None:

@@ -3,13 +3,22 @@
 Invariant: every reservation and lease has an owner (a daemon connection, or None embedded) and
 ends — committed, aborted, released, or reclaimed with its connection (`drop_owner`); a request
 that touches nothing leaves nothing open (id 0). A lease pins each of its blocks' host slot
-(`host_pins`) and, where it reads one, the HBM copy (`gpu_pins`) until it ends."""
+(`host_pins`) and, where it reads one, the HBM copy (`gpu_pins`) until it ends.
+
+Staged slots (`stage`, `put_staged`) are free host slots handed to a daemon connection before
+it knows which keys it will write: no block owns them (`_rh.owner` has no entry, so neither
+eviction nor a slab's reassignment can take them), only that connection may name them, and
+each goes back to the free pool or becomes a block's slot exactly once — at `put_staged`,
+`unstage` or `drop_owner`."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from ..errors import LeaseError
+from ..errors import LeaseError, TierdError
+from ..keys import check_keys
 from ..namespace import Namespace
 from .records import RESERVED, Block
 
@@ -166,4 +175,96 @@ class Ownership:
             for l in ls:
                 del self._leases[l.id]
                 self._release_locked(l)
+            self._unstage_locked(owner, None)
             return len(rs), len(ls)
+
+    # -- staged slots -----------------------------------------------------------------------------
+    def stage(self, ns: Namespace, n: int, *, owner, inline: bool = False,
+              limit_bytes: int | None = None) -> list[int]:
+        """Up to `n` free host slots of `ns`'s slot size for `owner` to write blocks into before
+        it names their keys (`put_staged`): their byte offsets in the arena. Fewer when there
+        is no room, or past `limit_bytes` staged by `owner` in all; `inline`: free slots only
+        (no eviction, no wait)."""
+        with self._cond:
+            self._check_open()
+            st = self._ns(ns)
+            sb = st.host_slot_bytes
+            mine = self._staged.setdefault(owner, {})
+            if limit_bytes is not None:
+                held = sum(self.host.alloc.slot_bytes_of(s) for s in mine.values())
+                n = min(n, max(0, (limit_bytes - held) // sb))
+            offsets = []
+            for _ in range(max(0, n)):
+                slot = self.host.alloc_slot(sb) if inline else self._host_alloc(st)   # may let go of the lock
+                if slot is None:
+                    break
+                if self._staged.get(owner) is not mine:   # dropped (drop_owner) while the lock was let go
+                    self.host.free_slot(slot)
+                    return []
+                off = self.host.alloc.offset(slot)
+                mine[off] = slot
+                offsets.append(off)
+            if not mine and self._staged.get(owner) is mine:
+                del self._staged[owner]
+            return offsets
+
+    def put_staged(self, ns: Namespace, keys: Sequence[bytes], offsets: Sequence[int], *, owner,
+                   parent: bytes | None = None, token_ids: Sequence[int] | None = None) -> int:
+        """Store the blocks `owner` wrote into its staged slots: `keys[i]`'s block is at
+        `offsets[i]` (-1: not written, the writer found it present). All at once, as `commit`:
+        each slot becomes its block's, or goes back to the free pool where the key is present
+        (or repeated). LeaseError, changing nothing, if any offset is not one of `owner`'s
+        staged slots of this namespace's slot size. Returns how many blocks were newly stored."""
+        keys = check_keys(keys)
+        if len(offsets) != len(keys):
+            raise TierdError(f"put: {len(keys)} keys but {len(offsets)} slots")
+        with self._cond:
+            self._check_open()
+            st = self._ns(ns)
+            if token_ids is not None and len(token_ids) != len(keys) * st.ns.block_tokens:
+                raise TierdError(f"put: {len(token_ids)} token ids for {len(keys)} blocks of "
+                                 f"{st.ns.block_tokens} tokens")
+            mine = self._staged.get(owner, {})
+            slots, seen = [], set()
+            for off in offsets:
+                if off == -1:
+                    slots.append(-1)
+                    continue
+                slot = mine.get(off)
+                if slot is None or off in seen or self.host.alloc.slot_bytes_of(slot) != st.host_slot_bytes:
+                    raise LeaseError(f"offset {off} is not a staged slot of this client for namespace "
+                                     f"{st.name} (or is named twice)")
+                seen.add(off)
+                slots.append(slot)
+            for off in seen:
+                del mine[off]
+            if not mine:
+                self._staged.pop(owner, None)
+            res = self._reserve_locked(st, keys, parent, owner, token_ids, slots=slots)   # never lets go of the lock
+            return self._commit_locked(res) if res.id else 0
+
+    def unstage(self, owner, offsets: Sequence[int] | None = None) -> int:
+        """Give `owner`'s staged slots at `offsets` (None: all of them) back to the free pool;
+        offsets it does not hold are ignored. Returns how many went back."""
+        with self._cond:
+            return self._unstage_locked(owner, offsets)
+
+    def _unstage_locked(self, owner, offsets) -> int:
+        mine = self._staged.get(owner)
+        if not mine:
+            return 0
+        gone = list(mine) if offsets is None else [o for o in dict.fromkeys(offsets) if o in mine]
+        for off in gone:
+            self.host.free_slot(mine.pop(off))
+        if not mine:
+            del self._staged[owner]
+        if gone:
+            self._cond.notify_all()
+        return len(gone)
+
+    def staged_slots(self, owner=...) -> int:
+        """Staged slots held by `owner` (all owners when not given)."""
+        with self._cond:
+            if owner is ...:
+                return sum(len(m) for m in self._staged.values())
+            return len(self._staged.get(owner, ()))

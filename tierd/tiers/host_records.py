@@ -80,6 +80,11 @@ def _pack(r: HostRecord) -> bytes:
     return body + _CSUM.pack(xxhash.xxh3_64_intdigest(body))
 
 
+def pack(r: HostRecord) -> bytes:
+    """A record as written in its slot of the records file (REC_BYTES)."""
+    return _pack(r).ljust(REC_BYTES, b"\0")
+
+
 def _unpack(raw: bytes, offset: int) -> HostRecord | None:
     """The record in `raw` (REC_BYTES), or None if empty, torn or of another version."""
     if raw[:8] != REC_MAGIC:
@@ -142,10 +147,15 @@ class HostRecords:
 
     def write(self, r: HostRecord) -> bool:
         """Write a record; False (nothing written) if its page is not reserved."""
-        at = self._at(r.offset)
+        return self.write_packed(r.offset, pack(r))
+
+    def write_packed(self, offset: int, data: bytes) -> bool:
+        """Write a record made by `pack` for the block at `offset` (packing is the costly part,
+        done before the caller takes the store's lock); False if its page is not reserved."""
+        at = self._at(offset)
         if at // ALIGN not in self._ready:
             return False
-        self._mm[at:at + REC_BYTES] = _pack(r).ljust(REC_BYTES, b"\0")
+        self._mm[at:at + REC_BYTES] = data
         return True
 
     def clear(self, offset: int) -> None:

@@ -1,0 +1,222 @@
+"""Staged slots: a client writes blocks into free slots it holds ahead of time and names their
+keys in one deferred `put` (no reserve round trip). Bytes must be exact, a slot must never be
+named by anyone but its holder, and nothing may leak when a client fails, dies or misbehaves."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from tierd import TieredStore
+from tierd.client import Client
+from tierd.errors import LeaseError
+
+from .daemon import ROOT
+from .helpers import assert_exact, block_for, chain, make_ns, put_chain, wait_for
+from .test_daemon import raw_conn, read_reply, send
+
+
+def staged(c: Client) -> int:
+    return c.stats()["staged_slots"]
+
+
+# -- the store ---------------------------------------------------------------------------------
+
+def test_store_staged_slots_become_blocks_or_go_back_exactly_once():
+    ns = make_ns()
+    with TieredStore(host_bytes="4MiB", host_slab_bytes="1MiB") as s:
+        s.register(ns)
+        free0 = s.host.alloc.free_slot_count(s._ns(ns).host_slot_bytes)
+        offs = s.stage(ns, 6, owner="a")
+        assert len(offs) == len(set(offs)) == 6 and s.staged_slots("a") == 6
+        assert s.host.alloc.free_slot_count(s._ns(ns).host_slot_bytes) == free0 - 6
+        keys = chain(ns, 1, 4)
+        for k, off in zip(keys, offs):
+            s.host.arena.view(off, ns.block_bytes)[:] = block_for(ns, k)
+        # another owner cannot name them, nor can a slot be named twice: nothing changes
+        with pytest.raises(LeaseError):
+            s.put_staged(ns, keys[:1], offs[:1], owner="b")
+        with pytest.raises(LeaseError):
+            s.put_staged(ns, keys[:2], [offs[0], offs[0]], owner="a")
+        assert s.staged_slots("a") == 6 and s.lookup(ns, keys) == 0
+        assert s.put_staged(ns, keys, offs[:4], owner="a") == 4
+        assert_exact(s, ns, keys)
+        with pytest.raises(LeaseError):            # adopted: no longer staged
+            s.put_staged(ns, keys[:1], offs[:1], owner="a")
+        # a key already present: its staged slot goes back to the free pool
+        assert s.put_staged(ns, keys[:1] + chain(ns, 2, 1), [offs[4], -1], owner="a") == 0
+        assert s.staged_slots("a") == 1
+        assert s.drop_owner("a") == (0, 0) and s.staged_slots() == 0
+        assert s.host.alloc.free_slot_count(s._ns(ns).host_slot_bytes) == free0 - 4
+        assert_exact(s, ns, keys)
+
+
+def test_store_stage_respects_its_limit_and_a_namespace_of_another_slot_size():
+    ns, big = make_ns(), make_ns(model="big", num_layers=8)
+    with TieredStore(host_bytes="4MiB", host_slab_bytes="1MiB") as s:
+        s.register(ns)
+        s.register(big)
+        offs = s.stage(ns, 100, owner=1, limit_bytes=5 * ns.block_bytes)
+        assert len(offs) == 5
+        assert s.stage(ns, 3, owner=1, limit_bytes=5 * ns.block_bytes) == []
+        with pytest.raises(LeaseError):   # a slot of another size is not this namespace's
+            s.put_staged(big, chain(big, 1, 1), offs[:1], owner=1)
+        assert s.unstage(1, offs[:2] + [12345]) == 2 and s.staged_slots(1) == 3
+
+
+# -- through the daemon ------------------------------------------------------------------------
+
+def test_puts_and_reservations_through_staged_slots_are_exact(daemon):
+    ns = make_ns()
+    with Client(daemon.socket) as c:
+        keys = chain(ns, 1, 6)
+        assert put_chain(c, ns, keys) == 6
+        assert staged(c) > 0                      # it holds slots for its next write
+        assert put_chain(c, ns, keys) == 0        # present (the shared index): nothing written
+        assert c.lookup(ns, keys) == 6
+        assert_exact(c, ns, keys)
+        more = chain(ns, 2, 4)
+        res = c.reserve(ns, keys[4:] + more)      # a staged reservation: no request
+        assert res.status == ["present"] * 2 + ["reserved"] * 4
+        for k, buf in zip(keys[4:] + more, res.buffers):
+            if buf is not None:
+                buf[:] = block_for(ns, k)
+        assert c.lookup(ns, more) == 0
+        assert c.commit(res) == 4
+        assert c.lookup(ns, keys + more) == 10
+        assert_exact(c, ns, keys + more)
+        before = staged(c)
+        res = c.reserve(ns, chain(ns, 3, 2))
+        c.abort(res)                              # its slots go back to the pool, unused
+        assert staged(c) == before
+        with pytest.raises(LeaseError):
+            c.commit(res)
+        assert c.stats()["reservations"] == 0
+    with Client(daemon.socket) as c2:             # the first client's slots went with it
+        wait_for(lambda: staged(c2) == 0, what="staged slots reclaimed")
+        assert_exact(c2, ns, keys + more)
+
+
+def test_a_client_without_staging_and_a_staging_one_store_the_same(daemon):
+    ns = make_ns()
+    with Client(daemon.socket, stage_bytes=0) as plain, Client(daemon.socket) as fast:
+        a, b = chain(ns, 10, 5), chain(ns, 11, 5)
+        assert put_chain(plain, ns, a) == 5 and staged(plain) == 0
+        assert put_chain(fast, ns, b) == 5
+        assert put_chain(fast, ns, a) == 0 and put_chain(plain, ns, b) == 0
+        assert_exact(plain, ns, b)
+        assert_exact(fast, ns, a)
+
+
+def test_many_threads_on_one_client_put_and_read_exact(daemon):
+    ns = make_ns()
+    errors = []
+    with Client(daemon.socket) as c:
+        def work(t):
+            try:
+                for r in range(12):
+                    keys = chain(ns, 1000 * t + r, 3)
+                    put_chain(c, ns, keys)
+                    got = c.get(ns, keys)
+                    for k, g in zip(keys, got):   # evicted ones are misses, never wrong
+                        assert np.array_equal(g, block_for(ns, k))
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        st = c.stats()
+        assert st["reservations"] == 0 and st["leases"] == 0
+
+
+def test_a_killed_writer_leaks_no_staged_slot(daemon):
+    ns = make_ns()
+    code = (
+        "import os, sys, time\n"
+        "from tierd.client import Client\n"
+        "from tests.helpers import block_for, chain, make_ns\n"
+        "ns = make_ns()\n"
+        "c = Client(sys.argv[1])\n"
+        "keys = chain(ns, 7, 4)\n"
+        "c.put(ns, keys, [block_for(ns, k) for k in keys])\n"
+        "res = c.reserve(ns, chain(ns, 8, 4))\n"   # staged, half written, never committed
+        "res.buffers[0][:] = 7\n"
+        "print(c.stats()['staged_slots'], flush=True)\n"
+        "time.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", code, daemon.socket], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert int(p.stdout.readline()) > 0
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+    with Client(daemon.socket) as c:
+        wait_for(lambda: staged(c) == 0, what="the dead writer's staged slots reclaimed")
+        assert c.lookup(ns, chain(ns, 7, 4)) == 4
+        assert c.lookup(ns, chain(ns, 8, 4)) == 0   # never committed: never served
+        assert_exact(c, ns, chain(ns, 7, 4))
+        assert c.stats()["tiers"]["host"]["blocks"] == 4   # and no slot held for anyone
+
+
+def test_a_client_names_only_its_own_staged_slots(daemon):
+    """A put naming a block's slot, another client's staged slot, a slot twice or a malformed
+    list is refused; nothing is stored, no byte of another block changes, and the slots it did
+    hold go back to the free pool (it gave them up when it sent them)."""
+    ns = make_ns()
+    victim_keys = chain(ns, 20, 2)
+    with Client(daemon.socket) as victim:
+        put_chain(victim, ns, victim_keys)
+        with victim.acquire(ns, victim_keys) as lease:
+            victim_block_off = int(lease.buffers[0].ctypes.data - victim.host_array().ctypes.data)
+        res = victim.reserve(ns, chain(ns, 21, 1))   # the victim's staged slot
+        victim_staged_off = res._staged[0]
+        s = raw_conn(daemon.socket)
+        send(s, {"id": 1, "op": "hello", "version": 1, "namespaces": [ns.to_dict()]})
+        assert read_reply(s)["ok"]
+        send(s, {"id": 2, "op": "stage", "ns": ns.name, "n": 3})
+        mine = read_reply(s)["slots"]
+        assert len(mine) == 3
+        k1, k2 = chain(ns, 22, 2)
+        bad = [([k1], [victim_block_off], "bad_lease"), ([k1], [victim_staged_off], "bad_lease"),
+               ([k1, k2], [mine[0], mine[0]], "bad_lease"), ([k1], [mine[0], mine[1]], "bad_request"),
+               ([k1], ["x"], "bad_request"), ([k1], [-7], "bad_request")]
+        for i, (keys, offs, code) in enumerate(bad):
+            send(s, {"id": 10 + i, "op": "put", "ns": ns.name, "keys": keys, "slots": offs})
+            r = read_reply(s)
+            assert r["error"]["code"] == code, (offs, r)
+        assert victim.lookup(ns, [k1, k2]) == 0
+        assert_exact(victim, ns, victim_keys)
+        # the lease-refused puts gave up mine[0]; mine[1] and mine[2] are still held
+        send(s, {"id": 30, "op": "put", "ns": ns.name, "keys": [k1], "slots": [mine[1]], "refill": 0})
+        r = read_reply(s)
+        assert r["ok"] and r["n"] == 1
+        send(s, {"id": 31, "op": "put", "ns": ns.name, "keys": [k2], "slots": [mine[0]]})
+        assert read_reply(s)["error"]["code"] == "bad_lease"
+        s.close()
+        victim.abort(res)
+        # the raw client's slots went with its connection: only the victim's own pool is left
+        wait_for(lambda: staged(victim) == len(victim._stage_pool[ns.name]), what="raw client's slots reclaimed")
+
+
+def test_staged_slots_survive_nothing_across_a_daemon_restart(daemon):
+    ns = make_ns()
+    with Client(daemon.socket) as c:
+        keys = chain(ns, 40, 3)
+        put_chain(c, ns, keys)
+        res = c.reserve(ns, chain(ns, 41, 2))
+        daemon.stop()
+        daemon.start()
+        for buf in res.buffers:
+            buf[:] = 1
+        with pytest.raises(LeaseError):           # its connection is gone: nothing committed
+            c.commit(res)
+        more = chain(ns, 42, 3)
+        assert put_chain(c, ns, more) == 3        # a new connection, a new pool
+        assert_exact(c, ns, more)
+        assert c.lookup(ns, chain(ns, 41, 2)) == 0
