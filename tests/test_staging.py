@@ -220,3 +220,30 @@ def test_staged_slots_survive_nothing_across_a_daemon_restart(daemon):
         assert put_chain(c, ns, more) == 3        # a new connection, a new pool
         assert_exact(c, ns, more)
         assert c.lookup(ns, chain(ns, 41, 2)) == 0
+
+
+def test_an_unanswered_release_keeps_the_reply_stream_in_order(daemon):
+    """A release sent with `noreply` (the client's default where the daemon's hello allows it)
+    is served and never answered, also when it fails; the next reply is the next request's."""
+    ns = make_ns()
+    keys = chain(ns, 60, 2)
+    with Client(daemon.socket) as c:
+        put_chain(c, ns, keys)
+        assert c._noreply
+    s = raw_conn(daemon.socket)
+    send(s, {"id": 1, "op": "hello", "version": 1, "namespaces": [ns.to_dict()]})
+    assert read_reply(s)["noreply"] is True
+    send(s, {"id": 2, "op": "acquire", "ns": ns.name, "keys": keys})
+    lease = read_reply(s)["lease"]
+    assert lease
+    with Client(daemon.socket) as c:
+        assert c.stats()["leases"] == 1
+        send(s, {"id": 3, "op": "release", "lease": lease, "noreply": True})
+        send(s, {"id": 4, "op": "release", "lease": 999999, "noreply": True})   # unknown: not answered either
+        send(s, {"id": 5, "op": "ping"})
+        r = read_reply(s)
+        assert r["id"] == 5 and r["ok"]
+        assert c.stats()["leases"] == 0
+        send(s, {"id": 6, "op": "release", "lease": 999999})                   # answered: an error
+        assert read_reply(s)["error"]["code"] == "bad_lease"
+    s.close()

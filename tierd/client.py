@@ -114,6 +114,7 @@ class Client(DaemonConnection):
         self.use_index = use_index
         self._hbm = hbm              # reads HBM copies: None = when it maps the daemon's HBM tier
         self._hold_lock = threading.Lock()
+        self._noreply = False        # the daemon serves releases without a reply (its hello says)
         self._link: _Link | None = None
         self.reconnects = 0
         with self._lock:
@@ -430,9 +431,13 @@ class Client(DaemonConnection):
                 raise E.LeaseError(f"lease {lease.id} was lost with its connection to the daemon")
             with self._lock:
                 if link is not None and link is self._link and not link.dead:
-                    # The reply is read before the next request's, not waited for now: a release
-                    # cannot fail for a lease this client holds, and it saves a round trip per get.
-                    self._send_deferred({"op": "release", "lease": lease.id})
+                    # Not waited for: a release cannot fail for a lease this client holds, and it
+                    # saves a round trip per get. Unanswered where the daemon allows it (no reply
+                    # to write and read), else its reply is read before the next one.
+                    if self._noreply:
+                        self._send_noreply({"op": "release", "lease": lease.id})
+                    else:
+                        self._send_deferred({"op": "release", "lease": lease.id})
         finally:
             self._unpin(link)
 

@@ -117,6 +117,7 @@ class DaemonConnection:
                     break   # registered again when next used (and refused then, as a miss)
             self.server_version = reply.get("server")
             self.events = bool(reply.get("events"))   # the daemon publishes KV events: send token ids
+            self._noreply = reply.get("noreply") is True   # releases may go unanswered
             self.limits = reply.get("limits", {})
             self._map_arena(reply["arenas"][0])
             self._map_index(reply.get("index"))
@@ -317,6 +318,18 @@ class DaemonConnection:
         try:
             self._send(P.encode(msg), time.monotonic() + self.timeout_s)
             self._deferred.append((msg, on_reply))
+            return True
+        except (OSError, EOFError):
+            self._disconnect()
+            return False
+
+    def _send_noreply(self, msg: dict) -> bool:
+        """Send a request the daemon does not answer (a release, where it says it can). False
+        if the connection is gone."""
+        msg["id"] = next(self._ids)
+        msg["noreply"] = True
+        try:
+            self._send(P.encode(msg), time.monotonic() + self.timeout_s)
             return True
         except (OSError, EOFError):
             self._disconnect()

@@ -164,7 +164,13 @@ class _Conn(asyncio.Protocol):
                 continue   # framing is intact: keep the connection
             out = self.d._dispatch(self, msg)
             if isinstance(out, dict):
-                self._write(out)
+                if msg.get("noreply") is True and msg.get("op") == "release":
+                    # (a release the client does not want answered: it was served inline)
+                    if "error" in out:
+                        log.warning("client %d (pid %d): release failed: %s", self.id, self.pid,
+                                    out["error"].get("message"))
+                else:
+                    self._write(out)
             else:
                 self._wait_for(out, msg)
         if buf and not self._frame_started and not self._busy:
@@ -549,7 +555,12 @@ class Daemon(Ops):
         self.counters["requests"] += 1
         handler = getattr(self, f"_op_{op}")
         msg.pop("_inline", None)        # the daemon's own mark, never a client's
-        quick = op in ("acquire", "reserve", "stage") and self._quick(op, msg)
+        quick = False
+        if op in ("acquire", "reserve", "stage"):
+            # reserve and acquire (unless it may copy into HBM) refuse inline, changing nothing,
+            # whatever would need I/O or a wait (WouldBlock): tried inline at once, without
+            # asking the store first
+            quick = op == "reserve" or (op == "acquire" and msg.get("gpu") is not True) or self._quick(op, msg)
         if (op in _INLINE_OPS and not (op in _REMOTE_OPS and self.store.remote is not None)) or quick:
             t0 = time.perf_counter()
             if quick:
@@ -557,7 +568,7 @@ class Daemon(Ops):
             try:
                 return self._reply(req_id, op, handler, conn, msg)
             except WouldBlock:
-                del msg["_inline"]      # it lost a race since _quick: run it on the pool
+                del msg["_inline"]      # it needs I/O or a wait: run it on the pool
             finally:
                 self._observe(op, time.perf_counter() - t0)
         self._inflight += 1

@@ -70,6 +70,7 @@ class Ops:
                 "index": index,
                 # clients send the blocks' token ids only where events carry them (opt-in)
                 "events": self.events is not None and self.cfg.events_token_ids,
+                "noreply": True,   # a release may ask to go unanswered
                 "limits": {"max_frame_bytes": self.cfg.max_frame_bytes,
                            "max_keys_per_request": self.cfg.max_keys_per_request}}
 
