@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -247,3 +248,29 @@ def test_an_unanswered_release_keeps_the_reply_stream_in_order(daemon):
         send(s, {"id": 6, "op": "release", "lease": 999999})                   # answered: an error
         assert read_reply(s)["error"]["code"] == "bad_lease"
     s.close()
+
+
+def test_an_idle_connection_holding_staged_slots_is_not_closed(tmp_path):
+    """idle_timeout_s closes idle connections, which gives back what they hold: never one
+    whose client may be copying into staged slots (a writer may stage, then copy much later)."""
+    from .daemon import SMALL_TOML, DaemonProc
+    d = DaemonProc(tmp_path, toml=SMALL_TOML + "[limits]\nidle_timeout_s = 0.3\n").start()
+    try:
+        ns = make_ns()
+        with Client(d.socket) as writer, Client(d.socket, stage_bytes=0) as idle:
+            idle.lookup(ns, chain(ns, 70, 1))
+            put_chain(writer, ns, chain(ns, 71, 2))
+            res = writer.reserve(ns, chain(ns, 72, 2))
+            assert res._staged is not None
+            gen = writer.generation()
+            with Client(d.socket) as watcher:
+                wait_for(lambda: watcher.stats()["daemon"]["clients"] == 2, what="the idle connection closed")
+                for _ in range(10):                  # several idle periods: the writer stays
+                    time.sleep(0.1)
+                    assert watcher.stats()["daemon"]["clients"] == 2
+            for k, buf in zip(chain(ns, 72, 2), res.buffers):
+                buf[:] = block_for(ns, k)
+            assert writer.commit(res) == 2 and writer.generation() == gen
+            assert_exact(writer, ns, chain(ns, 72, 2))
+    finally:
+        d.stop()
