@@ -234,15 +234,11 @@ class Client(DaemonConnection):
             return None
         pool = self._stage_pool.setdefault(nsobj.name, [])
         if len(pool) < want and self._deferred:
-            deadline = time.monotonic() + self.timeout_s
             try:   # replies of earlier puts bring new slots
-                while len(pool) < want and self._deferred:
-                    self._read_deferred(deadline)
+                self._drain_deferred(time.monotonic() + self.timeout_s, lambda: len(pool) >= want)
             except (OSError, EOFError):
                 self._disconnect()
                 return None
-            if not self._deferred:
-                self._deferred_commits = 0
         if len(pool) < want:
             try:
                 r = self._call("stage", ns=nsobj.name, n=2 * want - len(pool))
@@ -434,10 +430,7 @@ class Client(DaemonConnection):
                     # Not waited for: a release cannot fail for a lease this client holds, and it
                     # saves a round trip per get. Unanswered where the daemon allows it (no reply
                     # to write and read), else its reply is read before the next one.
-                    if self._noreply:
-                        self._send_noreply({"op": "release", "lease": lease.id})
-                    else:
-                        self._send_deferred({"op": "release", "lease": lease.id})
+                    self._send_deferred({"op": "release", "lease": lease.id}, answered=not self._noreply)
         finally:
             self._unpin(link)
 

@@ -236,20 +236,18 @@ class DaemonConnection:
                 return False
         return True
 
-    def _drain_deferred(self, deadline: float) -> None:
-        """Read the replies of the requests sent deferred (they come first, in order)."""
-        while self._deferred:
-            self._read_deferred(deadline)
-        self._deferred_commits = 0
-
-    def _read_deferred(self, deadline: float) -> None:
-        """Read the reply of the oldest request sent deferred, and hand it to its callback."""
-        sent, on_reply = self._deferred.pop(0)
-        r = self._read_reply(deadline)
-        if "error" in r:
-            log.warning("deferred %s failed: %s", sent["op"], r["error"].get("message"))
-        if on_reply is not None:
-            on_reply(r)
+    def _drain_deferred(self, deadline: float, enough=None) -> None:
+        """Read the replies of the requests sent deferred (they come first, in order), each
+        handed to its callback; all of them, or until `enough()` says so."""
+        while self._deferred and not (enough is not None and enough()):
+            sent, on_reply = self._deferred.pop(0)
+            r = self._read_reply(deadline)
+            if "error" in r:
+                log.warning("deferred %s failed: %s", sent["op"], r["error"].get("message"))
+            if on_reply is not None:
+                on_reply(r)
+        if not self._deferred:
+            self._deferred_commits = 0
 
     def _disconnect(self) -> None:
         """Give up the connection for new requests (lock held). Its socket closes now, or —
@@ -310,26 +308,18 @@ class DaemonConnection:
         """Changes with every new connection: slots obtained under an older one are gone."""
         return self._generation
 
-    def _send_deferred(self, msg: dict, on_reply=None) -> bool:
+    def _send_deferred(self, msg: dict, on_reply=None, *, answered: bool = True) -> bool:
         """Send a request whose reply is read later (before the next reply), then handed to
-        `on_reply` (an error reply too). False if the connection is gone (and with it whatever
-        the request was about)."""
+        `on_reply` (an error reply too); or, not `answered`, one the daemon does not answer at
+        all (a release, where its hello says it can). False if the connection is gone (and
+        with it whatever the request was about)."""
         msg["id"] = next(self._ids)
+        if not answered:
+            msg["noreply"] = True
         try:
             self._send(P.encode(msg), time.monotonic() + self.timeout_s)
-            self._deferred.append((msg, on_reply))
-            return True
-        except (OSError, EOFError):
-            self._disconnect()
-            return False
-
-    def _send_noreply(self, msg: dict) -> bool:
-        """Send a request the daemon does not answer (a release, where it says it can). False
-        if the connection is gone."""
-        msg["id"] = next(self._ids)
-        msg["noreply"] = True
-        try:
-            self._send(P.encode(msg), time.monotonic() + self.timeout_s)
+            if answered:
+                self._deferred.append((msg, on_reply))
             return True
         except (OSError, EOFError):
             self._disconnect()

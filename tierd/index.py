@@ -204,13 +204,7 @@ class SharedIndex:
         n = len(keys)
         if not n:
             return 0, 0
-        mask = np.frombuffer(ns_id, dtype=np.uint64)
-        tags = np.frombuffer(b"".join(keys), dtype=np.uint64).reshape(n, 2) ^ mask
-        buckets = (tags[:, 0] & np.uint64(self._mask)).astype(np.intp)
-        rows = self.tags[buckets]                          # (n, WAYS, 2)
-        states = self.states[buckets]                      # (n, WAYS)
-        match = (rows[:, :, 0] == tags[:, 0:1]) & (rows[:, :, 1] == tags[:, 1:2])
-        state = np.bitwise_or.reduce(np.where(match, states, 0), axis=1)
+        state, buckets = self._lookup(ns_id, keys)
         if not self._hdr[_DISK_OK_AT]:
             state &= HOST | LOADING
         present = state != 0
@@ -225,12 +219,16 @@ class SharedIndex:
         """Per key, its state bits in the table (HOST | DISK | LOADING; 0: not in the table,
         which may also mean a bucket that overflowed). A writer's hint: a key seen here is not
         written again; one not seen is written, and the daemon drops the copy if it has it."""
-        n = len(keys)
-        if not n:
+        if not keys:
             return np.zeros(0, dtype=np.uint8)
+        return self._lookup(ns_id, keys)[0]
+
+    def _lookup(self, ns_id: bytes, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """(per key its state bits, 0 where absent; per key its bucket) for non-empty `keys`."""
+        n = len(keys)
         mask = np.frombuffer(ns_id, dtype=np.uint64)
         tags = np.frombuffer(b"".join(keys), dtype=np.uint64).reshape(n, 2) ^ mask
         buckets = (tags[:, 0] & np.uint64(self._mask)).astype(np.intp)
-        rows = self.tags[buckets]
+        rows = self.tags[buckets]                          # (n, WAYS, 2)
         match = (rows[:, :, 0] == tags[:, 0:1]) & (rows[:, :, 1] == tags[:, 1:2])
-        return np.bitwise_or.reduce(np.where(match, self.states[buckets], 0), axis=1)
+        return np.bitwise_or.reduce(np.where(match, self.states[buckets], 0), axis=1), buckets

@@ -603,7 +603,8 @@ class Daemon(Ops):
             ns = self.store.namespace(msg["ns"])
             if op == "stage":
                 n = msg.get("n", 0)
-                return self.store.is_quick("reserve", ns, range(n if isinstance(n, int) and 0 <= n <= 4096 else 0))
+                ok = isinstance(n, int) and 0 <= n <= self.cfg.max_keys_per_request
+                return self.store.is_quick("reserve", ns, range(n if ok else 0))
             keys = msg["keys"]
             if not isinstance(keys, list) or len(keys) > self.cfg.max_keys_per_request:
                 return False
