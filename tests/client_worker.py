@@ -1,7 +1,12 @@
 """A client process for daemon tests: `python -m tests.client_worker SOCKET MODE SEED N`.
 
   mixed  N random put/get/acquire/lookup/reserve-abort ops over a shared key space, every
-         block served checked bit-exact; prints `OK <ops> <blocks verified>` or exits 1
+         block served checked bit-exact; prints `OK <ops> <blocks verified> <gets served without a
+         lease>` or exits 1
+  read   N gets of random chains of 256 KiB blocks from two sets that the test flushes and
+         puts in turn (their blocks take each other's slots), every block served checked
+         bit-exact; prints `OK <gets> <blocks verified> <gets without a lease> <copies
+         discarded>` or exits 1
   hold   put a chain, take a lease on it and a reservation of N more keys, print HOLDING,
          then wait to be killed
 """
@@ -15,6 +20,14 @@ import tierd
 from tierd.client import Client
 
 from .helpers import block_for, chain, make_ns
+
+FLIP_NS = make_ns(model="flip", block_tokens=256)   # 256 KiB blocks
+FLIP_CHAINS = 4                                      # chains of 4 blocks per set: 4 MiB a set
+
+
+def flip_chain(which: int, i: int) -> list[bytes]:
+    """Chain `i` of set `which` (0 or 1) of the `read` mode's key space."""
+    return chain(FLIP_NS, 5000 + 100 * which + i, 4)
 
 
 def main() -> int:
@@ -33,6 +46,18 @@ def main() -> int:
         return 0
     rng = np.random.default_rng(seed)
     verified = 0
+    if mode == "read":
+        ns = FLIP_NS
+        for i in range(n):
+            keys = flip_chain(int(rng.integers(0, 2)), int(rng.integers(0, FLIP_CHAINS)))
+            for k, b in zip(keys, c.get(ns, keys)):
+                if not np.array_equal(b, block_for(ns, k)):
+                    print(f"MISMATCH {k.hex()} in get {i}", flush=True)
+                    return 1
+                verified += 1
+        print(f"OK {n} {verified} {c.unleased_reads} {c.unleased_discarded}", flush=True)
+        c.close()
+        return 0
     for _ in range(n):
         ns = spaces[int(rng.integers(0, 2))]
         keys = chain(ns, int(rng.integers(0, 40)), int(rng.integers(1, 5)))
@@ -57,7 +82,7 @@ def main() -> int:
             assert 0 <= n_present <= len(keys)
         else:
             c.abort(c.reserve(ns, keys))
-    print(f"OK {n} {verified}", flush=True)
+    print(f"OK {n} {verified} {getattr(c, 'unleased_reads', 0)}", flush=True)
     c.close()
     return 0
 

@@ -82,7 +82,11 @@ def test_eight_client_processes_mixed_ops_bit_exact(daemon):
     with Client(daemon.socket) as c:
         st = c.stats()
         assert st["leases"] == 0 and st["reservations"] == 0
-        assert st["daemon"]["requests"] >= 8 * 1000
+        # every op reached the daemon, but gets it published as ready in host RAM, which were
+        # copied without a lease (bit-exact all the same, above)
+        unleased = sum(int(out.split()[3]) for out, _ in outs)
+        assert unleased > 0
+        assert st["daemon"]["requests"] + unleased >= 8 * 1000
 
 
 def test_killed_client_loses_its_reservations_and_leases(daemon):

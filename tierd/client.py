@@ -24,7 +24,7 @@ from . import protocol as P
 from .connection import DaemonConnection, DaemonUnavailableError, _Link  # noqa: F401 -- DaemonUnavailableError is part of this API
 from .keys import check_keys
 from .namespace import Namespace
-from .transfer import as_u8, copy_out, fill_reservation
+from .transfer import as_u8, copy_block, copy_out, fill_reservation
 
 log = logging.getLogger("tierd.client")
 
@@ -115,6 +115,14 @@ class Client(DaemonConnection):
         self._hbm = hbm              # reads HBM copies: None = when it maps the daemon's HBM tier
         self._hold_lock = threading.Lock()
         self._noreply = False        # the daemon serves releases without a reply (its hello says)
+        # Reads without a lease (see `get`): possible where the daemon's hello and shared index
+        # allow them; the keys read are reported to the daemon later, in one message.
+        self._unleased_ok = False
+        self._hits: list[dict] = []  # reads not reported yet: {ns, keys, asked}
+        self._hits_keys = 0
+        self._hits_since = 0.0
+        self.unleased_reads = 0      # gets served without a lease (a count, for tests and tools)
+        self.unleased_discarded = 0  # copies made without a lease, then discarded (a block changed)
         self._link: _Link | None = None
         self.reconnects = 0
         with self._lock:
@@ -436,11 +444,20 @@ class Client(DaemonConnection):
 
     def get(self, ns, keys: Sequence[bytes], out: Sequence | None = None) -> list:
         """The blocks of the longest present prefix of `keys`, copied out of leased slots.
-        Raises LeaseError, returning nothing, if the lease was lost before the copy ended."""
+        Raises LeaseError, returning nothing, if the lease was lost before the copy ended.
+
+        Where the daemon's shared index shows the blocks ready in host RAM, they are copied
+        without a lease (no round trip): the copy counts only if the index shows no change to
+        those blocks afterwards and the daemon is still connected; otherwise — and whenever
+        the index cannot tell — the blocks are leased and copied again."""
         nsobj = self._namespace(ns)
         if out is not None and len(out) < len(keys):
             raise E.TierdError(f"get: {len(keys)} keys but only {len(out)} output buffers")
         dsts = None if out is None else [as_u8(o, nsobj.block_bytes, nsobj.kv_dtype) for o in out]
+        if self._unleased_ok and keys:
+            got = self._get_unleased(nsobj, check_keys(keys), dsts, out)
+            if got is not None:
+                return got
         lease = self.acquire(nsobj, keys)
         try:
             got = copy_out(lease, dsts, out)
@@ -449,6 +466,61 @@ class Client(DaemonConnection):
             raise
         self.release(lease, confirm=True)
         return got
+
+    HITS_BATCH = 256       # keys read without a lease, reported to the daemon in one message ...
+    HITS_MAX_AGE_S = 0.05  # ... or at the next read once the oldest unreported one is this old
+
+    def _get_unleased(self, nsobj: Namespace, keys: list[bytes], dsts, out) -> list | None:
+        """`get` without a lease (tierd/index.py), or None where the lease must decide: the
+        index cannot tell, a lease might get more blocks, or a block changed during the copy."""
+        with self._lock:
+            hbm = self._gpu_arena is not None if self._hbm is None else self._hbm
+            idx, arena = self._index, self._arena
+            if hbm or idx is None or self._sock is None or not idx.fresh() or self._hup.poll(0):
+                return None
+            run = idx.host_run(nsobj.id, keys)
+            if run is None:
+                return None
+            n, final, ways, seqs, offsets = run
+            if n < len(keys) and (not final or self._putting or self._deferred_commits):
+                return None   # a lease may get more (from disk, or this client's writes in flight)
+            limit = self.limits.get("max_keys_per_request", P.DEFAULT_MAX_KEYS)
+            if n > limit:
+                return None   # more than one report may name: the lease path refuses it
+            if self._hits_keys + n > limit:
+                self._report_hits()
+            link = self._pin()
+        try:
+            bb = nsobj.block_bytes
+            if dsts is None:
+                got = [arena[o:o + bb].copy() for o in offsets.tolist()]
+            else:
+                for dst, o in zip(dsts, offsets.tolist()):
+                    copy_block(dst, arena[o:o + bb])
+                got = list(out[:n])
+            with self._lock:
+                if (idx is not self._index or link is not self._link or self._hup.poll(0)
+                        or not idx.unchanged(ways, seqs)):
+                    self.unleased_discarded += 1
+                    return None
+                self.unleased_reads += 1
+                if not self._hits:
+                    self._hits_since = time.monotonic()
+                self._hits.append({"ns": nsobj.name, "keys": keys[:n], "asked": len(keys)})
+                self._hits_keys += n
+                if (self._hits_keys >= self.HITS_BATCH
+                        or time.monotonic() - self._hits_since >= self.HITS_MAX_AGE_S):
+                    self._report_hits()
+            return got
+        finally:
+            self._unpin(link)
+
+    def _report_hits(self) -> None:
+        """(Lock held.) Tell the daemon which blocks were read without a lease (recency, hit
+        counts), unanswered; sent before any other request too, so it is counted first."""
+        hits, self._hits, self._hits_keys = self._hits, [], 0
+        if hits and self._sock is not None:
+            self._send_deferred({"op": "hits", "reads": hits}, answered=False)
 
     def flush(self, tier: str = "all", namespace=None) -> int:
         if isinstance(namespace, Namespace):
@@ -485,6 +557,7 @@ class Client(DaemonConnection):
 
     def close(self) -> None:
         with self._lock:
+            self._report_hits()
             self._disconnect()
             if self._index is not None:
                 self._index.close()

@@ -121,6 +121,10 @@ class DaemonConnection:
             self.limits = reply.get("limits", {})
             self._map_arena(reply["arenas"][0])
             self._map_index(reply.get("index"))
+            # reads without a lease: a daemon that takes their reports, its index (whose version
+            # carries the slots and sequence numbers), on a machine whose memory order allows it
+            from .index import LEASE_FREE_READS
+            self._unleased_ok = reply.get("hits") is True and self._index is not None and LEASE_FREE_READS
             self._map_gpu([a for a in reply["arenas"][1:] if a.get("tier") == "gpu"])
         except BaseException:
             self._disconnect()
@@ -254,6 +258,8 @@ class DaemonConnection:
         when threads still hold its slots — when the last of them lets go."""
         self._deferred = []
         self._deferred_commits = 0
+        self._hits, self._hits_keys = [], 0   # reads under this connection: its daemon may be gone
+        self._unleased_ok = False
         self._stage_pool = {}        # staged slots belong to the connection
         self._putting = {}
         self._rbuf = bytearray()
@@ -415,6 +421,8 @@ class DaemonConnection:
     def _call(self, op: str, **fields) -> dict:
         with self._lock:
             for attempt in range(self.retries + 1):
+                if self._hits:
+                    self._report_hits()   # counted before what this request may show
                 if self._sock is None:
                     self._connect()
                     self.reconnects += 1

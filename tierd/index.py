@@ -20,17 +20,34 @@ Layout (one file beside the host arena, mode 0660, all little-endian):
                                           loaded into host RAM; 0: the way is free
   overflow: num_buckets bytes             1: a block of this bucket found no free way (it is not
                                           in the table): a miss there must be asked of the daemon
+  (padding to 8 bytes)
+  offsets: num_buckets x WAYS x i64       the block's host slot (byte offset in the host arena)
+                                          while bit 0 is set
+  seqs:    num_buckets x WAYS x u64       the way's sequence number: odd while the daemon
+                                          rewrites the way, and 2 more after every rewrite
 
 A block lives in bucket `tag[0:8] mod num_buckets`, in one of its WAYS ways. Writers publish a
 tag before its state and clear the state before the tag; a reader may see a state a few
 microseconds old — never a tag that was not written (a torn tag matches no key).
+
+Reads without a lease (`host_run` / `unchanged`, version 2). Every rewrite of a way — its
+state, its slot, or the way going to another block — is bracketed by its sequence number
+(made odd first, even again after), all under the store lock, and a block's way is rewritten
+(its host bit cleared) in the same hold of the lock that gives its host slot back. Nothing
+writes into a slot while a block that owns it is published ready, so a reader that saw a way's
+number even and the same again after copying the slot — with a full fence between the copy
+and the second read, and the daemon still connected — copied bytes that were the block's
+throughout. Sound where stores are seen in order and loads are not reordered with loads (x86-64,
+whose locked instructions are full fences); elsewhere clients lease every read.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import platform
 import struct
+import threading
 import time
 
 import numpy as np
@@ -38,7 +55,7 @@ import numpy as np
 from .config import ALIGN
 
 MAGIC = b"TIERDIDX"
-VERSION = 1
+VERSION = 2
 WAYS = 4
 HOST, DISK, LOADING = 1, 2, 4
 _HEADER = struct.Struct("<8sIIQB")
@@ -48,6 +65,10 @@ _BEAT_AT = 32
 BEAT_S = 0.02          # the daemon's heartbeat period
 FRESH_S = 0.1          # a table whose heartbeat is older is not trusted
 _ZERO_TAG = bytes(16)
+# Reads without a lease need a machine that keeps loads in order and stores in order (x86-64);
+# elsewhere every read is leased.
+LEASE_FREE_READS = platform.machine().lower() in ("x86_64", "amd64")
+_fence = threading.Lock()    # acquiring it is a locked instruction: a full memory fence
 
 
 def plan_buckets(capacity_bytes: int, typical_block_bytes: int = 256 << 10) -> int:
@@ -61,12 +82,15 @@ def plan_buckets(capacity_bytes: int, typical_block_bytes: int = 256 << 10) -> i
     return n
 
 
-def _sizes(num_buckets: int) -> tuple[int, int, int, int]:
+def _sizes(num_buckets: int) -> tuple[int, int, int, int, int, int]:
+    """(tags, states, overflow, offsets, seqs, total): the table's parts' offsets and size."""
     tags_at = ALIGN
     states_at = tags_at + num_buckets * WAYS * 16
     overflow_at = states_at + num_buckets * WAYS
-    total = (overflow_at + num_buckets + ALIGN - 1) // ALIGN * ALIGN
-    return tags_at, states_at, overflow_at, total
+    offs_at = (overflow_at + num_buckets + 7) // 8 * 8
+    seqs_at = offs_at + num_buckets * WAYS * 8
+    total = (seqs_at + num_buckets * WAYS * 8 + ALIGN - 1) // ALIGN * ALIGN
+    return tags_at, states_at, overflow_at, offs_at, seqs_at, total
 
 
 class SharedIndex:
@@ -77,13 +101,15 @@ class SharedIndex:
         self.num_buckets = num_buckets
         self.path = path
         self._owner = owner
-        tags_at, states_at, overflow_at, total = _sizes(num_buckets)
+        tags_at, states_at, overflow_at, offs_at, seqs_at, total = _sizes(num_buckets)
         self.nbytes = total
         buf = np.frombuffer(mm, dtype=np.uint8)
         self._hdr = buf[:ALIGN]
         self.tags = buf[tags_at:states_at].view(np.uint64).reshape(num_buckets, WAYS, 2)
         self.states = buf[states_at:overflow_at].reshape(num_buckets, WAYS)
         self.overflow = buf[overflow_at:overflow_at + num_buckets]
+        self.offsets = buf[offs_at:seqs_at].view(np.int64)            # flat: bucket * WAYS + way
+        self.seqs = buf[seqs_at:seqs_at + num_buckets * WAYS * 8].view(np.uint64)
         self._mask = num_buckets - 1
         self._beat = buf[_BEAT_AT:_BEAT_AT + 8].view(np.uint64)
         # The writer works on plain memoryviews (a Python int index is ~20x cheaper than numpy's).
@@ -91,13 +117,16 @@ class SharedIndex:
         self._tags_mv = mv[tags_at:states_at]
         self._states_mv = mv[states_at:overflow_at]
         self._over_mv = mv[overflow_at:overflow_at + num_buckets]
+        self._raw_mv = (mv[offs_at:seqs_at], mv[seqs_at:seqs_at + num_buckets * WAYS * 8])
+        self._offs_mv = self._raw_mv[0].cast("q")
+        self._seqs_mv = self._raw_mv[1].cast("Q")
         self._where: dict[int, int] = {}   # writer only: tag -> way index (bucket * WAYS + way)
 
     # -- daemon side ----------------------------------------------------------------------------
     @classmethod
     def create(cls, path: str, capacity_bytes: int, instance: int, mode: int = 0o660) -> "SharedIndex":
         num_buckets = plan_buckets(capacity_bytes)
-        total = _sizes(num_buckets)[3]
+        total = _sizes(num_buckets)[-1]
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.fchmod(fd, mode)
@@ -119,18 +148,24 @@ class SharedIndex:
     def tag(ns_id: bytes, key: bytes) -> bytes:
         return (int.from_bytes(ns_id, "little") ^ int.from_bytes(key, "little")).to_bytes(16, "little")
 
-    def set(self, ns_id: bytes, key: bytes, state: int) -> None:
-        """Publish a block's state (0: gone). Called under the store lock only."""
+    def set(self, ns_id: bytes, key: bytes, state: int, offset: int = -1) -> None:
+        """Publish a block's state (0: gone) and, with HOST, its host slot's offset. Called
+        under the store lock only. Every rewrite of a way is bracketed by its sequence number
+        (see the module's docstring)."""
         t = int.from_bytes(ns_id, "little") ^ int.from_bytes(key, "little")
-        sm = self._states_mv
+        sm, seqs = self._states_mv, self._seqs_mv
         i = self._where.get(t)
         if i is not None:
+            s = seqs[i]
+            seqs[i] = s + 1                                   # being rewritten ...
             if state:
+                self._offs_mv[i] = offset
                 sm[i] = state
-                return
-            sm[i] = 0                                         # invisible first ...
-            self._tags_mv[i * 16:i * 16 + 16] = _ZERO_TAG     # ... then freed
-            del self._where[t]
+            else:
+                sm[i] = 0                                     # invisible first ...
+                self._tags_mv[i * 16:i * 16 + 16] = _ZERO_TAG  # ... then freed
+                del self._where[t]
+            seqs[i] = s + 2                                   # ... done
             return
         if not state:
             return
@@ -145,8 +180,12 @@ class SharedIndex:
         else:
             self._over_mv[b] = 1                              # not in the table: readers ask the daemon
             return
+        s = seqs[i]
+        seqs[i] = s + 1
         self._tags_mv[i * 16:i * 16 + 16] = t.to_bytes(16, "little")   # the tag first ...
+        self._offs_mv[i] = offset
         sm[i] = state                                                   # ... then visible
+        seqs[i] = s + 2
         self._where[t] = i
 
     def beat(self) -> None:
@@ -165,7 +204,8 @@ class SharedIndex:
 
     def close(self) -> None:
         self.tags = self.states = self.overflow = self._hdr = self._beat = None
-        for v in (self._tags_mv, self._states_mv, self._over_mv):
+        self.offsets = self.seqs = None
+        for v in (self._tags_mv, self._states_mv, self._over_mv, self._offs_mv, self._seqs_mv, *self._raw_mv):
             v.release()
         try:
             self._mm.close()
@@ -193,7 +233,7 @@ class SharedIndex:
         finally:
             os.close(fd)
         magic, version, num_buckets, inst, _ = _HEADER.unpack(mm[:_HEADER.size])
-        if magic != MAGIC or version != VERSION or inst != instance or _sizes(num_buckets)[3] > size:
+        if magic != MAGIC or version != VERSION or inst != instance or _sizes(num_buckets)[-1] > size:
             mm.close()
             return None
         return cls(mm, num_buckets, path, owner=False)
@@ -222,6 +262,40 @@ class SharedIndex:
         if not keys:
             return np.zeros(0, dtype=np.uint8)
         return self._lookup(ns_id, keys)[0]
+
+    def host_run(self, ns_id: bytes, keys: list[bytes]):
+        """A read without a lease, step 1 (see the module's docstring): for non-empty `keys`,
+        (n, final, ways, seqs, offsets): the first n keys are ready in host RAM at `offsets`,
+        their ways and sequence numbers to check with `unchanged` after copying; `final` when a
+        lease would get no more than n either (n is all of them, or the next key is held in no
+        tier, as far as a table with no overflow there and no remote tier behind it can tell).
+        None when the table cannot serve even the first key."""
+        n = len(keys)
+        mask = np.frombuffer(ns_id, dtype=np.uint64)
+        tags = np.frombuffer(b"".join(keys), dtype=np.uint64).reshape(n, 2) ^ mask
+        buckets = (tags[:, 0] & np.uint64(self._mask)).astype(np.intp)
+        rows = self.tags[buckets]                          # (n, WAYS, 2)
+        match = (rows[:, :, 0] == tags[:, 0:1]) & (rows[:, :, 1] == tags[:, 1:2])
+        found = match.any(axis=1)
+        ways = buckets * WAYS + match.argmax(axis=1)
+        seqs = self.seqs[ways]                             # first, then what they guard
+        again = self.tags.reshape(-1, 2)[ways]
+        state = self.states.reshape(-1)[ways]
+        offsets = self.offsets[ways]
+        ok = (found & (again[:, 0] == tags[:, 0]) & (again[:, 1] == tags[:, 1])
+              & ((state & HOST) != 0) & ((seqs & np.uint64(1)) == 0) & (offsets >= 0))
+        m = n if ok.all() else int(np.argmin(ok))
+        if m == 0:
+            return None
+        final = m == n or (not found[m] and not self.overflow[buckets[m]] and bool(self._hdr[_MISSES_FINAL_AT]))
+        return m, final, ways[:m], seqs[:m], offsets[:m]
+
+    def unchanged(self, ways: np.ndarray, seqs: np.ndarray) -> bool:
+        """A read without a lease, step 2, after the copy: no way read has been rewritten since
+        `host_run` (so the copied slots held those blocks throughout). Fenced first."""
+        with _fence:
+            pass
+        return bool((self.seqs[ways] == seqs).all())
 
     def _lookup(self, ns_id: bytes, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
         """(per key its state bits, 0 where absent; per key its bucket) for non-empty `keys`."""

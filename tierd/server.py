@@ -43,8 +43,10 @@ log = logging.getLogger("tierd.server")
 # ops that never wait on disk I/O (only briefly on the store lock): served on the event loop
 # thread, saving a thread hop; the others (acquire may read disk, reserve may wait for room,
 # flush and sync write) run on the worker pool.
-_INLINE_OPS = {"hello", "register", "lookup", "lookup_all", "where", "commit", "abort", "release", "put", "stats",
-               "ping"}
+_INLINE_OPS = {"hello", "register", "lookup", "lookup_all", "where", "commit", "abort", "release", "put", "hits",
+               "stats", "ping"}
+# ops a client may send unanswered ("noreply": true): a failure is logged, never written back
+_NOREPLY_OPS = {"release", "hits"}
 # ... but with a remote tier a lookup may ask the server: then it runs on the worker pool
 _REMOTE_OPS = {"lookup", "lookup_all"}
 
@@ -164,10 +166,10 @@ class _Conn(asyncio.Protocol):
                 continue   # framing is intact: keep the connection
             out = self.d._dispatch(self, msg)
             if isinstance(out, dict):
-                if msg.get("noreply") is True and msg.get("op") == "release":
-                    # (a release the client does not want answered: it was served inline)
+                if msg.get("noreply") is True and msg.get("op") in _NOREPLY_OPS:
+                    # (a request the client does not want answered: it was served inline)
                     if "error" in out:
-                        log.warning("client %d (pid %d): release failed: %s", self.id, self.pid,
+                        log.warning("client %d (pid %d): %s failed: %s", self.id, self.pid, msg.get("op"),
                                     out["error"].get("message"))
                 else:
                     self._write(out)

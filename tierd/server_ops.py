@@ -71,6 +71,7 @@ class Ops:
                 # clients send the blocks' token ids only where events carry them (opt-in)
                 "events": self.events is not None and self.cfg.events_token_ids,
                 "noreply": True,   # a release may ask to go unanswered
+                "hits": True,      # reads without a lease are reported (op hits)
                 "limits": {"max_frame_bytes": self.cfg.max_frame_bytes,
                            "max_keys_per_request": self.cfg.max_keys_per_request}}
 
@@ -193,6 +194,25 @@ class Ops:
         if lid:   # 0: a lease of nothing, never held
             self.store.release(self.store.find_lease(lid, conn.id))
             conn.held.discard(("lease", lid))
+        return {}
+
+    def _op_hits(self, conn, msg: dict) -> dict:
+        """Blocks a client read without a lease (from slots the shared index published): counted
+        as the hits a lease would have been. {reads: [{ns, keys, asked}]}."""
+        reads = P.field(msg, "reads", list)
+        budget = self.cfg.max_keys_per_request
+        parsed = []
+        for r in reads:
+            if not isinstance(r, dict):
+                raise P.ProtocolError("hits: each read is a map {ns, keys, asked}")
+            keys = P.keys_field(r, budget)
+            budget -= len(keys)
+            asked = P.field(r, "asked", int)
+            if not len(keys) <= asked < 1 << 31:
+                raise P.ProtocolError("hits: asked must count the keys read and those missed")
+            parsed.append((self._ns(conn, r), keys, asked))
+        for ns, keys, asked in parsed:
+            self.store.note_hits(ns, keys, asked)
         return {}
 
     def _operator(self, uid: int, gid: int) -> bool:

@@ -84,9 +84,14 @@ class BlockIndex:
             index.set_disk_ok(io is None or io[1] < self.config.disk_stall_s)
 
     def _publish(self, b: Block) -> None:
+        """(Lock held.) Publish `b`'s state in the shared index. Called wherever it changes —
+        in particular in the same hold of the lock that frees its host slot (`_drop_host`):
+        clients read published host slots without a lease (tierd/index.py)."""
         if self._index is not None:
-            self._index.set(b.st.ns_id, b.key, self._host_servable(b) | (self._disk_servable(b) << 1)
-                            | ((b.host_state == LOADING and not b.doomed & DOOM_HOST) << 2))
+            host = self._host_servable(b)
+            self._index.set(b.st.ns_id, b.key, host | (self._disk_servable(b) << 1)
+                            | ((b.host_state == LOADING and not b.doomed & DOOM_HOST) << 2),
+                            self.host.offset(b.host_slot) if host else -1)
 
     @staticmethod
     def _host_servable(b: Block) -> bool:

@@ -182,6 +182,28 @@ class Promotion:
                                  for o in lease.gpu_offsets]
         return lease
 
+    def note_hits(self, ns: Namespace, keys: Sequence[bytes], asked: int) -> int:
+        """Account for a read served without a lease: a client copied the blocks of `keys` (the
+        leading ones of the `asked` keys it wanted) straight out of their host slots, as the
+        shared index published them (tierd/index.py). Does for them what `acquire` does for the
+        blocks it leases — recency, hit counts, counters — for those still ready in host RAM.
+        Returns how many were counted."""
+        keys = check_keys(keys)
+        with self._cond:
+            self._check_open()
+            st = self._ns(ns)
+            found = [b for b in map(self._blocks.get, (st.ns_id + k for k in keys))
+                     if b is not None and self._host_servable(b)]
+            for b in reversed(found):   # ancestors touched last, as a lease does
+                b.hits += 1
+                self._rh.policy.hit(b.ikey)
+            n = len(keys)
+            st.counters["hits"] += n
+            st.counters["hit_bytes"] += n * st.block_bytes
+            st.counters["misses"] += max(0, asked - n)
+            self._rh.counters["bytes_out"] += n * st.block_bytes
+        return len(found)
+
     def _plan_acquire(self, st: NsState, keys: Sequence[bytes], plan: list, *, inline: bool = False) -> None:
         """(Lock held; may wait on it.) Pin the leading present blocks of `keys` into `plan`:
         (block, None) for a READY host block, (block, DiskEntry) for a promotion from disk into
