@@ -271,11 +271,7 @@ class SharedIndex:
         tier, as far as a table with no overflow there and no remote tier behind it can tell).
         None when the table cannot serve even the first key."""
         n = len(keys)
-        mask = np.frombuffer(ns_id, dtype=np.uint64)
-        tags = np.frombuffer(b"".join(keys), dtype=np.uint64).reshape(n, 2) ^ mask
-        buckets = (tags[:, 0] & np.uint64(self._mask)).astype(np.intp)
-        rows = self.tags[buckets]                          # (n, WAYS, 2)
-        match = (rows[:, :, 0] == tags[:, 0:1]) & (rows[:, :, 1] == tags[:, 1:2])
+        tags, buckets, match = self._match(ns_id, keys)
         found = match.any(axis=1)
         ways = buckets * WAYS + match.argmax(axis=1)
         seqs = self.seqs[ways]                             # first, then what they guard
@@ -299,10 +295,13 @@ class SharedIndex:
 
     def _lookup(self, ns_id: bytes, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
         """(per key its state bits, 0 where absent; per key its bucket) for non-empty `keys`."""
-        n = len(keys)
+        _, buckets, match = self._match(ns_id, keys)
+        return np.bitwise_or.reduce(np.where(match, self.states[buckets], 0), axis=1), buckets
+
+    def _match(self, ns_id: bytes, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(per key its tag as two u64, its bucket, which of the bucket's ways hold that tag)."""
         mask = np.frombuffer(ns_id, dtype=np.uint64)
-        tags = np.frombuffer(b"".join(keys), dtype=np.uint64).reshape(n, 2) ^ mask
+        tags = np.frombuffer(b"".join(keys), dtype=np.uint64).reshape(len(keys), 2) ^ mask
         buckets = (tags[:, 0] & np.uint64(self._mask)).astype(np.intp)
         rows = self.tags[buckets]                          # (n, WAYS, 2)
-        match = (rows[:, :, 0] == tags[:, 0:1]) & (rows[:, :, 1] == tags[:, 1:2])
-        return np.bitwise_or.reduce(np.where(match, self.states[buckets], 0), axis=1), buckets
+        return tags, buckets, (rows[:, :, 0] == tags[:, 0:1]) & (rows[:, :, 1] == tags[:, 1:2])
