@@ -17,8 +17,12 @@ backend's:
   head, K's head_dim values then V's (`kv_cache.split(head_size, dim=-1)`), C = 2 * head_dim.
 - CPU_ATTN: each (block, head) slab of N * 2D values is K then V (`view(B, H, 2N, D).chunk(2,
   dim=2)`); for the ISAs "vec", "vec16" and "vxe" (and "neon" for fp16/fp32) K[t, d] is at
-  `d * N + t` and V[t, d] at `N * D + t * D + d`. The "amx" ISA (and NEON's bf16 path) pack K
-  and V into tiles: declined.
+  `d * N + t` and V[t, d] at `N * D + t * D + d`. The "amx" ISA (x86 with AMX, bf16, block
+  sizes and head_dim multiples of 32) packs both for its tile multiplies, in pairs of bf16
+  values (measured with vLLM's own `cpu_attn_reshape_and_cache`, tests/test_vllm_layout.py):
+  K[t, d] at `(t // 16) * 16 * D + (d // 2) * 32 + (t % 16) * 2 + d % 2` (16-token tiles, pairs
+  of head_dim values), V[t, d] at `N * D + (d // 16) * 16 * N + (t // 2) * 32 + (d % 16) * 2 +
+  t % 2` (16-column tiles, pairs of tokens). NEON's bf16 path packs otherwise: declined.
 - CPU_MLA (MLA on vLLM's CPU build): one row of kv_lora_rank + rope dims (512 + 64) per token,
   `(blocks, block_size, 576)`, the same on every tensor-parallel rank; a latent namespace
   (`planes=1`). Other MLA backends are declined.
@@ -45,6 +49,7 @@ PLAIN_BACKENDS = {
 }
 CPU_BACKEND = "CPU_ATTN"
 CPU_PLAIN_ISAS = frozenset({"vec", "vec16", "vxe"})
+CPU_AMX_ISA = "amx"
 # MLA backends whose cache is a plain row of kv_lora_rank + rope dims per token
 LATENT_BACKENDS = {"CPU_MLA": _BACKENDS + "mla.cpu_mla"}
 KNOWN_BACKENDS = {**PLAIN_BACKENDS, CPU_BACKEND: _BACKENDS + "cpu_attn", **LATENT_BACKENDS}
@@ -85,16 +90,20 @@ def cpu_isa(vllm_config) -> str | None:
 
 
 def cpu_isa_supported(isa: str | None, dtype) -> bool:
-    if isa in CPU_PLAIN_ISAS:
+    if isa in CPU_PLAIN_ISAS or isa == CPU_AMX_ISA:
         return True
     return isa == "neon" and dtype != torch.bfloat16
 
 
 def kv_views(t: torch.Tensor, backend: str | None, isa: str | None, block_size: int, heads: int,
              head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(K, V) views of one layer's paged cache, each (num_blocks, block_size, kv_heads, head_dim),
-    as `backend` lays it out (see the module docstring); the shape is only checked against it.
-    Raises TierdError for a backend, packing or shape that is not known."""
+    """(K, V) views of one layer's paged cache as `backend` lays it out (see the module
+    docstring); the shape is only checked against it. Each is (num_blocks, block_size, kv_heads,
+    head_dim), except for the CPU backend's "amx" tiles: (num_blocks, block_size / 16, 8, 2,
+    kv_heads, head_dim / 16, 8, 2), the token and head_dim axes split where the tiles cut them.
+    Either way a block's view, read in order, is the tier's (block_size, kv_heads, head_dim)
+    order, which is all the block copies rely on. Raises TierdError for a backend, packing or
+    shape that is not known."""
     n, d = block_size, head_dim
     if backend == CPU_BACKEND:
         if not cpu_isa_supported(isa, t.dtype):
@@ -106,6 +115,8 @@ def kv_views(t: torch.Tensor, backend: str | None, isa: str | None, block_size: 
         except RuntimeError:
             raise TierdError(f"CPU attention cache with strides {t.stride()}: a (block, head) slab is not "
                              "contiguous; declining") from None
+        if isa == CPU_AMX_ISA:
+            return _amx_views(flat, n, d)
         k = flat[..., :n * d].view(t.shape[0], heads, d, n).permute(0, 3, 1, 2)
         v = flat[..., n * d:].view(t.shape[0], heads, n, d).permute(0, 2, 1, 3)
         return k, v
@@ -116,6 +127,21 @@ def kv_views(t: torch.Tensor, backend: str | None, isa: str | None, block_size: 
         raise TierdError("the layer's attention backend is not known (no vLLM forward context names it), "
                          "so neither is its KV layout; declining")
     raise TierdError(f"attention backend {backend} stores KV in a layout the connector does not know; declining")
+
+
+def _amx_views(flat: torch.Tensor, n: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the "amx" ISA's tiles (module docstring) as strided views of `flat`
+    (blocks, heads, 2 * n * d): token t = 16 a + 2 b + c and head_dim index e = 16 f + 2 g + h
+    are axes (a, b, c) and (f, g, h), so one view of each plane reads in the tier's order."""
+    if n % 16 or d % 16:
+        raise TierdError(f"AMX tiles with block_size {n} and head_dim {d} (multiples of 16 expected); declining")
+    blocks, heads = flat.shape[:2]
+    sb, sh = flat.stride(0), flat.stride(1)
+    size = (blocks, n // 16, 8, 2, heads, d // 16, 8, 2)
+    base = flat.storage_offset()
+    k = flat.as_strided(size, (sb, 16 * d, 4, 2, sh, 256, 32, 1), base)
+    v = flat.as_strided(size, (sb, 256, 32, 1, sh, 16 * n, 4, 2), base + n * d)
+    return k, v
 
 
 def latent_view(t: torch.Tensor, backend: str | None, block_size: int, latent: int) -> torch.Tensor:

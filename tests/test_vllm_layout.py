@@ -4,6 +4,7 @@ KV heads per rank, and a backend that was not known, or not known at all, was re
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +14,8 @@ from tierd.connectors import vllm as tv
 from tierd.connectors import vllm_layout as vl
 
 from . import vllm_driver as drv
-from .test_vllm_connector import config
+from . import vllm_wait
+from .test_vllm_connector import ROOT, config, required_vllm_python
 
 B, H, N, D = 3, 4, 4, 8          # block_size == kv_heads: (B, H, N, 2D) reads as (B, N, H, 2D) too
 
@@ -63,12 +65,63 @@ def test_the_same_bytes_differ_by_backend():
     (None, None, "backend is not known"),                          # outside a vLLM engine
     ("ROCM_ATTN", None, "ROCM_ATTN stores KV in a layout"),        # x-packed K
     ("TREE_ATTN", None, "TREE_ATTN stores KV in a layout"),        # no such backend in vLLM 0.32/0.33
-    ("CPU_ATTN", "amx", "packs K and V"),
+    ("CPU_ATTN", "neon", "packs K and V"),                          # NEON's bf16 path
     ("FLASH_ATTN (vllm.v1.attention.backends.rocm_aiter_fa.AiterFlashAttentionBackend)", None, "does not know"),
 ])
 def test_a_backend_not_listed_or_not_known_is_declined_whatever_the_shape(backend, isa, why):
+    t = _cache().bfloat16() if isa == "neon" else _cache()
     with pytest.raises(vl.TierdError, match=why):
-        vl.kv_views(_cache(), backend, isa, N, H, D)
+        vl.kv_views(t, backend, isa, N, H, D)
+
+
+@pytest.mark.parametrize("n,d", [(32, 32), (64, 128)])
+def test_amx_tiles_are_read_in_the_tiers_order(n, d):
+    """vLLM's CPU attention with the "amx" ISA (bf16 on x86 with AMX) packs K in 16-token tiles
+    of head_dim pairs and V in 16-column tiles of token pairs (the offsets below, measured with
+    vLLM's own op: tests/vllm_amx_layout.py checks them against it on a machine with AMX). The
+    views read each element where that layout put it, and write through to the cache."""
+    b, h = 2, 3
+    t = torch.randn(b, h, n, 2 * d).bfloat16()
+    k, v = vl.kv_views(t, "CPU_ATTN", "amx", n, h, d)
+    flat = t.reshape(b, h, 2 * n * d)
+    kk, vv = k.reshape(b, n, h, d), v.reshape(b, n, h, d)      # the tier's order
+    for blk in range(b):
+        for tok in range(n):
+            for head in range(h):
+                ko = [(tok // 16) * 16 * d + (e // 2) * 32 + (tok % 16) * 2 + e % 2 for e in range(d)]
+                vo = [n * d + (e // 16) * 16 * n + (tok // 2) * 32 + (e % 16) * 2 + tok % 2 for e in range(d)]
+                assert torch.equal(kk[blk, tok, head], flat[blk, head, ko])
+                assert torch.equal(vv[blk, tok, head], flat[blk, head, vo])
+    # a bijection: every element of the cache is read once
+    assert kk.numel() + vv.numel() == flat.numel()
+    k[1, 0, 3, 1, 2].fill_(7.0)           # token 7, head 2: written through to the cache
+    assert torch.equal(vl.kv_views(t, "CPU_ATTN", "amx", n, h, d)[0].reshape(b, n, h, d)[1, 7, 2],
+                       torch.full((d,), 7.0, dtype=torch.bfloat16))
+
+
+def test_amx_tiles_round_trip_through_tier_blocks():
+    """The block copies take the split views: gather into a tier slot gives K and V in the tier's
+    (tokens, heads, head_dim) order, and scatter puts them back where they were."""
+    from tierd.kernels import gather_blocks, scatter_blocks
+    n, h, d, ratio = 32, 2, 64, 2
+    caches = [torch.randn(6, h, n, 2 * d).bfloat16() for _ in range(2)]
+    views = [vl.kv_views(c, "CPU_ATTN", "amx", n, h, d) for c in caches]
+    ks, vs = [kv[0] for kv in views], [kv[1] for kv in views]
+    ids = torch.tensor([[4, 1], [2, -1]])
+    slots = [torch.zeros(2 * 2 * ratio * n * h * d, dtype=torch.bfloat16) for _ in range(2)]
+    gather_blocks(ks, vs, ids, slots)
+    s0 = slots[0].view(2, 2, ratio, n, h, d)
+    for layer in range(2):
+        for r, blk in enumerate((4, 1)):
+            assert torch.equal(s0[layer, 0, r], ks[layer][blk].reshape(n, h, d))
+            assert torch.equal(s0[layer, 1, r], vs[layer][blk].reshape(n, h, d))
+    assert not slots[1].view(2, 2, ratio, n, h, d)[:, :, 1].any()          # the skipped part stays as it was
+    before = [c.clone() for c in caches]
+    for c in caches:
+        c[4].zero_()
+        c[1].zero_()
+    scatter_blocks(ks, vs, ids[:1], slots[:1])
+    assert all(torch.equal(a, b) for a, b in zip(caches, before))
 
 
 def test_a_shape_other_than_the_backends_is_declined():
@@ -173,3 +226,15 @@ def test_a_worker_that_declines_its_cache_reports_the_schedulers_promised_loads(
         store = tv._EMBEDDED.pop(url, None)
         if store is not None:
             store.close()
+
+
+@pytest.mark.timeout(vllm_wait.SCRIPT_S + 120)
+def test_amx_tiles_as_vllms_own_op_writes_them(tmp_path):
+    """The offsets above, against vLLM's cache writer on this machine's CPU (skipped without AMX)."""
+    py = required_vllm_python()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING", TMPDIR=str(tmp_path))
+    r = vllm_wait.run_script([py, "-m", "tests.vllm_amx_layout"], "tests/vllm_amx_layout.py", cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    if "SKIP:" in r.stdout:
+        pytest.skip(r.stdout.strip().splitlines()[-1])
+    assert "amx layout: OK" in r.stdout

@@ -155,7 +155,9 @@ def runs(tmp_path_factory):
                                   seed=8, **mla)
         dsv3 = write_random_model(tmp / "dsv3", architecture="deepseek_v3", q_lora_rank=64, n_group=1, topk_group=1,
                                   topk_method="noaux_tc", seed=9, **mla)
-        whole = {"max_num_batched_tokens": 1024}     # no chunked prefill with MLA on CPU
+        # no chunked prefill with MLA on CPU; vLLM's reference CPU MLA backend on every machine
+        # (on a CPU with AMX it would pick its AMX backend, which takes bf16 weights only)
+        whole = {"max_num_batched_tokens": 1024, "attention_backend": "CPU_MLA"}
         run("d0", dsv2, [batch("plain", "A")], connect=False, engine=whole)
         run("d1", dsv2, [batch("plain", "A")], engine=whole)
         run("e1", dsv3, [batch("plain", "A")], engine=whole)
