@@ -116,7 +116,7 @@ def kv_views(t: torch.Tensor, backend: str | None, isa: str | None, block_size: 
             raise TierdError(f"CPU attention cache with strides {t.stride()}: a (block, head) slab is not "
                              "contiguous; declining") from None
         if isa == CPU_AMX_ISA:
-            return _amx_views(flat, n, d)
+            return amx_views(flat, n, d)
         k = flat[..., :n * d].view(t.shape[0], heads, d, n).permute(0, 3, 1, 2)
         v = flat[..., n * d:].view(t.shape[0], heads, n, d).permute(0, 2, 1, 3)
         return k, v
@@ -129,7 +129,7 @@ def kv_views(t: torch.Tensor, backend: str | None, isa: str | None, block_size: 
     raise TierdError(f"attention backend {backend} stores KV in a layout the connector does not know; declining")
 
 
-def _amx_views(flat: torch.Tensor, n: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+def amx_views(flat: torch.Tensor, n: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the "amx" ISA's tiles (module docstring) as strided views of `flat`
     (blocks, heads, 2 * n * d): token t = 16 a + 2 b + c and head_dim index e = 16 f + 2 g + h
     are axes (a, b, c) and (f, g, h), so one view of each plane reads in the tier's order."""

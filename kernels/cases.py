@@ -106,6 +106,10 @@ def cache_views(layout: str, num_blocks: int, block_size: int, heads: int, head_
         t = make((num_blocks, h, 2 * n * d))
         return ([t], t[..., :n * d].view(num_blocks, h, d, n).permute(0, 3, 1, 2),
                 t[..., n * d:].view(num_blocks, h, n, d).permute(0, 2, 1, 3))
+    if layout == "cpu_amx":     # vLLM's CPU attention, "amx" ISA: K and V in tiles (connectors/vllm_layout.py)
+        from tierd.connectors.vllm_layout import amx_views
+        t = make((num_blocks, h, 2 * n * d))
+        return [t], *amx_views(t, n, d)
     raise ValueError(layout)
 
 
@@ -175,7 +179,9 @@ def cpu_gather_case(device, fn):
             *block_copy_case(device, fn, scatter=False, layout="cpu_attn", dtype=torch.float8_e4m3fn, seed=32),
             *block_copy_case(device, fn, scatter=False, seed=33),
             *block_copy_case(device, fn, scatter=False, layout="bhn2d", dtype=torch.float32, seed=34),
-            *block_copy_case(device, fn, scatter=False, kv_heads=1, head_dim=576, latent=True, seed=35)]
+            *block_copy_case(device, fn, scatter=False, kv_heads=1, head_dim=576, latent=True, seed=35),
+            *block_copy_case(device, fn, scatter=False, layout="cpu_amx", dtype=torch.bfloat16, block_size=32,
+                             head_dim=96, seed=36)]
 
 
 def cpu_scatter_case(device, fn):
@@ -186,7 +192,9 @@ def cpu_scatter_case(device, fn):
             *block_copy_case(device, fn, scatter=True, layout="cpu_attn", dtype=torch.float8_e4m3fn, seed=42),
             *block_copy_case(device, fn, scatter=True, layout="b2hnd", seed=43),
             *block_copy_case(device, fn, scatter=True, layout="2bnhd", dtype=torch.float32, seed=44),
-            *block_copy_case(device, fn, scatter=True, kv_heads=1, head_dim=576, latent=True, seed=45)]
+            *block_copy_case(device, fn, scatter=True, kv_heads=1, head_dim=576, latent=True, seed=45),
+            *block_copy_case(device, fn, scatter=True, layout="cpu_amx", dtype=torch.bfloat16, block_size=64,
+                             head_dim=32, kv_heads=3, seed=46)]
 
 
 def quantize_case(device, fn):

@@ -1,8 +1,9 @@
 /* The CPU kernels: block copies between tier slots and an engine's paged KV cache, for caches
  * whose blocks are not one run of the slot's bytes (vLLM's CPU attention keeps K transposed per
- * block and head) and for many blocks per call; and the bundled engine's decode attention over
- * its paged cache, read in place (at the end). Built by kernels/native.py with the system C
- * compiler and checked against the torch references (kernels/reference.py) before use.
+ * block and head; its "amx" layout packs K and V in tiles) and for many blocks per call; and
+ * the bundled engine's decode attention over its paged cache, read in place (at the end).
+ * Built by kernels/native.py with the system C compiler and checked against the torch
+ * references (kernels/reference.py) before use.
  *
  * A slot part holds one engine block of one plane, token-major: element (n, h, d) at
  * ((n * H) + h) * D + d. The cache block's element (n, h, d) is at n * sn + h * sh + d * sd
@@ -15,7 +16,7 @@
 #include <immintrin.h>
 #endif
 
-#define TIERD_CPU_COPY_ABI 2
+#define TIERD_CPU_COPY_ABI 3
 
 int tierd_cpu_copy_abi(void) { return TIERD_CPU_COPY_ABI; }
 
@@ -152,6 +153,72 @@ int tierd_copy_blocks(int64_t count, const int64_t *cache_addr, const int64_t *s
                         if (to_cache) memcpy(cp, sp, (size_t)es); else memcpy(sp, cp, (size_t)es);
                     }
         }
+    }
+    return 0;
+}
+
+/* ---- vLLM's "amx" CPU attention layout (bf16: 2-byte elements) ---------------------------
+ * Per (block, head) a plane of N * D elements. K: 16-token tiles of head_dim pairs, element
+ * (t, d) at (t / 16) * 16 * D + (d / 2) * 32 + (t % 16) * 2 + d % 2: per tile, as 4-byte pairs,
+ * the transpose of the slot's 16 x D / 2 rows. V: 16-column tiles of token pairs, (t, d) at
+ * (d / 16) * 16 * N + (t / 2) * 32 + (d % 16) * 2 + t % 2: two slot rows of 16 values
+ * interleaved. `sh`: the cache's head stride in elements. */
+static inline void interleave16(const char *a, const char *b, char *out) {  /* out[2g] = a[g], out[2g+1] = b[g] */
+#if defined(__SSE2__)
+    __m128i a0 = _mm_loadu_si128((const __m128i *)a), a1 = _mm_loadu_si128((const __m128i *)(a + 16));
+    __m128i b0 = _mm_loadu_si128((const __m128i *)b), b1 = _mm_loadu_si128((const __m128i *)(b + 16));
+    _mm_storeu_si128((__m128i *)out, _mm_unpacklo_epi16(a0, b0));
+    _mm_storeu_si128((__m128i *)(out + 16), _mm_unpackhi_epi16(a0, b0));
+    _mm_storeu_si128((__m128i *)(out + 32), _mm_unpacklo_epi16(a1, b1));
+    _mm_storeu_si128((__m128i *)(out + 48), _mm_unpackhi_epi16(a1, b1));
+#else
+    for (int g = 0; g < 16; g++) {
+        memcpy(out + 4 * g, a + 2 * g, 2);
+        memcpy(out + 4 * g + 2, b + 2 * g, 2);
+    }
+#endif
+}
+
+static inline void deinterleave16(const char *in, char *a, char *b) {    /* the reverse */
+#if defined(__SSE2__)
+    __m128i c0 = _mm_loadu_si128((const __m128i *)in), c1 = _mm_loadu_si128((const __m128i *)(in + 16));
+    __m128i c2 = _mm_loadu_si128((const __m128i *)(in + 32)), c3 = _mm_loadu_si128((const __m128i *)(in + 48));
+    /* the low halves of each 32-bit lane (sign-extended, so the signed pack keeps them whole), then the high */
+#define LO16(x) _mm_srai_epi32(_mm_slli_epi32((x), 16), 16)
+    _mm_storeu_si128((__m128i *)a, _mm_packs_epi32(LO16(c0), LO16(c1)));
+    _mm_storeu_si128((__m128i *)(a + 16), _mm_packs_epi32(LO16(c2), LO16(c3)));
+#undef LO16
+    _mm_storeu_si128((__m128i *)b, _mm_packs_epi32(_mm_srai_epi32(c0, 16), _mm_srai_epi32(c1, 16)));
+    _mm_storeu_si128((__m128i *)(b + 16), _mm_packs_epi32(_mm_srai_epi32(c2, 16), _mm_srai_epi32(c3, 16)));
+#else
+    for (int g = 0; g < 16; g++) {
+        memcpy(a + 2 * g, in + 4 * g, 2);
+        memcpy(b + 2 * g, in + 4 * g + 2, 2);
+    }
+#endif
+}
+
+/* `count` (cache block, slot part) pairs of one plane (0: K, 1: V) of the amx layout; the cache
+ * address is the plane's start in the block's head 0. N and D multiples of 16. */
+int tierd_copy_amx(int64_t count, const int64_t *cache_addr, const int64_t *slot_addr, int to_cache, int plane,
+                   int64_t N, int64_t H, int64_t D, int64_t sh) {
+    const int64_t srow = H * D * 2;                         /* one token of the slot, bytes */
+    for (int64_t i = 0; i < count; i++) {
+        char *c = (char *)(intptr_t)cache_addr[i], *s = (char *)(intptr_t)slot_addr[i];
+        if (plane == 0) {
+            /* each 16-token tile: pairs as 4-byte elements, (16, D / 2) slot rows <-> (D / 2, 16) */
+            for (int64_t a = 0; a < N / 16; a++)
+                transposed(c + a * 16 * D * 2, s + a * 16 * srow, 16, H, D / 2, sh / 2, 16, 4, to_cache);
+            continue;
+        }
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t f = 0; f < D / 16; f++) {
+                char *cf = c + (h * sh + f * 16 * N) * 2, *sf = s + (h * D + f * 16) * 2;
+                for (int64_t q = 0; q < N / 2; q++) {
+                    char *cp = cf + q * 64, *s0 = sf + 2 * q * srow;
+                    if (to_cache) interleave16(s0, s0 + srow, cp); else deinterleave16(cp, s0, s0 + srow);
+                }
+            }
     }
     return 0;
 }

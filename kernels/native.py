@@ -6,7 +6,9 @@ The reference copies a transposed cache (vLLM's CPU attention keeps K as (head_d
 block and head) through torch's strided copy, one element at a time, at about a fifth of memcpy
 here, and a contiguous cache through one ctypes memmove per run, from Python. The C copy
 transposes in 8 x 8 tiles (AVX for 4-byte elements, SSE2 for 2-byte ones, where the compiler
-targets them) and takes every block of a plane in one call.
+targets them) and takes every block of a plane in one call. vLLM's "amx" CPU attention layout
+(bf16 K in 16-token tiles of head_dim pairs, V in 16-column tiles of token pairs) is copied by
+the same tile transposes over 4-byte pairs (K) and by pair interleaves (V).
 
 The source is compiled at first use, once per process, by the system C compiler (`$CC`, else
 `cc`) for this machine (`-march=native`), in a private temporary directory that is removed once
@@ -31,7 +33,7 @@ import torch
 log = logging.getLogger("tierd.kernels")
 
 SOURCE = Path(__file__).resolve().parent / "cpu_copy.c"
-ABI = 2
+ABI = 3
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _why: str | None = None        # why there is no library, once a build failed
@@ -63,6 +65,8 @@ def _build(flags: tuple[tuple[str, ...], ...] = (("-march=native",), ())) -> cty
     i64 = ctypes.c_int64
     lib.tierd_copy_blocks.argtypes = (i64, p64, p64, ctypes.c_int, ctypes.c_int, i64, i64, i64, i64, i64, i64)
     lib.tierd_copy_blocks.restype = ctypes.c_int
+    lib.tierd_copy_amx.argtypes = (i64, p64, p64, ctypes.c_int, ctypes.c_int, i64, i64, i64, i64)
+    lib.tierd_copy_amx.restype = ctypes.c_int
     vp = ctypes.c_void_p
     lib.tierd_decode_attention.argtypes = (vp, vp, vp, ctypes.c_int, vp, i64, vp, i64, i64, i64, i64, i64, i64,
                                            ctypes.c_float, vp, vp, vp)
@@ -111,6 +115,22 @@ def _plane(caches, k0: torch.Tensor) -> tuple[int, int, int, int]:
     return tuple(first.stride())
 
 
+def _amx_strides(k0: torch.Tensor, strides: list, es: int) -> int:
+    """The head stride (elements) of K and V views of vLLM's "amx" tiles, as
+    `connectors/vllm_layout.py` makes them: (blocks, N / 16, 8, 2, heads, D / 16, 8, 2) with the
+    strides of K, then V, of that layout, one head stride for both; ValueError for anything else."""
+    if es != 2 or len(strides) != 2:
+        raise ValueError("AMX tiles hold K and V of 2-byte elements")
+    n, d = k0.shape[1] * 16, k0.shape[5] * 16
+    if tuple(k0.shape[2:4]) != (8, 2) or tuple(k0.shape[6:]) != (8, 2):
+        raise ValueError(f"a view of shape {tuple(k0.shape)} is not one of AMX tiles")
+    (sb, *k), (vb, *v) = strides
+    sh = k[3]
+    if k != [16 * d, 4, 2, sh, 256, 32, 1] or v != [256, 32, 1, sh, 16 * n, 4, 2] or vb != sb or sh < 2 * n * d:
+        raise ValueError(f"strides {strides} are not those of AMX tiles")
+    return sh
+
+
 def _copy_blocks(k_caches, v_caches, block_ids, slots, *, to_slots: bool, lib: ctypes.CDLL | None = None) -> None:
     """The reference's `_copy_blocks` (same arguments, same result), in C. Raises ValueError for
     inputs it does not take; the reference then runs. (`lib`: another build, for tests.)"""
@@ -118,12 +138,19 @@ def _copy_blocks(k_caches, v_caches, block_ids, slots, *, to_slots: bool, lib: c
     if lib is None:
         raise ValueError(f"no C block copy: {_why}")
     k0 = k_caches[0]
-    if k0.dim() != 4 or k0.device.type != "cpu":
-        raise ValueError("CPU caches of (blocks, block_size, heads, head_dim) expected")
+    if k0.device.type != "cpu":
+        raise ValueError("CPU caches expected")
     es = k0.element_size()
     planes = [k_caches] if v_caches is None else [k_caches, v_caches]
     strides = [_plane(p, k0) for p in planes]
-    num_blocks, n, h, d = k0.shape
+    if k0.dim() == 8:
+        amx = _amx_strides(k0, strides, es)
+        num_blocks, n, h, d = k0.shape[0], k0.shape[1] * 16, k0.shape[4], k0.shape[5] * 16
+    elif k0.dim() == 4:
+        amx = None
+        num_blocks, n, h, d = k0.shape
+    else:
+        raise ValueError("CPU caches of (blocks, block_size, heads, head_dim), or AMX tiles, expected")
     layers, ratio = len(k_caches), block_ids.shape[1]
     ids = block_ids.to(torch.int64).numpy().reshape(-1, ratio) if block_ids.numel() else \
         np.zeros((0, ratio), np.int64)
@@ -146,14 +173,18 @@ def _copy_blocks(k_caches, v_caches, block_ids, slots, *, to_slots: bool, lib: c
     t_idx, r_idx = np.nonzero(used)
     blocks = ids[t_idx, r_idx]
     p64 = ctypes.POINTER(ctypes.c_int64)
-    for kv, (caches, (sb, sn, sh, sd)) in enumerate(zip(planes, strides)):
+    for kv, (caches, st) in enumerate(zip(planes, strides)):
         # every layer's pairs of this plane in one call: (layers, pairs) addresses, flattened
         bases = np.array([c.data_ptr() for c in caches], np.int64)
-        cache_at = (bases[:, None] + (blocks * (sb * es))[None, :]).reshape(-1)
+        cache_at = (bases[:, None] + (blocks * (st[0] * es))[None, :]).reshape(-1)
         offsets = ((np.arange(layers, dtype=np.int64)[:, None] * len(planes) + kv) * ratio + r_idx[None, :]) * unit
         slot_at = (slot_base[t_idx][None, :] + offsets).reshape(-1)
-        lib.tierd_copy_blocks(len(cache_at), cache_at.ctypes.data_as(p64), slot_at.ctypes.data_as(p64),
-                              0 if to_slots else 1, es, n, h, d, sn, sh, sd)
+        if amx is not None:
+            lib.tierd_copy_amx(len(cache_at), cache_at.ctypes.data_as(p64), slot_at.ctypes.data_as(p64),
+                               0 if to_slots else 1, kv, n, h, d, amx)
+        else:
+            lib.tierd_copy_blocks(len(cache_at), cache_at.ctypes.data_as(p64), slot_at.ctypes.data_as(p64),
+                                  0 if to_slots else 1, es, n, h, d, *st[1:])
 
 
 _pool = None

@@ -380,16 +380,40 @@ def test_c_block_copy_without_simd_matches_the_reference():
     """The portable tiles (what a CPU without AVX or SSE2 runs) give the same bytes."""
     from tierd.kernels import native
     lib = native._build((("-mno-avx", "-mno-sse2"),))
-    for dtype in (torch.float32, torch.bfloat16):
+    for layout, dtype, bs, d in (("cpu_attn", torch.float32, 24, 20), ("cpu_attn", torch.bfloat16, 24, 20),
+                                 ("cpu_amx", torch.bfloat16, 32, 48)):
         for scatter in (False, True):
             ref = reference.scatter_blocks if scatter else reference.gather_blocks
-            want = cases.block_copy_case(torch.device("cpu"), ref, scatter=scatter, layout="cpu_attn", dtype=dtype,
-                                         block_size=24, head_dim=20, seed=3)
+            want = cases.block_copy_case(torch.device("cpu"), ref, scatter=scatter, layout=layout, dtype=dtype,
+                                         block_size=bs, head_dim=d, seed=3)
             got = cases.block_copy_case(torch.device("cpu"),
                                         lambda *a: native._copy_blocks(*a, to_slots=not scatter, lib=lib),
-                                        scatter=scatter, layout="cpu_attn", dtype=dtype, block_size=24,
-                                        head_dim=20, seed=3)
+                                        scatter=scatter, layout=layout, dtype=dtype, block_size=bs,
+                                        head_dim=d, seed=3)
             assert all(same_bytes(w, g) for w, g in zip(want, got, strict=True))
+
+
+@needs_cc
+@pytest.mark.parametrize("bs,d,heads", [(32, 64, 3), (128, 128, 2), (64, 32, 1)])
+def test_c_block_copy_of_amx_tiles_matches_the_reference(bs, d, heads):
+    """vLLM's "amx" CPU attention layout (K in 16-token tiles of head_dim pairs, V in 16-column
+    tiles of token pairs): the C copy (tile transposes and pair interleaves) gives the
+    reference's bytes both ways, and takes these views (it does not hand them to the reference)."""
+    from tierd.kernels import native
+    for scatter in (False, True):
+        kw = dict(scatter=scatter, layout="cpu_amx", dtype=torch.bfloat16, block_size=bs, head_dim=d,
+                  kv_heads=heads, seed=bs + d)
+        want = cases.block_copy_case(torch.device("cpu"), reference.scatter_blocks if scatter else
+                                     reference.gather_blocks, **kw)
+        got = cases.block_copy_case(torch.device("cpu"),
+                                    lambda *a: native._copy_blocks(*a, to_slots=not scatter), **kw)
+        assert all(same_bytes(w, g) for w, g in zip(want, got, strict=True))
+    # views that are not the tiles' (K and V swapped) are refused, not copied wrong
+    t = torch.zeros(4, heads, 2 * bs * d, dtype=torch.bfloat16)
+    from tierd.connectors.vllm_layout import amx_views
+    k, v = amx_views(t, bs, d)
+    with pytest.raises(ValueError, match="AMX tiles"):
+        native.gather_blocks([v], [k], torch.tensor([[0, 1]]), [torch.zeros(4 * bs * heads * d, dtype=torch.bfloat16)])
 
 
 @needs_cc
