@@ -106,8 +106,8 @@ def scatter_blocks(k_caches, v_caches, block_ids, slots) -> None:
 
 
 def _plane(caches, k0: torch.Tensor) -> tuple[int, int, int, int]:
-    """(block, token, head, dim) strides in elements shared by every view of a plane (of K's
-    shape and element size)."""
+    """The strides in elements (block, token, head, dim; or the AMX tiles' eight) shared by every
+    view of a plane (of K's shape and element size)."""
     first = caches[0]
     if not all(c.device.type == "cpu" and c.shape == k0.shape and c.stride() == first.stride()
                and c.element_size() == k0.element_size() for c in caches):
@@ -115,8 +115,8 @@ def _plane(caches, k0: torch.Tensor) -> tuple[int, int, int, int]:
     return tuple(first.stride())
 
 
-def _amx_strides(k0: torch.Tensor, strides: list, es: int) -> int:
-    """The head stride (elements) of K and V views of vLLM's "amx" tiles, as
+def _amx_geometry(k0: torch.Tensor, strides: list, es: int) -> tuple[int, int, int, int]:
+    """(N, heads, D, head stride in elements) of K and V views of vLLM's "amx" tiles, as
     `connectors/vllm_layout.py` makes them: (blocks, N / 16, 8, 2, heads, D / 16, 8, 2) with the
     strides of K, then V, of that layout, one head stride for both; ValueError for anything else."""
     if es != 2 or len(strides) != 2:
@@ -128,7 +128,7 @@ def _amx_strides(k0: torch.Tensor, strides: list, es: int) -> int:
     sh = k[3]
     if k != [16 * d, 4, 2, sh, 256, 32, 1] or v != [256, 32, 1, sh, 16 * n, 4, 2] or vb != sb or sh < 2 * n * d:
         raise ValueError(f"strides {strides} are not those of AMX tiles")
-    return sh
+    return n, k0.shape[4], d, sh
 
 
 def _copy_blocks(k_caches, v_caches, block_ids, slots, *, to_slots: bool, lib: ctypes.CDLL | None = None) -> None:
@@ -143,12 +143,12 @@ def _copy_blocks(k_caches, v_caches, block_ids, slots, *, to_slots: bool, lib: c
     es = k0.element_size()
     planes = [k_caches] if v_caches is None else [k_caches, v_caches]
     strides = [_plane(p, k0) for p in planes]
+    num_blocks = k0.shape[0]
     if k0.dim() == 8:
-        amx = _amx_strides(k0, strides, es)
-        num_blocks, n, h, d = k0.shape[0], k0.shape[1] * 16, k0.shape[4], k0.shape[5] * 16
+        n, h, d, amx = _amx_geometry(k0, strides, es)
     elif k0.dim() == 4:
         amx = None
-        num_blocks, n, h, d = k0.shape
+        _, n, h, d = k0.shape
     else:
         raise ValueError("CPU caches of (blocks, block_size, heads, head_dim), or AMX tiles, expected")
     layers, ratio = len(k_caches), block_ids.shape[1]
