@@ -54,6 +54,7 @@ def test_stats_json_matches_the_documented_schema(daemon):
         keys = chain(ns, 2, 3)
         c.put(ns, keys, [block_for(ns, k) for k in keys])
         c.get(ns, keys)
+        c.stats()   # a get's hits may be reported after it returns (reads without a lease)
         r = tierd_cmd("stats", "--json", "--socket", daemon.socket)
     assert r.returncode == 0
     doc = json.loads(r.stdout)
@@ -89,7 +90,12 @@ def test_metrics_endpoint_parses_and_counters_move(daemon):
     assert after[("tierd_puts_total", label)] == 4
     assert after[("tierd_tier_used_bytes", (("tier", "host"),))] > before[("tierd_tier_used_bytes", (("tier", "host"),))]
     assert after[("tierd_block_moves_total", (("from_tier", "host"), ("to_tier", "disk")))] == 4
-    assert after[("tierd_op_duration_seconds_count", (("op", "acquire"),))] >= 1
+    ops = {dict(lbl).get("op"): v for (name, lbl), v in after.items()
+           if name == "tierd_op_duration_seconds_count"}
+    assert ops.get("sync", 0) >= 1
+    # the get reached the daemon either as a lease (acquire) or, read without one from the
+    # shared index, as the hits report that accounts it; which one depends on timing
+    assert ops.get("acquire", 0) + ops.get("hits", 0) >= 1
     assert ("tierd_clients_connected", ()) in after
     # every metric the example alert rules use is exported
     import re

@@ -112,6 +112,27 @@ def test_gets_without_a_lease_are_exact_and_counted_as_hits(daemon):
         assert len(c.get(ns, keys)) == 6 and c.unleased_reads == 0
 
 
+def test_an_idle_readers_reads_reach_the_daemon_without_another_request(daemon):
+    """Reads without a lease are reported in batches; a client that reads and then goes quiet
+    must not keep them from the daemon (operators' stats, the blocks' recency for eviction)."""
+    ns = make_ns()
+    keys = chain(ns, 5, 3)
+    with Client(daemon.socket) as writer, Client(daemon.socket) as reader, Client(daemon.socket) as watcher:
+        put_chain(writer, ns, keys)
+        assert writer.lookup(ns, keys) == 3
+        assert len(reader.get(ns, keys)) == 3
+        assert reader.unleased_reads == 1
+        deadline = time.monotonic() + 10
+        while (watcher.stats()["namespaces"][ns.name]["hits"] != 3   # the reader sends nothing more
+               and time.monotonic() < deadline):
+            time.sleep(0.02)
+        assert watcher.stats()["namespaces"][ns.name]["hits"] == 3
+        reporter = reader._hits_reporter
+        assert reporter is not None and reporter.is_alive()
+    reporter.join(5)
+    assert not reporter.is_alive()                                # close ends it
+
+
 def test_a_client_reads_its_own_writes_whether_leased_or_not(daemon):
     """A put's reply is read later (staged slots): until it is, a get that the index would cut
     short is leased, and the lease (sent after the put) sees the blocks."""

@@ -15,6 +15,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -71,6 +72,26 @@ class ClientLease:
             self._client.release(self)
 
 
+def _report_hits_when_due(ref, cv: threading.Condition) -> None:
+    """A client's hits reporter (see `Client._wake_hits_reporter`). It holds the client only
+    weakly while it waits, so a client dropped without `close` is still collected."""
+    me = threading.current_thread()
+    with cv:
+        while True:
+            c = ref()
+            if c is None or c._hits_reporter is not me:
+                return
+            if c._hits:
+                wait = c._hits_since + c.HITS_MAX_AGE_S - time.monotonic()
+                if wait <= 0:
+                    c._report_hits()   # a lost connection just drops them, as at a read
+                    continue
+            else:
+                wait = 5.0             # idle: look again now and then, in case it was dropped
+            del c
+            cv.wait(wait)
+
+
 class Client(DaemonConnection):
     """A connection to `tierd serve` with the same interface as `TieredStore`."""
 
@@ -121,6 +142,8 @@ class Client(DaemonConnection):
         self._hits: list[dict] = []  # reads not reported yet: {ns, keys, asked}
         self._hits_keys = 0
         self._hits_since = 0.0
+        self._hits_cv = threading.Condition(self._lock)
+        self._hits_reporter: threading.Thread | None = None   # reports them when a client idles
         self.unleased_reads = 0      # gets served without a lease (a count, for tests and tools)
         self.unleased_discarded = 0  # copies made without a lease, then discarded (a block changed)
         self._link: _Link | None = None
@@ -468,7 +491,8 @@ class Client(DaemonConnection):
         return got
 
     HITS_BATCH = 256       # keys read without a lease, reported to the daemon in one message ...
-    HITS_MAX_AGE_S = 0.05  # ... or at the next read once the oldest unreported one is this old
+    HITS_MAX_AGE_S = 0.05  # ... or once the oldest unreported one is this old (at the next
+                           # read, or by a background thread when the client goes idle)
 
     def _get_unleased(self, nsobj: Namespace, keys: list[bytes], dsts, out) -> list | None:
         """`get` without a lease (tierd/index.py), or None where the lease must decide: the
@@ -506,6 +530,7 @@ class Client(DaemonConnection):
                 self.unleased_reads += 1
                 if not self._hits:
                     self._hits_since = time.monotonic()
+                    self._wake_hits_reporter()
                 self._hits.append({"ns": nsobj.name, "keys": keys[:n], "asked": len(keys)})
                 self._hits_keys += n
                 if (self._hits_keys >= self.HITS_BATCH
@@ -514,6 +539,18 @@ class Client(DaemonConnection):
             return got
         finally:
             self._unpin(link)
+
+    def _wake_hits_reporter(self) -> None:
+        """(Lock held.) Make sure the reads of a client that then goes quiet still reach the
+        daemon within about HITS_MAX_AGE_S (its stats, and the blocks' recency for eviction):
+        one thread per client, started at its first read without a lease, idle otherwise."""
+        if self._hits_reporter is None or not self._hits_reporter.is_alive():   # (or forked)
+            t = threading.Thread(target=_report_hits_when_due, args=(weakref.ref(self), self._hits_cv),
+                                 name=f"tierd-hits-{self.name}", daemon=True)
+            self._hits_reporter = t
+            t.start()
+        else:
+            self._hits_cv.notify()
 
     def _report_hits(self) -> None:
         """(Lock held.) Tell the daemon which blocks were read without a lease (recency, hit
@@ -558,6 +595,9 @@ class Client(DaemonConnection):
     def close(self) -> None:
         with self._lock:
             self._report_hits()
+            if self._hits_reporter is not None:
+                self._hits_reporter = None   # it sees that and ends
+                self._hits_cv.notify()
             self._disconnect()
             if self._index is not None:
                 self._index.close()
