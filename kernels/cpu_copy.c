@@ -16,7 +16,7 @@
 #include <immintrin.h>
 #endif
 
-#define TIERD_CPU_COPY_ABI 3
+#define TIERD_CPU_COPY_ABI 4
 
 int tierd_cpu_copy_abi(void) { return TIERD_CPU_COPY_ABI; }
 
@@ -128,15 +128,41 @@ static void transposed(char *c, char *s, int64_t N, int64_t H, int64_t D, int64_
     }
 }
 
-/* `count` (cache block, slot part) pairs of one plane, addresses in bytes; `to_cache`: slot ->
- * cache (a load), else cache -> slot (a save). */
-int tierd_copy_blocks(int64_t count, const int64_t *cache_addr, const int64_t *slot_addr, int to_cache, int es,
+/* The engine blocks tier blocks name, `ratio` per tier block, row-major; a negative id: a part
+ * not copied. Whether every id is below `num_blocks` (checked before anything is copied). */
+static int ids_in_range(int64_t count, const int64_t *ids, int64_t num_blocks) {
+    for (int64_t i = 0; i < count; i++)
+        if (ids[i] >= num_blocks) return 0;
+    return 1;
+}
+
+/* One plane of every layer, between `tiers` tier blocks (slots) and engine blocks: part r of
+ * tier block t copies engine block ids[t * ratio + r] (skipped if negative) of each layer's
+ * cache (the layer's starts at `cache_base[l]`, its blocks `block_stride` bytes apart) to or from
+ * the slot bytes at slot_base[t] + slot_offset + l * layer_step + r * (one engine block of the
+ * plane). `to_cache`: slot -> cache (a load), else cache -> slot (a save). Returns -1, copying
+ * nothing, if an id is out of range. */
+int tierd_copy_blocks(int64_t layers, const int64_t *cache_base, int64_t block_stride, int64_t num_blocks,
+                      int64_t tiers, int64_t ratio, const int64_t *ids, const int64_t *slot_base,
+                      int64_t slot_offset, int64_t layer_step, int to_cache, int es,
                       int64_t N, int64_t H, int64_t D, int64_t sn, int64_t sh, int64_t sd) {
     const int whole = sd == 1 && sh == D && sn == H * D;
-    for (int64_t i = 0; i < count; i++) {
-        char *c = (char *)(intptr_t)cache_addr[i], *s = (char *)(intptr_t)slot_addr[i];
+    const int64_t unit = N * H * D * es;
+    if (!ids_in_range(tiers * ratio, ids, num_blocks)) return -1;
+    for (int64_t l = 0; l < layers; l++)
+    for (int64_t t = 0; t < tiers; t++)
+    for (int64_t r = 0; r < ratio; r++) {
+        const int64_t id = ids[t * ratio + r];
+        if (id < 0) continue;
+        char *c = (char *)(intptr_t)(cache_base[l] + id * block_stride);
+        char *s = (char *)(intptr_t)(slot_base[t] + slot_offset + l * layer_step + r * unit);
         if (whole) {
-            if (to_cache) memcpy(c, s, (size_t)(N * H * D * es)); else memcpy(s, c, (size_t)(N * H * D * es));
+            /* a run of consecutive engine blocks, adjacent in the cache: one copy */
+            int64_t run = 1;
+            if (block_stride == unit)
+                while (r + run < ratio && ids[t * ratio + r + run] == id + run) run++;
+            if (to_cache) memcpy(c, s, (size_t)(run * unit)); else memcpy(s, c, (size_t)(run * unit));
+            r += run - 1;
         } else if (sd == 1) {                 /* rows of D elements, the cache's in its order */
             for (int64_t h = 0; h < H; h++)
                 for (int64_t n = 0; n < N; n++) {
@@ -198,13 +224,22 @@ static inline void deinterleave16(const char *in, char *a, char *b) {    /* the 
 #endif
 }
 
-/* `count` (cache block, slot part) pairs of one plane (0: K, 1: V) of the amx layout; the cache
- * address is the plane's start in the block's head 0. N and D multiples of 16. */
-int tierd_copy_amx(int64_t count, const int64_t *cache_addr, const int64_t *slot_addr, int to_cache, int plane,
+/* One plane (0: K, 1: V) of every layer of the amx layout, addressed as in tierd_copy_blocks
+ * (bf16); a cache block's address is the plane's start in its head 0. N and D multiples of 16. */
+int tierd_copy_amx(int64_t layers, const int64_t *cache_base, int64_t block_stride, int64_t num_blocks,
+                   int64_t tiers, int64_t ratio, const int64_t *ids, const int64_t *slot_base,
+                   int64_t slot_offset, int64_t layer_step, int to_cache, int plane,
                    int64_t N, int64_t H, int64_t D, int64_t sh) {
     const int64_t srow = H * D * 2;                         /* one token of the slot, bytes */
-    for (int64_t i = 0; i < count; i++) {
-        char *c = (char *)(intptr_t)cache_addr[i], *s = (char *)(intptr_t)slot_addr[i];
+    const int64_t unit = N * srow;
+    if (!ids_in_range(tiers * ratio, ids, num_blocks)) return -1;
+    for (int64_t l = 0; l < layers; l++)
+    for (int64_t t = 0; t < tiers; t++)
+    for (int64_t r = 0; r < ratio; r++) {
+        const int64_t id = ids[t * ratio + r];
+        if (id < 0) continue;
+        char *c = (char *)(intptr_t)(cache_base[l] + id * block_stride);
+        char *s = (char *)(intptr_t)(slot_base[t] + slot_offset + l * layer_step + r * unit);
         if (plane == 0) {
             /* each 16-token tile: pairs as 4-byte elements, (16, D / 2) slot rows <-> (D / 2, 16) */
             for (int64_t a = 0; a < N / 16; a++)

@@ -8,7 +8,10 @@ here, and a contiguous cache through one ctypes memmove per run, from Python. Th
 transposes in 8 x 8 tiles (AVX for 4-byte elements, SSE2 for 2-byte ones, where the compiler
 targets them) and takes every block of a plane in one call. vLLM's "amx" CPU attention layout
 (bf16 K in 16-token tiles of head_dim pairs, V in 16-column tiles of token pairs) is copied by
-the same tile transposes over 4-byte pairs (K) and by pair interleaves (V).
+the same tile transposes over 4-byte pairs (K) and by pair interleaves (V). A `CopyPlan` holds
+one set of caches' geometry, checked once (kernels/transfer.py keeps one per BlockTransfer), so a
+load of a few blocks does not spend more on Python-level checks than on the copy; runs of
+consecutive engine blocks go in one memcpy.
 
 The source is compiled at first use, once per process, by the system C compiler (`$CC`, else
 `cc`) for this machine (`-march=native`), in a private temporary directory that is removed once
@@ -33,7 +36,7 @@ import torch
 log = logging.getLogger("tierd.kernels")
 
 SOURCE = Path(__file__).resolve().parent / "cpu_copy.c"
-ABI = 3
+ABI = 4
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _why: str | None = None        # why there is no library, once a build failed
@@ -63,11 +66,14 @@ def _build(flags: tuple[tuple[str, ...], ...] = (("-march=native",), ())) -> cty
         raise RuntimeError("cpu_copy.c does not match this module")
     p64 = ctypes.POINTER(ctypes.c_int64)
     i64 = ctypes.c_int64
-    lib.tierd_copy_blocks.argtypes = (i64, p64, p64, ctypes.c_int, ctypes.c_int, i64, i64, i64, i64, i64, i64)
-    lib.tierd_copy_blocks.restype = ctypes.c_int
-    lib.tierd_copy_amx.argtypes = (i64, p64, p64, ctypes.c_int, ctypes.c_int, i64, i64, i64, i64)
-    lib.tierd_copy_amx.restype = ctypes.c_int
     vp = ctypes.c_void_p
+    # (layers, cache bases, block stride, num_blocks, tiers, ratio, ids, slot bases, slot offset,
+    #  layer step, to_cache, then the layout's own)
+    head = (i64, vp, i64, i64, i64, i64, vp, vp, i64, i64, ctypes.c_int)
+    lib.tierd_copy_blocks.argtypes = (*head, ctypes.c_int, i64, i64, i64, i64, i64, i64)
+    lib.tierd_copy_blocks.restype = ctypes.c_int
+    lib.tierd_copy_amx.argtypes = (*head, ctypes.c_int, i64, i64, i64, i64)
+    lib.tierd_copy_amx.restype = ctypes.c_int
     lib.tierd_decode_attention.argtypes = (vp, vp, vp, ctypes.c_int, vp, i64, vp, i64, i64, i64, i64, i64, i64,
                                            ctypes.c_float, vp, vp, vp)
     lib.tierd_decode_attention.restype = ctypes.c_int
@@ -134,58 +140,81 @@ def _amx_geometry(k0: torch.Tensor, strides: list, es: int) -> tuple[int, int, i
 def _copy_blocks(k_caches, v_caches, block_ids, slots, *, to_slots: bool, lib: ctypes.CDLL | None = None) -> None:
     """The reference's `_copy_blocks` (same arguments, same result), in C. Raises ValueError for
     inputs it does not take; the reference then runs. (`lib`: another build, for tests.)"""
-    lib = lib or library()
-    if lib is None:
-        raise ValueError(f"no C block copy: {_why}")
-    k0 = k_caches[0]
-    if k0.device.type != "cpu":
-        raise ValueError("CPU caches expected")
-    es = k0.element_size()
-    planes = [k_caches] if v_caches is None else [k_caches, v_caches]
-    strides = [_plane(p, k0) for p in planes]
-    num_blocks = k0.shape[0]
-    if k0.dim() == 8:
-        n, h, d, amx = _amx_geometry(k0, strides, es)
-    elif k0.dim() == 4:
-        amx = None
-        _, n, h, d = k0.shape
-    else:
-        raise ValueError("CPU caches of (blocks, block_size, heads, head_dim), or AMX tiles, expected")
-    layers, ratio = len(k_caches), block_ids.shape[1]
-    ids = block_ids.to(torch.int64).numpy().reshape(-1, ratio) if block_ids.numel() else \
-        np.zeros((0, ratio), np.int64)
-    if len(slots) != ids.shape[0]:
-        raise ValueError(f"{len(slots)} slots for {ids.shape[0]} tier blocks")
-    unit = n * h * d * es                                   # one engine block of one plane, bytes
-    need = layers * len(planes) * ratio * unit
-    slot_base = np.empty(len(slots), np.int64)
-    for t, s in enumerate(slots):
-        if s.device.type != "cpu" or not s.is_contiguous() or s.numel() * s.element_size() < need:
-            raise ValueError("slots must be contiguous CPU memory of a whole tier block")
-        slot_base[t] = s.data_ptr()
-    used = ids >= 0
-    if not used.any():
-        return
-    if ids[used].max() >= num_blocks:
-        raise ValueError(f"engine block id out of range 0..{num_blocks - 1}")  # the reference raises
-    if any(x < 0 for st in strides for x in st):
-        raise ValueError("negative strides")
-    t_idx, r_idx = np.nonzero(used)
-    blocks = ids[t_idx, r_idx]
-    p64 = ctypes.POINTER(ctypes.c_int64)
-    for kv, (caches, st) in enumerate(zip(planes, strides)):
-        # every layer's pairs of this plane in one call: (layers, pairs) addresses, flattened
-        bases = np.array([c.data_ptr() for c in caches], np.int64)
-        cache_at = (bases[:, None] + (blocks * (st[0] * es))[None, :]).reshape(-1)
-        offsets = ((np.arange(layers, dtype=np.int64)[:, None] * len(planes) + kv) * ratio + r_idx[None, :]) * unit
-        slot_at = (slot_base[t_idx][None, :] + offsets).reshape(-1)
-        if amx is not None:
-            lib.tierd_copy_amx(len(cache_at), cache_at.ctypes.data_as(p64), slot_at.ctypes.data_as(p64),
-                               0 if to_slots else 1, kv, n, h, d, amx)
-        else:
-            lib.tierd_copy_blocks(len(cache_at), cache_at.ctypes.data_as(p64), slot_at.ctypes.data_as(p64),
-                                  0 if to_slots else 1, es, n, h, d, *st[1:])
+    CopyPlan(k_caches, v_caches, lib=lib).copy(block_ids, slots, to_slots=to_slots)
 
+
+class CopyPlan:
+    """The C copy between tier slots and one set of CPU caches (every layer's K and V views, or
+    latent caches with `v_caches` None), their geometry checked once: a caller that copies
+    between the same caches again and again (kernels/transfer.py) keeps one, and each copy then
+    costs a few Python operations besides the C loop (what a load of a few blocks would
+    otherwise spend mostly on checking caches, cold in the CPU's caches after a forward pass).
+    ValueError for caches it does not take. The caches must keep their storage while it is used
+    (as an engine's KV caches do); it holds them."""
+
+    def __init__(self, k_caches, v_caches, *, lib: ctypes.CDLL | None = None):
+        lib = lib or library()
+        if lib is None:
+            raise ValueError(f"no C block copy: {_why}")
+        k0 = k_caches[0]
+        if k0.device.type != "cpu":
+            raise ValueError("CPU caches expected")
+        es = k0.element_size()
+        planes = [list(k_caches)] if v_caches is None else [list(k_caches), list(v_caches)]
+        strides = [_plane(p, k0) for p in planes]
+        if any(x < 0 for st in strides for x in st):
+            raise ValueError("negative strides")
+        if len(planes) == 2 and len(planes[1]) != len(planes[0]):
+            raise ValueError(f"{len(planes[0])} K caches and {len(planes[1])} V caches")
+        if k0.dim() == 8:
+            n, h, d, sh = _amx_geometry(k0, strides, es)
+            self._fn, tails = lib.tierd_copy_amx, [(kv, n, h, d, sh) for kv in range(2)]
+        elif k0.dim() == 4:
+            _, n, h, d = k0.shape
+            self._fn, tails = lib.tierd_copy_blocks, [(es, n, h, d, *st[1:]) for st in strides]
+        else:
+            raise ValueError("CPU caches of (blocks, block_size, heads, head_dim), or AMX tiles, expected")
+        self.layers, self.planes, self.num_blocks = len(k_caches), len(planes), k0.shape[0]
+        self.unit = n * h * d * es                          # one engine block of one plane, bytes
+        self._caches = planes
+        # per plane: its layers' start addresses (C array) and block stride, its layout's arguments
+        self._plane_args = [((ctypes.c_int64 * self.layers)(*(c.data_ptr() for c in caches)), st[0] * es, tail)
+                            for caches, st, tail in zip(planes, strides, tails)]
+
+    def copy(self, block_ids: torch.Tensor, slots, *, to_slots: bool) -> None:
+        """Tier block t's part r <-> engine block block_ids[t, r] (negative: not copied), every
+        layer and plane; `slots[t]` a contiguous CPU tensor or numpy array of a whole tier block
+        (not a copy of one: the copy goes through its memory). ValueError
+        (nothing copied) for anything else, or an engine block id out of range."""
+        if block_ids.dim() != 2:
+            raise ValueError(f"block ids of shape {tuple(block_ids.shape)}: (tier blocks, ratio) expected")
+        tiers, ratio = block_ids.shape
+        if len(slots) != tiers:
+            raise ValueError(f"{len(slots)} slots for {tiers} tier blocks")
+        if tiers == 0 or ratio == 0:
+            return
+        ids = block_ids
+        if ids.dtype != torch.int64 or ids.device.type != "cpu" or not ids.is_contiguous():
+            ids = ids.to("cpu", torch.int64).contiguous()
+        part = ratio * self.unit                            # one (layer, plane) of a slot, bytes
+        need = self.layers * self.planes * part
+        base = (ctypes.c_int64 * tiers)()
+        for t, s in enumerate(slots):
+            if isinstance(s, np.ndarray):     # a slot or lease view as the store hands it out
+                if not s.flags.c_contiguous or s.nbytes < need or (to_slots and not s.flags.writeable):
+                    raise ValueError("slots must be contiguous memory of a whole tier block (writable to save)")
+                base[t] = s.ctypes.data
+            elif isinstance(s, torch.Tensor) and s.device.type == "cpu" and s.is_contiguous() \
+                    and s.numel() * s.element_size() >= need:
+                base[t] = s.data_ptr()
+            else:
+                raise ValueError("slots must be contiguous CPU memory of a whole tier block")
+        to_cache = 0 if to_slots else 1
+        ids_at = ids.data_ptr()
+        for kv, (bases, stride, tail) in enumerate(self._plane_args):
+            if self._fn(self.layers, ctypes.addressof(bases), stride, self.num_blocks, tiers, ratio, ids_at,
+                        ctypes.addressof(base), kv * part, self.planes * part, to_cache, *tail) != 0:
+                raise ValueError(f"engine block id out of range 0..{self.num_blocks - 1}")  # the reference raises
 
 _pool = None
 _pool_lock = threading.Lock()

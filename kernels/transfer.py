@@ -50,7 +50,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from . import gather_blocks, scatter_blocks
+from . import gather_blocks, native, scatter_blocks
 
 log = logging.getLogger("tierd.kernels")
 
@@ -159,10 +159,16 @@ class BlockTransfer:
         self._pin_lock = threading.Lock()              # loads and saves attach from several threads
         # streams: CUDA's on a CUDA device; none on CPU (copies run at once), or a test's stand-in
         self.streams = streams if streams is not None else (CudaStreams(self.device) if self.cuda else None)
+        self._plan = None
         if self.device.type == "cpu":
-            # the C copy is built and checked now (once per process), not in the first load
-            gather_blocks.use_kernel(self.device)
-            scatter_blocks.use_kernel(self.device)
+            # the C copy is built and checked now (once per process), not in the first load; where
+            # it passed, the caches' geometry is checked once here, not at every copy
+            if gather_blocks.use_kernel(self.device) and scatter_blocks.use_kernel(self.device) \
+                    and layer_groups is None:
+                try:
+                    self._plan = native.CopyPlan(self.k, self.v)
+                except ValueError:
+                    pass     # caches the C copy does not take: the ops decide per call
         if self.streams is not None:
             self.d2h = self.streams.stream()
             self.h2d = self.streams.stream()
@@ -243,6 +249,8 @@ class BlockTransfer:
         """`fn` (gather_blocks / scatter_blocks) over `layers` (all by default): in one call when
         every layer uses the same ids, else layer by layer, each through its group's ids.
         `whole`: `slots` hold every layer (else the one layer of `layers`)."""
+        if layers is None and self._planned(fn, block_ids, slots):
+            return
         layers = range(self.layers) if layers is None else layers
         v = self.v
         if self.layer_groups is None:
@@ -254,6 +262,19 @@ class BlockTransfer:
         for i in layers:
             part = [s[i * lb:(i + 1) * lb] for s in slots] if whole else slots
             fn([self.k[i]], None if v is None else [v[i]], self._layer_ids(block_ids, i), part)
+
+    def _planned(self, fn, block_ids: torch.Tensor, slots: Sequence) -> bool:
+        """Every layer's copy through the C copy's plan of these caches (CPU), where there is one
+        and the op still uses the C copy; False if not done (the op decides, and raises what the
+        reference does). `slots`: tensors, or the store's numpy buffers as they are."""
+        plan = self._plan
+        if plan is None or fn.status(self.device) != "kernel":
+            return False
+        try:
+            plan.copy(block_ids, slots, to_slots=fn is gather_blocks)
+            return True
+        except ValueError:
+            return False
 
     def _zero_skipped(self, block_ids: torch.Tensor, slots: Sequence[torch.Tensor]) -> None:
         """Zeros in the parts of `slots` (host, whole tier blocks) that no engine block fills."""
@@ -273,9 +294,11 @@ class BlockTransfer:
         after which they hold the bytes (None on CPU: they already do). The compute stream waits
         for the gather (a device-to-device copy) only, not for the copy to the host: work queued
         later may reuse the blocks."""
-        host = [host_tensor(b) for b in buffers]
         block_ids = self._flat_ids(block_ids)
         sx = self.streams
+        if sx is None and not bool((block_ids < 0).any()) and self._planned(gather_blocks, block_ids, buffers):
+            return None
+        host = [host_tensor(b) for b in buffers]
         if sx is None:
             self._zero_skipped(block_ids, host)
             self._copy(gather_blocks, block_ids, host)
@@ -313,6 +336,8 @@ class BlockTransfer:
         nothing yet: `job.wait_layer(i)` / `job.wait_all()`."""
         n = len(buffers)
         block_ids = self._flat_ids(block_ids)
+        if self.streams is None and not device_buffers and self._planned(scatter_blocks, block_ids, buffers):
+            return LoadJob(device_blocks=0)
         srcs: list = []
         for t in range(n):
             d = device_buffers[t] if device_buffers is not None and t < len(device_buffers) else None

@@ -459,6 +459,43 @@ def test_cpu_ops_use_the_c_copy_after_its_check_and_fall_back_for_what_it_does_n
     assert K.scatter_blocks.status(cpu) == "kernel"   # bad input never unpins it
 
 
+@needs_cc
+def test_a_copy_plan_takes_the_stores_buffers_as_they_are_and_copies_runs_and_gaps_exactly():
+    """What a BlockTransfer on CPU caches copies through: the caches' geometry checked once, the
+    store's numpy buffers (a lease's read-only views too) used in place. Runs of consecutive
+    blocks, a reversed run, a skipped part and a part at block 0 give the reference's bytes."""
+    from tierd.kernels import native
+    layers, ratio, bs, h, d, nb = 3, 4, 16, 2, 32, 16
+    g = torch.Generator().manual_seed(5)
+    ks = [torch.randn(nb, bs, h, d, generator=g) for _ in range(layers)]
+    vs = [torch.randn(nb, bs, h, d, generator=g) for _ in range(layers)]
+    ids = torch.tensor([[3, 4, 5, 6], [9, -1, 10, 11], [15, 14, 13, 0]])
+    bb = layers * 2 * ratio * bs * h * d * 4
+    slots = [np.zeros(bb, np.uint8) for _ in range(3)]
+    native.CopyPlan(ks, vs).copy(ids, slots, to_slots=True)
+    want = [torch.zeros(bb, dtype=torch.uint8) for _ in range(3)]
+    reference.gather_blocks(ks, vs, ids, want)
+    assert all(np.array_equal(s, w.numpy()) for s, w in zip(slots, want))
+    assert not np.any(slots[1].reshape(layers, 2, ratio, -1)[:, :, 1])      # the skipped part
+    ro = [s.copy() for s in slots]
+    for r in ro:
+        r.flags.writeable = False
+    ks2, vs2 = [torch.zeros_like(k) for k in ks], [torch.zeros_like(v) for v in vs]
+    plan = native.CopyPlan(ks2, vs2)
+    plan.copy(ids, ro, to_slots=False)
+    kw, vw = [torch.zeros_like(k) for k in ks], [torch.zeros_like(v) for v in vs]
+    reference.scatter_blocks(kw, vw, ids, [torch.from_numpy(s) for s in slots])
+    assert all(torch.equal(a, b) for a, b in zip(ks2 + vs2, kw + vw))
+    with pytest.raises(ValueError):
+        plan.copy(ids, ro, to_slots=True)                     # a lease's view is never written
+    with pytest.raises(ValueError):
+        plan.copy(ids, [s[:-1] for s in slots], to_slots=False)   # a slot too small
+    before = [c.clone() for c in ks2 + vs2]
+    with pytest.raises(ValueError, match="out of range"):
+        plan.copy(torch.tensor([[1, 2, 3, nb]]), ro[:1], to_slots=False)
+    assert all(torch.equal(a, b) for a, b in zip(before, ks2 + vs2))   # nothing copied, not even a part
+
+
 # -- on a GPU -------------------------------------------------------------------------------------
 needs_gpu = pytest.mark.skipif(not K.available(), reason="needs CUDA and CuPy")
 
@@ -529,6 +566,8 @@ def _transfer_roundtrip(store, device):
     vs = [torch.randn((40, bs, h, d), generator=g).half().to(device) for _ in range(layers)]
     src = BlockTransfer(ks, vs, ratio)
     assert src.block_bytes == ns.block_bytes
+    from tierd.kernels import native
+    assert (src._plan is not None) == (device == "cpu" and native.available())   # the C copy's plan
     assert store.host_array().dtype.itemsize == 1 and store.host_array().nbytes >= 4 * ns.block_bytes
     assert src.attach(store) == (device == "cuda")   # page-locked on CUDA only
     keys = ns.block_keys(list(range(4 * ratio * bs)))
