@@ -164,8 +164,8 @@ int tierd_copy_blocks(int64_t layers, const int64_t *cache_base, int64_t block_s
             if (to_cache) memcpy(c, s, (size_t)(run * unit)); else memcpy(s, c, (size_t)(run * unit));
             r += run - 1;
         } else if (sd == 1) {                 /* rows of D elements, the cache's in its order */
-            for (int64_t h = 0; h < H; h++)
-                for (int64_t n = 0; n < N; n++) {
+            for (int64_t n = 0; n < N; n++)
+                for (int64_t h = 0; h < H; h++) {
                     char *cp = c + (n * sn + h * sh) * es, *sp = s + ((n * H + h) * D) * es;
                     if (to_cache) row_copy(cp, sp, D * es); else row_copy(sp, cp, D * es);
                 }
