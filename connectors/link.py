@@ -117,15 +117,31 @@ def acquire_for(store, ns, keys: Sequence[bytes], device):
     return store.acquire(ns, keys)
 
 
+def load_unleased(store, ns, keys: Sequence[bytes], copy) -> int | None:
+    """A load copied straight out of the daemon's host slots, with no round trip
+    (`Client.read_unleased`): `copy(views)` copies the blocks into the engine's at once. How many
+    blocks were loaded, or None where the load must lease instead: an embedded store, a client
+    without the daemon's shared index, an index that cannot tell, or a block that changed during
+    the copy — the lease path then copies again over what `copy` wrote, before anything reads
+    it. Only for copies that are done when `copy` returns (CPU caches)."""
+    read = getattr(store, "read_unleased", None)
+    if read is None:
+        return None
+    try:
+        return read(ns, keys, copy)
+    except STORE_ERRORS:
+        return None
+
+
 class StoreLink:
     """A Store (object or URL) with back-off, counters and a bounded background store queue."""
 
     def __init__(self, store, *, max_pending_blocks: int = 64, retry_after_s: float = 1.0,
                  max_batch: int = 16, name: str = "tierd-kv-store", timeout_s: float = DEFAULT_TIMEOUT_S,
                  background_connect: bool = False, retries: int | None = None, use_index: bool = False,
-                 prefault: bool = False):
+                 prefault: bool = False, read_index: bool = False):
         if isinstance(store, str) and store.startswith("unix:"):
-            params = [] if use_index or "index=" in store else ["index=0"]
+            params = [] if use_index or "index=" in store else ["index_lookups=0"] if read_index else ["index=0"]
             if prefault and "prefault=" not in store:
                 # a link that copies through slots maps the arena's pages ahead of its first copy
                 params.append("prefault=1")
@@ -141,6 +157,8 @@ class StoreLink:
         # Connectors ask the daemon for lookups (use_index=False): a lookup to a stalled daemon
         # then ends at the request timeout as a miss, where an answer from the daemon's shared
         # index could promise blocks for up to 100 ms after the stall, and the load would wait.
+        # A link that loads (read_index) still maps the index for reads without a lease
+        # (`load_unleased`): those are checked after the copy, stall or not.
         # With background_connect, get() never connects (or reconnects) in the caller's thread:
         # it starts a connection attempt in the background and answers None until it is up, so
         # a caller with a deadline never waits on connect + hello to a stalled daemon.

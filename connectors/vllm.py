@@ -219,13 +219,15 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
             # loads and saves on separate connections: a timeout on one never drops the other's slots
             # both copy through the daemon's arena: its pages are mapped ahead of the first copy
             prefault = bool(_extra(ktc, "prefault", True))
-            self.link = StoreLink(store, timeout_s=timeout_s, name="tierd-vllm-load", prefault=prefault)
+            # the load link reads blocks the daemon's shared index shows ready without a lease
+            self.link = StoreLink(store, timeout_s=timeout_s, name="tierd-vllm-load", prefault=prefault,
+                                  read_index=bool(_extra(ktc, "unleased_loads", True)))
             self.save_link = StoreLink(store, timeout_s=timeout_s, name="tierd-vllm-save", prefault=prefault)
             self.save_link.stats = self.link.stats
         self.stats = self.link.stats
         for k in ("lookup_timeouts", "loads_async", "stores_present", "lost_leases", "requests_not_keyed",
                   "save_s", "hbm_hit_blocks", "loads_unordered", "stores_skipped", "state_misses",
-                  "state_load_misses", "load_acquire_s", "load_copy_s"):
+                  "state_load_misses", "load_acquire_s", "load_copy_s", "unleased_loads"):
             self.stats.setdefault(k, 0)
         if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning("kv_load_failure_policy is %r: a tier block evicted between lookup and load "

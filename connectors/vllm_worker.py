@@ -27,7 +27,7 @@ from tierd.kernels.transfer import BlockTransfer, LoadJob, host_tensor
 from tierd.namespace import Namespace
 
 from . import vllm_layout
-from .link import STORE_ERRORS, acquire_for, drain_quietly, holding
+from .link import STORE_ERRORS, acquire_for, drain_quietly, holding, load_unleased
 from .vllm_groups import KVGroups
 from .vllm_meta import LoadSpec, SaveSpec
 
@@ -212,6 +212,10 @@ class WorkerHalf:
         keys = spec.keys[self._rank]
         if spec.state_keys and (store is None or not self._load_state(store, spec)):
             store = None      # without the state at its end, the hit is not loaded at all
+        if store is not None and self._xfer.streams is None and not spec.state_keys:
+            done = self._load_unleased(store, spec, keys, t0)
+            if done is not None:
+                return done
         if store is not None:
             try:
                 lease = acquire_for(store, self.namespace(spec.salt), keys, self._device)
@@ -249,6 +253,28 @@ class WorkerHalf:
             self._release_quietly(store, lease)
         self.stats["load_s"] += time.perf_counter() - t0
         return self._missing(spec, loaded)
+
+    def _load_unleased(self, store, spec: LoadSpec, keys, t0: float) -> set[int] | None:
+        """A CPU load without a lease (the daemon's shared index shows the blocks ready in host
+        RAM): copied into the request's blocks now, checked after. Returns the blocks to
+        recompute, or None where the lease path must load (it then copies again over whatever
+        was written here; vLLM reads nothing of a load before it is reported)."""
+        def copy(views) -> None:
+            self._xfer.load_layers(self._load_ids(spec, len(views)), views, None, layered=False)
+        try:
+            n = load_unleased(store, self.namespace(spec.salt), keys, copy)
+        except Exception:  # noqa: BLE001 - a failed copy: the lease path loads (or recomputes)
+            log.exception("tierd: a load without a lease failed; leasing the blocks instead")
+            return None
+        if n is None:
+            return None
+        self.link.ok()
+        spent = time.perf_counter() - t0
+        self.stats["unleased_loads"] += 1
+        self.stats["load_copy_s"] += spent      # the index read, the copies and their check
+        self.stats["load_s"] += spent
+        self.stats["loaded_bytes"] += n * self.namespace(spec.salt).block_bytes
+        return self._missing(spec, n)
 
     def _load_state(self, store, spec: LoadSpec) -> bool:
         """Copy the recurrent state at the end of `spec`'s hit into its state blocks; False if

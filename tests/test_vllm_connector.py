@@ -68,10 +68,48 @@ def test_roundtrip_and_load_errors_through_the_daemon(daemon, load_async):
     sched, worker = pair(daemon.url, load_async=load_async)
     with tierd.connect(daemon.url) as admin:
         drv.run_roundtrip(sched, worker, drv.Objects(), admin)
+        assert worker.stats["unleased_loads"] > 0    # CPU loads read ready blocks without a lease
         drv.run_load_error(sched, worker, drv.Objects(), admin)
         worker.shutdown()
         sched.shutdown()
         assert admin.stats()["reservations"] == 0      # every reservation committed or aborted
+
+
+def test_a_load_without_a_lease_whose_blocks_move_during_the_copy_is_leased_and_copied_again(daemon):
+    """The worker copies a hit straight out of the daemon's slots, then checks the shared index:
+    blocks that left their slots meanwhile (a flush here) make it lease them (promoted from
+    disk) and copy again, before vLLM reads anything; the request gets the stored bytes."""
+    sched, worker = pair(daemon.url, load_async=False)
+    objs = drv.Objects()
+    torch.manual_seed(3)
+    prompt = torch.randint(0, 32000, (100,)).tolist()
+    with tierd.connect(daemon.url) as admin:
+        a = objs.request("A", prompt)
+        assert drv.admit(sched, objs, a, 0, list(range(7)), worker) == 0
+        drv.step(sched, worker, objs, objs.output([(a, range(7), 0, 100)]))
+        assert worker.flush(30)
+        sched.request_finished(a, list(range(7)))
+        stored = {i: drv.block_kv(worker, i) for i in range(6)}
+        assert admin.sync() == 3
+        real, moved = worker._xfer.load_layers, []
+
+        def load_layers(*args, **kw):
+            job = real(*args, **kw)
+            if not moved:
+                moved.append(admin.flush(tier="host"))   # the blocks leave their slots mid-load
+            return job
+        worker._xfer.load_layers = load_layers
+        b = objs.request("B", prompt[:96] + [7] * 24)
+        assert drv.admit(sched, objs, b, 0, list(range(10, 18)), worker) == 96
+        drv.step(sched, worker, objs, objs.output([(b, range(10, 18), 96, 24)]))
+        assert moved == [3]
+        for i in range(6):
+            assert torch.equal(drv.block_kv(worker, 10 + i), stored[i]), i
+        assert objs.take_errors() == set()
+        assert worker.stats["unleased_loads"] == 0 and worker.link.store.unleased_discarded == 1
+        sched.request_finished(b, list(range(10, 18)))
+        worker.shutdown()
+        sched.shutdown()
 
 
 def test_blocks_are_shared_with_the_bundled_engine_layout(embedded_url):

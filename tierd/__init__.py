@@ -39,7 +39,8 @@ def connect(url: str = "embedded://"):
     `connect_timeout_s` the connection, 5 s; `retries` how often a read-only request is retried
     on a new connection, 1; `spin_us` how long a request busy-polls for its reply before
     sleeping, 100 µs, 0 never; `index=0` asks the daemon for every lookup instead of answering
-    from its shared lookup index; `hbm=1|0` says whether this client reads the HBM tier's copies,
+    from its shared lookup index (`index_lookups=0` only lookups: gets still read blocks the
+    index shows ready without a lease); `hbm=1|0` says whether this client reads the HBM tier's copies,
     by default when it maps the daemon's HBM tier: only readers make blocks move into HBM;
     `prefault=1` maps every page of the daemon's host arena into this process ahead of use, in
     a background thread at the lowest priority, so that no copy through a slot stops on page
@@ -65,7 +66,7 @@ def connect(url: str = "embedded://"):
             raise ConfigError(f"{url}: no socket path; use unix:///run/tierd/tierd.sock")
         kw: dict = {}
         known = {"timeout_s": float, "connect_timeout_s": float, "retries": int, "spin_us": float, "index": int,
-                 "hbm": int, "prefault": int}
+                 "index_lookups": int, "hbm": int, "prefault": int}
         for k, v in parse_qsl(parts.query, keep_blank_values=True):
             if k not in known:
                 raise ConfigError(f"{url}: unknown parameter {k!r}; known: {', '.join(known)}")
@@ -73,10 +74,12 @@ def connect(url: str = "embedded://"):
                 kw[k] = known[k](v)
             except ValueError:
                 raise ConfigError(f"{url}: {k} must be a number") from None
-            if kw[k] < 0 or (k not in ("retries", "spin_us", "index", "hbm", "prefault") and not kw[k] > 0):
+            if kw[k] < 0 or (k not in ("retries", "spin_us", "index", "index_lookups", "hbm", "prefault") and not kw[k] > 0):
                 raise ConfigError(f"{url}: {k} must be positive")
         if "index" in kw:
             kw["use_index"] = bool(kw.pop("index"))
+        if "index_lookups" in kw:
+            kw["index_lookups"] = bool(kw["index_lookups"])
         for k in ("hbm", "prefault"):
             if k in kw:
                 kw[k] = bool(kw[k])

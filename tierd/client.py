@@ -100,7 +100,7 @@ class Client(DaemonConnection):
 
     def __init__(self, path: str, *, timeout_s: float = 60.0, name: str | None = None,
                  connect_timeout_s: float = 5.0, retries: int = 1, spin_us: float = 100.0,
-                 use_index: bool = True, hbm: bool | None = None, prefault: bool = False,
+                 use_index: bool = True, index_lookups: bool = True, hbm: bool | None = None, prefault: bool = False,
                  stage_bytes: int = 64 << 20):
         self.path = path
         self._spin_s = max(0.0, spin_us) / 1e6   # busy-poll for a reply this long (0: never)
@@ -133,6 +133,7 @@ class Client(DaemonConnection):
         self._rbuf = bytearray()     # received bytes not yet parsed into a reply
         self._index = None           # the daemon's shared lookup index (tierd.index), when mapped
         self.use_index = use_index
+        self.index_lookups = index_lookups   # False: lookups ask the daemon; reads still use the index
         self._hbm = hbm              # reads HBM copies: None = when it maps the daemon's HBM tier
         self._hold_lock = threading.Lock()
         self._noreply = False        # the daemon serves releases without a reply (its hello says)
@@ -196,7 +197,7 @@ class Client(DaemonConnection):
         keys = check_keys(keys)
         name = self._ns_name(ns)
         with self._lock:
-            if self._index_usable():
+            if self.index_lookups and self._index_usable():
                 r = self._index.leading(self._namespaces[name].id, keys)
                 if r is not None:
                     return r[0]
@@ -208,7 +209,7 @@ class Client(DaemonConnection):
         pairs)."""
         q = [{"ns": self._ns_name(ns), "keys": check_keys(keys)} for ns, keys in queries]
         with self._lock:
-            if self._index_usable():
+            if self.index_lookups and self._index_usable():
                 found = [self._index.leading(self._namespaces[x["ns"]].id, x["keys"]) for x in q]
                 if all(f is not None for f in found):
                     return found if host else [n for n, _ in found]
@@ -497,6 +498,31 @@ class Client(DaemonConnection):
     def _get_unleased(self, nsobj: Namespace, keys: list[bytes], dsts, out) -> list | None:
         """`get` without a lease (tierd/index.py), or None where the lease must decide: the
         index cannot tell, a lease might get more blocks, or a block changed during the copy."""
+        got: list = []
+
+        def copy(views) -> None:
+            if dsts is None:
+                got[:] = [v.copy() for v in views]
+            else:
+                for dst, v in zip(dsts, views):
+                    copy_block(dst, v)
+                got[:] = list(out[:len(views)])
+        return None if self._read_unleased(nsobj, keys, copy) is None else got
+
+    def read_unleased(self, ns, keys: Sequence[bytes], copy) -> int | None:
+        """The leading blocks of `keys` read straight out of their host slots, with no request to
+        the daemon, where its shared index shows them ready, as `get` does: `copy(views)` gets
+        read-only views of the slots of the blocks to read (at least one) and must copy them out
+        before it returns. Returns how many blocks were read (all exact: what a lease would have
+        served), or None where the index cannot tell or a block changed while `copy` ran — then
+        whatever `copy` wrote must not be used: lease the blocks (`acquire`) and copy again.
+        For callers that copy at once and can redo a copy, such as a load into an engine's KV
+        blocks that nothing reads before the load is done."""
+        if not (self._unleased_ok and keys):
+            return None
+        return self._read_unleased(self._namespace(ns), check_keys(keys), copy)
+
+    def _read_unleased(self, nsobj: Namespace, keys: list[bytes], copy) -> int | None:
         with self._lock:
             hbm = self._gpu_arena is not None if self._hbm is None else self._hbm
             idx, arena = self._index, self._arena
@@ -516,12 +542,10 @@ class Client(DaemonConnection):
             link = self._pin()
         try:
             bb = nsobj.block_bytes
-            if dsts is None:
-                got = [arena[o:o + bb].copy() for o in offsets.tolist()]
-            else:
-                for dst, o in zip(dsts, offsets.tolist()):
-                    copy_block(dst, arena[o:o + bb])
-                got = list(out[:n])
+            views = [arena[o:o + bb] for o in offsets.tolist()]
+            for v in views:
+                v.flags.writeable = False
+            copy(views)
             with self._lock:
                 if (idx is not self._index or link is not self._link or self._hup.poll(0)
                         or not idx.unchanged(ways, seqs)):
@@ -536,7 +560,7 @@ class Client(DaemonConnection):
                 if (self._hits_keys >= self.HITS_BATCH
                         or time.monotonic() - self._hits_since >= self.HITS_MAX_AGE_S):
                     self._report_hits()
-            return got
+            return n
         finally:
             self._unpin(link)
 
