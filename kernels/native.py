@@ -216,6 +216,7 @@ class CopyPlan:
                         ctypes.addressof(base), kv * part, self.planes * part, to_cache, *tail) != 0:
                 raise ValueError(f"engine block id out of range 0..{self.num_blocks - 1}")  # the reference raises
 
+
 _pool = None
 _pool_lock = threading.Lock()
 
