@@ -227,7 +227,7 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
         self.stats = self.link.stats
         for k in ("lookup_timeouts", "loads_async", "stores_present", "lost_leases", "requests_not_keyed",
                   "save_s", "hbm_hit_blocks", "loads_unordered", "stores_skipped", "state_misses",
-                  "state_load_misses", "load_acquire_s", "load_copy_s", "unleased_loads"):
+                  "state_load_misses", "load_acquire_s", "load_copy_s", "unleased_loads", "requests_opted_out"):
             self.stats.setdefault(k, 0)
         if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning("kv_load_failure_policy is %r: a tier block evicted between lookup and load "

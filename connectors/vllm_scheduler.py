@@ -44,6 +44,25 @@ class _Req:
     local: int = 0            # tokens vLLM's own prefix cache had at that lookup
     load_async: bool = False  # how the load of that lookup goes
     load_attempts: int = 0
+    load: bool = True         # the request's own say (`kv_transfer_params`): look up and load,
+    store: bool = True        # and store its blocks
+
+
+def tier_use(params: Any) -> tuple[bool, bool]:
+    """What a request lets the tier do, from its `kv_transfer_params`: (load, store). Its
+    "tierd" entry is `false` (neither), `true` (both, the default) or {"load": bool, "store":
+    bool} (a missing one: true). Anything else raises TierdError: a request whose wish cannot be
+    read is not cached at all (a mistyped "store": false must not store a private prompt)."""
+    if params is None:
+        return True, True
+    if not isinstance(params, dict):
+        raise TierdError(f"kv_transfer_params must be a dict, not {type(params).__name__}")
+    use = params.get("tierd", True)
+    if isinstance(use, bool):
+        return use, use
+    if isinstance(use, dict) and set(use) <= {"load", "store"} and all(isinstance(v, bool) for v in use.values()):
+        return use.get("load", True), use.get("store", True)
+    raise TierdError(f'kv_transfer_params["tierd"]={use!r}: use true, false or {{"load": bool, "store": bool}}')
 
 
 class SchedulerHalf:
@@ -53,9 +72,12 @@ class SchedulerHalf:
         st = self._reqs.get(request.request_id)
         if st is None:
             salt = getattr(request, "cache_salt", None) or ""
+            load, store = tier_use(getattr(request, "kv_transfer_params", None))
             st = _Req(request, salt, [[] for _ in range(self.key_ranks)],
                       [[] for _ in range(self.key_ranks)] if self.groups.has_state else [],
-                      extra=block_extra(request, self.block_tokens))
+                      extra=block_extra(request, self.block_tokens), load=load, store=store)
+            if not (load and store):
+                self.stats["requests_opted_out"] += 1
             self._reqs[request.request_id] = st
         st.request = request
         return st
@@ -82,7 +104,7 @@ class SchedulerHalf:
         except TierdError as e:      # something that changes KV and cannot be keyed: no tier at all
             self._not_keyed(request, e)
             return 0, False
-        if st.load_attempts >= MAX_LOAD_ATTEMPTS:
+        if st.load_attempts >= MAX_LOAD_ATTEMPTS or not st.load:
             return 0, False
         store = self.link.get()
         if store is None:
@@ -232,7 +254,7 @@ class SchedulerHalf:
         full = min(computed + scheduled, len(st.request.all_token_ids)) // bt
         if full <= st.saved:
             return
-        if self.link.backing_off:          # tierd is down: do not copy blocks nobody will take
+        if not st.store or self.link.backing_off:   # the request said no, or tierd is down
             st.saved = full
             return
         table = self._groups_of(live.get_block_ids(st.request.request_id)) if live is not None else None

@@ -402,6 +402,40 @@ def test_multimodal_inputs_and_prompt_embeddings_are_in_the_keys(embedded_url):
     assert hits == [96, 0, 0]
 
 
+def test_a_request_chooses_whether_the_tier_loads_and_stores_it(embedded_url):
+    """`kv_transfer_params={"tierd": ...}`: store false leaves nothing in the tier, load false
+    neither looks up nor loads, and a wish that cannot be read means neither (a mistyped "store":
+    false must not store a private prompt); other connectors' params are not ours."""
+    sched, worker = pair(embedded_url)
+    objs = drv.Objects()
+    prompt = list(range(1, 101))
+
+    def req(rid, params):
+        r = objs.request(rid, prompt)
+        r.kv_transfer_params = params
+        return r
+
+    private = req("private", {"tierd": {"store": False}})
+    drv.admit(sched, objs, private, 0, list(range(7)), worker)
+    drv.step(sched, worker, objs.output([(private, range(7), 0, 100)]))
+    assert worker.flush(30)
+    assert worker.stats["stored_blocks"] == 0
+    assert sched.get_num_new_matched_tokens(req("after", None), 0)[0] == 0
+    _stored(sched, worker, objs, prompt, rid="public")
+    assert worker.stats["stored_blocks"] == 3
+    lookups = sched.stats["lookups"]
+    wishes = [{"tierd": {"load": False}}, {"tierd": False}, {"tierd": {"lod": False}}, {"tierd": "no"},
+              {"tierd": {"load": 0}}, [("tierd", False)],
+              None, {}, {"tierd": True}, {"tierd": {"store": False}}, {"do_remote_prefill": False}]
+    hits = [sched.get_num_new_matched_tokens(req(f"r{i}", w), 0)[0] for i, w in enumerate(wishes)]
+    assert hits == [0] * 6 + [96] * 5
+    assert sched.stats["lookups"] == lookups + 5
+    assert sched.stats["requests_not_keyed"] == 4
+    assert sched.stats["requests_opted_out"] == 4      # private, load false, false, store false
+    worker.shutdown()
+    sched.shutdown()
+
+
 # -- saves: bounded, and straight into the slots ---------------------------------------------
 def test_saves_past_the_in_flight_cap_are_dropped_before_any_copy(daemon):
     sched, worker = pair(daemon.url, max_inflight_bytes=1)   # smaller than one block

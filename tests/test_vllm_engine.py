@@ -66,6 +66,7 @@ def _prompts():
          "F1": toks(600), "F2": toks(600), "F3": toks(600)}
     p.update({f"S{i}": shared + toks(100) for i in range(4)})
     p.update({f"P{i}": toks(600) for i in range(4)})
+    p.update({"O1": toks(600), "O2": toks(600)})
     return p
 
 
@@ -87,6 +88,7 @@ P1_BATCHES = [
     batch("preempt", "P0", "P1", "P2", "P3", max_tokens=160),
     batch("lora", "X", ("X", {"lora": "A"})),
     batch("z", "Z"),
+    batch("private", ("O1", {"kv_transfer_params": {"tierd": {"store": False}}}), "O2"),
 ]
 P2_BATCHES = [
     batch("repeat", "R1", ("R2", {"salt": "tenant-a"})),
@@ -96,6 +98,11 @@ P2_BATCHES = [
     batch("lora_b", ("X", {"lora": "B"})),
     batch("lora_a", ("X", {"lora": "A"})),
     batch("cross", "Y"),
+    # each request's own say (kv_transfer_params): O1 was not stored, O2 was
+    batch("opt_unstored", "O1"),
+    batch("opt_no_load", ("O2", {"kv_transfer_params": {"tierd": {"load": False}}})),
+    batch("opt_unreadable", ("O2", {"kv_transfer_params": {"tierd": {"lod": False}}})),
+    batch("opt_load", ("O2", {"kv_transfer_params": {"tierd": {"store": False}}})),
     batch("stall", "F1", "R1", pause=True),
     batch("kill", "F2", ("R2", {"salt": "tenant-a"}), pause=True),
     batch("restart", "F3", "R1", pause=True),
@@ -290,6 +297,16 @@ def test_c_chunked_prefill_of_prompts_longer_than_the_token_budget(runs):
 def test_d_a_batch_sharing_a_prefix(runs):
     assert _external(runs["p2"], "shared") >= 4 * 2 * BLOCK_TOKENS
     assert _tokens(runs["p2"], "shared") == _expected(runs, "p2", "shared")
+
+
+def test_requests_choose_what_the_tier_does_with_them(runs):
+    # P1 ran O1 with "store": false: a fresh engine finds nothing of it; O2 was stored: found
+    # only where the request lets the tier load (not with "load": false, nor with a wish that
+    # cannot be read), and loaded by a request that only declines to store
+    for name, hit in (("opt_unstored", 0), ("opt_no_load", 0), ("opt_unreadable", 0), ("opt_load", 2 * BLOCK_TOKENS)):
+        assert _external(runs["p2"], name) == hit, name
+        assert _tokens(runs["p2"], name) == _expected(runs, "p2", name), name
+    assert _tokens(runs["p1"], "private") == _expected(runs, "p1", "private")
 
 
 def test_e_cache_salt_isolation(runs):

@@ -15,7 +15,8 @@ SPEC: {"model": DIR, "out": PATH, "connector": null | {kv_connector_extra_config
                       benchmarks/vllm_ttft.py --peers),
        "engine": {extra vllm.LLM arguments}, "loras": {name: dir},
        "batches": [{"name": ..., "prompts": [{"tokens": [...], "salt": s, "lora": name,
-                    "max_tokens": n, "ignore_eos": bool}], "pause": bool}]}
+                    "max_tokens": n, "ignore_eos": bool, "kv_transfer_params": {...}}],
+                    "pause": bool}]}
 
 A batch with "pause" first writes OUT.ready-NAME and waits for OUT.go-NAME (so a test can stop,
 kill or restart the daemon between batches). Per batch the output has each prompt's generated
@@ -109,7 +110,9 @@ def main(spec_path: str) -> int:
                 tp["cache_salt"] = p["salt"]
             prompts.append(tp)
             params.append(SamplingParams(max_tokens=p.get("max_tokens", 16), temperature=0.0, detokenize=False,
-                                         ignore_eos=bool(p.get("ignore_eos", False))))
+                                         ignore_eos=bool(p.get("ignore_eos", False)),
+                                         extra_args={"kv_transfer_params": p["kv_transfer_params"]}
+                                         if "kv_transfer_params" in p else None))
             lreqs.append(lora_reqs[p["lora"]] if p.get("lora") else None)
         before = _counters(llm)
         cbefore = _summed(llm.collective_rpc(_connector_stats)) if spec.get("connector_stats") else {}
