@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 import tierd
+from tierd import threads
 from tierd.errors import LeaseError, NamespaceLimitError, TierdError
 
 log = logging.getLogger("tierd.connectors")
@@ -230,7 +231,7 @@ class StoreLink:
                 self._connecting = False
                 done.set()
 
-        threading.Thread(target=attempt, name=f"{self._name}-connect", daemon=True).start()
+        threads.start(attempt, name=f"{self._name}-connect")
         return done, True
 
     def failed(self, e: Exception, what: str) -> None:
@@ -259,8 +260,7 @@ class StoreLink:
         if self._worker is None:
             with self._lock:
                 if self._worker is None:
-                    self._worker = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                    self._worker.start()
+                    self._worker = threads.start(self._loop, name=self._name)
         with self._lock:
             try:
                 self._queue.put_nowait((ns, key, parent, block, tokens))

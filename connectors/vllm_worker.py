@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from tierd import threads
 from tierd.errors import TierdError
 from tierd.kernels.transfer import BlockTransfer, LoadJob, host_tensor
 from tierd.namespace import Namespace
@@ -68,6 +69,10 @@ class WorkerHalf:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         if self.disabled:
             return
+        if all(t.device.type == "cpu" for t in kv_caches.values()):
+            # vLLM's CPU worker has bound this thread (its OpenMP compute thread) to its cores:
+            # the connector's threads, started later, run beside them, not on them
+            threads.keep_helpers_off_my_cores()
         rank = self._worker_rank()
         # the namespace this worker reads and writes: its stage's and rank's, or (MLA) its
         # stage's for all ranks, which rank 0 alone writes (every rank holds the same latent rows)
@@ -170,8 +175,7 @@ class WorkerHalf:
                     self._done_loads[spec.req_id] = spec.real_ids()
                 continue
             if self._loader is None:
-                self._loader = threading.Thread(target=self._load_loop, name="tierd-vllm-loader", daemon=True)
-                self._loader.start()
+                self._loader = threads.start(self._load_loop, name="tierd-vllm-loader")
             with self._lock:
                 self._queued.add(spec.req_id)
             self._load_q.put(spec)
@@ -463,8 +467,7 @@ class WorkerHalf:
                 self._step_saves.append(p)
                 self._save_q.put(("reserve", p))
         if self._saver is None:
-            self._saver = threading.Thread(target=self._save_loop, name="tierd-vllm-saver", daemon=True)
-            self._saver.start()
+            self._saver = threads.start(self._save_loop, name="tierd-vllm-saver")
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # whole tier blocks are copied out in wait_for_save, once every layer is written

@@ -130,3 +130,45 @@ def test_a_stopped_or_restarted_daemons_table_is_not_used(tmp_path):
     finally:
         c.close()
         assert d.stop() == 0
+
+
+def test_few_key_reads_answer_as_the_vectorised_ones(tmp_path, monkeypatch):
+    """Lookups and reads without a lease of up to SMALL_KEYS keys read the table with plain
+    integer reads; on the same table they answer exactly what the numpy path does: states,
+    overflowed buckets, a stalled disk, ways being rewritten, no remote tier or one."""
+    import tierd.index as ix
+    w = SharedIndex.create(str(tmp_path / "idx"), 1 << 16, instance=2)     # few buckets: overflows
+    r = SharedIndex.open(str(tmp_path / "idx"), instance=2)
+    ns = make_ns()
+    rng = random.Random(3)
+    chains = [chain(ns, s, 12) for s in range(300)]
+    for keys in chains:
+        for k in keys:
+            if rng.random() < 0.8:
+                w.set(ns.id, k, rng.choice([HOST, DISK, HOST | DISK, 4]), offset=rng.randrange(0, 1 << 30, 4096))
+    for i in rng.sample(range(len(w._seqs_mv)), 20):
+        w._seqs_mv[i] += 1                                                  # ways mid-rewrite
+    assert any(r.overflow)
+    checked = 0
+    for disk_ok in (True, False):
+        for final in (True, False):
+            w.set_disk_ok(disk_ok)
+            w.set_misses_final(final)
+            for keys in chains:
+                n = rng.randint(1, 12)
+                small = (r.leading(ns.id, keys[:n]), r.host_run(ns.id, keys[:n]))
+                monkeypatch.setattr(ix, "SMALL_KEYS", 0)
+                big = (r.leading(ns.id, keys[:n]), r.host_run(ns.id, keys[:n]))
+                monkeypatch.setattr(ix, "SMALL_KEYS", 16)
+                assert small[0] == big[0], keys[:n]
+                if big[1] is None:
+                    assert small[1] is None
+                    continue
+                m, fin, ways, seqs, offs = small[1]
+                assert (m, fin, list(ways), list(seqs), offs) == \
+                    (big[1][0], big[1][1], big[1][2].tolist(), big[1][3].tolist(), big[1][4])
+                assert r.unchanged(ways, seqs) and r.unchanged(big[1][2], big[1][3])
+                checked += 1
+    assert checked > 100
+    r.close()
+    w.close()

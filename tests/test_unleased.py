@@ -203,6 +203,37 @@ def test_a_dead_daemons_slots_are_not_read(tmp_path):
         d.stop()
 
 
+def test_a_stalled_daemons_ready_blocks_are_still_read_and_exact(tmp_path):
+    """A daemon stopped (SIGSTOP) past its heartbeat's freshness: reads of blocks it holds ready
+    are still served, without waiting for it, and exact — nothing moves while it is stopped;
+    its reads are reported once it runs again."""
+    ns = make_ns()
+    keys = chain(ns, 9, 4)
+    d = DaemonProc(tmp_path).start()
+    try:
+        c = Client(d.socket, retries=0, timeout_s=5)
+        put_chain(c, ns, keys)
+        assert c.lookup(ns, keys) == 4
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.3)                              # its table is no longer fresh
+            assert not c._index.fresh()
+            t0 = time.perf_counter()
+            got = c.get(ns, keys)
+            assert time.perf_counter() - t0 < 1.0          # not the 5 s request timeout
+            assert [g.tobytes() for g in got] == [block_for(ns, k).tobytes() for k in keys]
+            assert c.unleased_reads == 1
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while c.stats()["namespaces"][ns.name]["hits"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.stats()["namespaces"][ns.name]["hits"] == 4
+        c.close()
+    finally:
+        d.stop()
+
+
 def test_reports_of_reads_are_checked_and_unanswered_when_asked(daemon):
     ns = make_ns()
     keys = chain(ns, 8, 2)

@@ -75,6 +75,34 @@ def test_roundtrip_and_load_errors_through_the_daemon(daemon, load_async):
         assert admin.stats()["reservations"] == 0      # every reservation committed or aborted
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two CPUs this process may use")
+def test_the_connectors_threads_keep_off_the_cores_of_vllms_cpu_compute_thread(daemon):
+    """vLLM's CPU worker binds its compute thread to its cores before it registers the KV caches;
+    the connector's threads (the saver, the loader, the clients' prefault and hits reporter) then
+    run on the process's other CPUs, not beside the forward pass."""
+    import threading
+    from tierd import threads
+    everything = os.sched_getaffinity(0)
+    compute = {min(everything)}
+    os.sched_setaffinity(0, compute)             # as vLLM's OpenMP binding leaves its thread
+    try:
+        sched, worker = pair(daemon.url, "CPU", load_async=False)
+        with tierd.connect(daemon.url) as admin:
+            drv.run_roundtrip(sched, worker, drv.Objects(), admin)
+        helpers = [t for t in threading.enumerate() if t.name.startswith(("tierd-vllm", "tierd-prefault", "tierd-hits"))]
+        names = sorted(t.name for t in helpers)
+        assert "tierd-vllm-saver" in names and any(n.startswith("tierd-hits") for n in names), names
+        for t in helpers:
+            assert not os.sched_getaffinity(t.native_id) & compute, t.name
+        assert os.sched_getaffinity(0) == compute    # the compute thread itself stays where vLLM put it
+        worker.shutdown()
+        sched.shutdown()
+    finally:
+        os.sched_setaffinity(0, everything)
+        assert threads.keep_helpers_off_my_cores() is None     # unbound again: helpers go anywhere
+
+
 def test_a_load_without_a_lease_whose_blocks_move_during_the_copy_is_leased_and_copied_again(daemon):
     """The worker copies a hit straight out of the daemon's slots, then checks the shared index:
     blocks that left their slots meanwhile (a flush here) make it lease them (promoted from

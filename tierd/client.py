@@ -22,6 +22,7 @@ import numpy as np
 
 from . import errors as E
 from . import protocol as P
+from . import threads
 from .connection import DaemonConnection, DaemonUnavailableError, _Link  # noqa: F401 -- DaemonUnavailableError is part of this API
 from .keys import check_keys
 from .namespace import Namespace
@@ -526,7 +527,9 @@ class Client(DaemonConnection):
         with self._lock:
             hbm = self._gpu_arena is not None if self._hbm is None else self._hbm
             idx, arena = self._index, self._arena
-            if hbm or idx is None or self._sock is None or not idx.fresh() or self._hup.poll(0):
+            # (a stalled daemon's table is read too: nothing moves while it is stopped, and what
+            # moved before shows in the sequence numbers)
+            if hbm or idx is None or self._sock is None or self._hup.poll(0):
                 return None
             run = idx.host_run(nsobj.id, keys)
             if run is None:
@@ -542,7 +545,7 @@ class Client(DaemonConnection):
             link = self._pin()
         try:
             bb = nsobj.block_bytes
-            views = [arena[o:o + bb] for o in offsets.tolist()]
+            views = [arena[o:o + bb] for o in offsets]
             for v in views:
                 v.flags.writeable = False
             copy(views)
@@ -569,10 +572,8 @@ class Client(DaemonConnection):
         daemon within about HITS_MAX_AGE_S (its stats, and the blocks' recency for eviction):
         one thread per client, started at its first read without a lease, idle otherwise."""
         if self._hits_reporter is None or not self._hits_reporter.is_alive():   # (or forked)
-            t = threading.Thread(target=_report_hits_when_due, args=(weakref.ref(self), self._hits_cv),
-                                 name=f"tierd-hits-{self.name}", daemon=True)
-            self._hits_reporter = t
-            t.start()
+            self._hits_reporter = threads.start(_report_hits_when_due, weakref.ref(self), self._hits_cv,
+                                                name=f"tierd-hits-{self.name}")
         else:
             self._hits_cv.notify()
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from . import errors as E
 from . import protocol as P
+from . import threads
 
 log = logging.getLogger("tierd.client")
 
@@ -171,9 +172,8 @@ class DaemonConnection:
             self._prefault_stop = threading.Event()
         self._arena = np.frombuffer(mm, dtype=np.uint8)
         if self.prefault:
-            threading.Thread(target=self._prefault, args=(self._prefault_stop, self._arena.ctypes.data,
-                                                          len(self._arena)),
-                             name="tierd-prefault", daemon=True).start()
+            threads.start(self._prefault, self._prefault_stop, self._arena.ctypes.data, len(self._arena),
+                          name="tierd-prefault")
 
     def _close_arena(self) -> None:
         """Unmap the arena (lock held), once no prefault call runs on it."""

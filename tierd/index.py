@@ -69,6 +69,11 @@ _ZERO_TAG = bytes(16)
 # elsewhere every read is leased.
 LEASE_FREE_READS = platform.machine().lower() in ("x86_64", "amd64")
 _fence = threading.Lock()    # acquiring it is a locked instruction: a full memory fence
+_QQ = struct.Struct("<QQ")
+# Lookups of at most this many keys read the table with plain integer reads: numpy's fixed cost
+# per call (a dozen calls, each slow when cold after an engine's forward pass) is most of a
+# few-key lookup (~400 us cold against ~40 us).
+SMALL_KEYS = 16
 
 
 def plan_buckets(capacity_bytes: int, typical_block_bytes: int = 256 << 10) -> int:
@@ -120,6 +125,9 @@ class SharedIndex:
         self._raw_mv = (mv[offs_at:seqs_at], mv[seqs_at:seqs_at + num_buckets * WAYS * 8])
         self._offs_mv = self._raw_mv[0].cast("q")
         self._seqs_mv = self._raw_mv[1].cast("Q")
+        self._hdr_mv = mv[:ALIGN]
+        self._beat_mv = mv[_BEAT_AT:_BEAT_AT + 8].cast("Q")
+        self._tags_q = self._tags_mv.cast("Q")          # way i's tag: [2i], [2i + 1]
         self._where: dict[int, int] = {}   # writer only: tag -> way index (bucket * WAYS + way)
 
     # -- daemon side ----------------------------------------------------------------------------
@@ -194,7 +202,7 @@ class SharedIndex:
 
     def fresh(self) -> bool:
         """The daemon beat within FRESH_S: its table is current."""
-        return time.monotonic_ns() - int(self._beat[0]) < FRESH_S * 1e9
+        return time.monotonic_ns() - self._beat_mv[0] < FRESH_S * 1e9
 
     def set_misses_final(self, final: bool) -> None:
         self._hdr[_MISSES_FINAL_AT] = 1 if final else 0
@@ -205,7 +213,8 @@ class SharedIndex:
     def close(self) -> None:
         self.tags = self.states = self.overflow = self._hdr = self._beat = None
         self.offsets = self.seqs = None
-        for v in (self._tags_mv, self._states_mv, self._over_mv, self._offs_mv, self._seqs_mv, *self._raw_mv):
+        for v in (self._beat_mv, self._tags_q, self._tags_mv, self._states_mv, self._over_mv, self._offs_mv, self._seqs_mv,
+                  self._hdr_mv, *self._raw_mv):
             v.release()
         try:
             self._mm.close()
@@ -244,6 +253,8 @@ class SharedIndex:
         n = len(keys)
         if not n:
             return 0, 0
+        if n <= SMALL_KEYS:
+            return self._leading_small(ns_id, keys)
         state, buckets = self._lookup(ns_id, keys)
         if not self._hdr[_DISK_OK_AT]:
             state &= HOST | LOADING
@@ -254,6 +265,39 @@ class SharedIndex:
         host = (state & HOST) != 0
         n_host = n_any if host[:n_any].all() else int(np.argmin(host))
         return n_any, n_host
+
+    def _leading_small(self, ns_id: bytes, keys: list[bytes]) -> tuple[int, int] | None:
+        """`leading` for a few keys, in plain integer reads."""
+        disk_ok, n_host = self._hdr_mv[_DISK_OK_AT], None
+        for j, (_, _, b, first, state) in enumerate(self._match_small(ns_id, keys)):
+            if not disk_ok:
+                state &= HOST | LOADING
+            if n_host is None and not state & HOST:
+                n_host = j
+            if not state:
+                if self._over_mv[b] or not self._hdr_mv[_MISSES_FINAL_AT]:
+                    return None
+                return j, n_host
+        return len(keys), len(keys) if n_host is None else n_host
+
+    def _match_small(self, ns_id: bytes, keys: list[bytes]):
+        """Per key: (its tag as two ints, its bucket, the first way holding the tag or -1, the
+        state bits of the ways holding it)."""
+        m0, m1 = _QQ.unpack(ns_id)
+        tq, sm, mask = self._tags_q, self._states_mv, self._mask
+        out = []
+        for k in keys:
+            k0, k1 = _QQ.unpack(k)
+            t0, t1 = k0 ^ m0, k1 ^ m1
+            b = t0 & mask
+            first, state = -1, 0
+            for i in range(b * WAYS, b * WAYS + WAYS):
+                if tq[2 * i] == t0 and tq[2 * i + 1] == t1:
+                    if first < 0:
+                        first = i
+                    state |= sm[i]
+            out.append((t0, t1, b, first, state))
+        return out
 
     def key_states(self, ns_id: bytes, keys: list[bytes]) -> np.ndarray:
         """Per key, its state bits in the table (HOST | DISK | LOADING; 0: not in the table,
@@ -269,8 +313,11 @@ class SharedIndex:
         their ways and sequence numbers to check with `unchanged` after copying; `final` when a
         lease would get no more than n either (n is all of them, or the next key is held in no
         tier, as far as a table with no overflow there and no remote tier behind it can tell).
-        None when the table cannot serve even the first key."""
+        None when the table cannot serve even the first key. (`ways` and `seqs` are for
+        `unchanged`; `offsets` is a list of ints.)"""
         n = len(keys)
+        if n <= SMALL_KEYS:
+            return self._host_run_small(ns_id, keys)
         tags, buckets, match = self._match(ns_id, keys)
         found = match.any(axis=1)
         ways = buckets * WAYS + match.argmax(axis=1)
@@ -284,13 +331,40 @@ class SharedIndex:
         if m == 0:
             return None
         final = m == n or (not found[m] and not self.overflow[buckets[m]] and bool(self._hdr[_MISSES_FINAL_AT]))
-        return m, final, ways[:m], seqs[:m], offsets[:m]
+        return m, final, ways[:m], seqs[:m], offsets[:m].tolist()
 
-    def unchanged(self, ways: np.ndarray, seqs: np.ndarray) -> bool:
+    def _host_run_small(self, ns_id: bytes, keys: list[bytes]):
+        """`host_run` for a few keys, in plain integer reads (the same order: a way's sequence
+        number first, then its tag again, its state and its slot)."""
+        tq, sm, seqs_r, offs_r = self._tags_q, self._states_mv, self._seqs_mv, self._offs_mv
+        ways, seqs, offsets = [], [], []
+        found, b = False, 0
+        for t0, t1, b, first, _ in self._match_small(ns_id, keys):
+            found = first >= 0
+            if not found:
+                break
+            seq = seqs_r[first]
+            off = offs_r[first]
+            if not (tq[2 * first] == t0 and tq[2 * first + 1] == t1 and sm[first] & HOST and not seq & 1
+                    and off >= 0):
+                break
+            ways.append(first)
+            seqs.append(seq)
+            offsets.append(off)
+        m = len(ways)
+        if m == 0:
+            return None
+        final = m == len(keys) or (not found and not self._over_mv[b] and bool(self._hdr_mv[_MISSES_FINAL_AT]))
+        return m, final, ways, seqs, offsets
+
+    def unchanged(self, ways, seqs) -> bool:
         """A read without a lease, step 2, after the copy: no way read has been rewritten since
         `host_run` (so the copied slots held those blocks throughout). Fenced first."""
         with _fence:
             pass
+        if isinstance(ways, list):
+            seqs_r = self._seqs_mv
+            return all(seqs_r[w] == s for w, s in zip(ways, seqs))
         return bool((self.seqs[ways] == seqs).all())
 
     def _lookup(self, ns_id: bytes, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
