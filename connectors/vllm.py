@@ -83,6 +83,7 @@ import threading
 import torch
 
 from tierd.errors import NamespaceError, TierdError
+from tierd.index import LEASE_FREE_READS
 from tierd.kernels.transfer import BlockTransfer
 from tierd.namespace import DEFAULT_BLOCK_TOKENS, Namespace, canonical_dtype, model_fingerprint
 
@@ -313,7 +314,6 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
             raise TierdError(f"lookup_index={mode!r}: use \"auto\", true or false")
         if mode != "auto":
             return mode in (True, "true")
-        from tierd.index import LEASE_FREE_READS
         return bool(_extra(ktc, "unleased_loads", True)) and LEASE_FREE_READS and _on_cpu()
 
     def _namespace_args(self, vllm_config, ktc) -> dict:

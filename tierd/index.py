@@ -213,8 +213,8 @@ class SharedIndex:
     def close(self) -> None:
         self.tags = self.states = self.overflow = self._hdr = self._beat = None
         self.offsets = self.seqs = None
-        for v in (self._beat_mv, self._tags_q, self._tags_mv, self._states_mv, self._over_mv, self._offs_mv, self._seqs_mv,
-                  self._hdr_mv, *self._raw_mv):
+        for v in (self._beat_mv, self._tags_q, self._tags_mv, self._states_mv, self._over_mv, self._offs_mv,
+                  self._seqs_mv, self._hdr_mv, *self._raw_mv):
             v.release()
         try:
             self._mm.close()
@@ -313,8 +313,8 @@ class SharedIndex:
         their ways and sequence numbers to check with `unchanged` after copying; `final` when a
         lease would get no more than n either (n is all of them, or the next key is held in no
         tier, as far as a table with no overflow there and no remote tier behind it can tell).
-        None when the table cannot serve even the first key. (`ways` and `seqs` are for
-        `unchanged`; `offsets` is a list of ints.)"""
+        None when the table cannot serve even the first key. (`ways`, `seqs` and `offsets` are
+        lists of ints.)"""
         n = len(keys)
         if n <= SMALL_KEYS:
             return self._host_run_small(ns_id, keys)
@@ -331,7 +331,7 @@ class SharedIndex:
         if m == 0:
             return None
         final = m == n or (not found[m] and not self.overflow[buckets[m]] and bool(self._hdr[_MISSES_FINAL_AT]))
-        return m, final, ways[:m], seqs[:m], offsets[:m].tolist()
+        return m, final, ways[:m].tolist(), seqs[:m].tolist(), offsets[:m].tolist()
 
     def _host_run_small(self, ns_id: bytes, keys: list[bytes]):
         """`host_run` for a few keys, in plain integer reads (the same order: a way's sequence
@@ -357,15 +357,13 @@ class SharedIndex:
         final = m == len(keys) or (not found and not self._over_mv[b] and bool(self._hdr_mv[_MISSES_FINAL_AT]))
         return m, final, ways, seqs, offsets
 
-    def unchanged(self, ways, seqs) -> bool:
+    def unchanged(self, ways: list[int], seqs: list[int]) -> bool:
         """A read without a lease, step 2, after the copy: no way read has been rewritten since
         `host_run` (so the copied slots held those blocks throughout). Fenced first."""
         with _fence:
             pass
-        if isinstance(ways, list):
-            seqs_r = self._seqs_mv
-            return all(seqs_r[w] == s for w, s in zip(ways, seqs))
-        return bool((self.seqs[ways] == seqs).all())
+        seqs_r = self._seqs_mv
+        return all(seqs_r[w] == s for w, s in zip(ways, seqs))
 
     def _lookup(self, ns_id: bytes, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
         """(per key its state bits, 0 where absent; per key its bucket) for non-empty `keys`."""

@@ -31,10 +31,6 @@ def keep_helpers_off_my_cores() -> frozenset[int] | None:
     return _helper_cpus
 
 
-def helper_cpus() -> frozenset[int] | None:
-    return _helper_cpus
-
-
 def _enter() -> None:
     cpus = _helper_cpus
     if cpus:
