@@ -181,7 +181,19 @@ def cpu_gather_case(device, fn):
             *block_copy_case(device, fn, scatter=False, layout="bhn2d", dtype=torch.float32, seed=34),
             *block_copy_case(device, fn, scatter=False, kv_heads=1, head_dim=576, latent=True, seed=35),
             *block_copy_case(device, fn, scatter=False, layout="cpu_amx", dtype=torch.bfloat16, block_size=32,
-                             head_dim=96, seed=36)]
+                             head_dim=96, seed=36),
+            *cpu_streamed_cases(device, fn, scatter=False, seed=37)]
+
+
+def cpu_streamed_cases(device, fn, *, scatter: bool, seed: int):
+    """Copies of over a MiB, which the C copy writes with streaming stores: a contiguous cache,
+    vLLM's CPU attention (its V rows streamed) and its amx tiles (V lines streamed)."""
+    return [*block_copy_case(device, fn, scatter=scatter, layers=2, ratio=4, kv_heads=8, head_dim=128,
+                             n_tier=2, dtype=torch.float32, seed=seed),
+            *block_copy_case(device, fn, scatter=scatter, layout="cpu_attn", layers=2, block_size=32, kv_heads=8,
+                             n_tier=4, dtype=torch.float32, seed=seed + 1),
+            *block_copy_case(device, fn, scatter=scatter, layout="cpu_amx", dtype=torch.bfloat16, layers=2,
+                             block_size=32, head_dim=128, kv_heads=4, seed=seed + 2)]
 
 
 def cpu_scatter_case(device, fn):
@@ -194,7 +206,8 @@ def cpu_scatter_case(device, fn):
             *block_copy_case(device, fn, scatter=True, layout="2bnhd", dtype=torch.float32, seed=44),
             *block_copy_case(device, fn, scatter=True, kv_heads=1, head_dim=576, latent=True, seed=45),
             *block_copy_case(device, fn, scatter=True, layout="cpu_amx", dtype=torch.bfloat16, block_size=64,
-                             head_dim=32, kv_heads=3, seed=46)]
+                             head_dim=32, kv_heads=3, seed=46),
+            *cpu_streamed_cases(device, fn, scatter=True, seed=47)]
 
 
 def quantize_case(device, fn):

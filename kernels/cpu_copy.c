@@ -16,7 +16,7 @@
 #include <immintrin.h>
 #endif
 
-#define TIERD_CPU_COPY_ABI 4
+#define TIERD_CPU_COPY_ABI 5
 
 int tierd_cpu_copy_abi(void) { return TIERD_CPU_COPY_ABI; }
 
@@ -92,16 +92,101 @@ static inline void row_copy(char *dst, const char *src, int64_t bytes) {
     memcpy(dst, src, (size_t)bytes);
 }
 
+/* Streaming (non-temporal) stores: the destination's lines are written without being read
+ * first and bypass the caches, so a copy much larger than the caches moves two bytes over the
+ * memory bus per byte copied instead of three (about 1.4x faster here, what memcpy itself
+ * does above a size). The callers end such a copy with STREAM_FENCE, which orders these
+ * stores before any later one (a commit that publishes the bytes). */
+#if defined(__SSE2__)
+#define STREAM_FENCE() _mm_sfence()
+#else
+#define STREAM_FENCE() ((void)0)
+#endif
+
+/* 64 bytes from `src` to the line at `dst` (64-byte aligned), streamed */
+static inline void stream_line(char *dst, const char *src) {
+#if defined(__AVX512F__)
+    _mm512_stream_si512((void *)dst, _mm512_loadu_si512((const void *)src));
+#elif defined(__AVX__)
+    _mm256_stream_si256((__m256i *)dst, _mm256_loadu_si256((const __m256i *)src));
+    _mm256_stream_si256((__m256i *)(dst + 32), _mm256_loadu_si256((const __m256i *)(src + 32)));
+#elif defined(__SSE2__)
+    for (int k = 0; k < 64; k += 16)
+        _mm_stream_si128((__m128i *)(dst + k), _mm_loadu_si128((const __m128i *)(src + k)));
+#else
+    memcpy(dst, src, 64);
+#endif
+}
+
+/* `bytes` bytes, whole lines of the destination streamed, its partial first and last lines
+ * written as usual. 16 KiB at a time as four interleaved 4 KiB streams: more DRAM pages open at
+ * once (here 1.2x the speed of one stream, and ahead of memcpy's own large copy). */
+static void stream_copy(char *dst, const char *src, int64_t bytes) {
+    int64_t head = (int64_t)((64 - ((uintptr_t)dst & 63)) & 63);
+    if (head > bytes) head = bytes;
+    memcpy(dst, src, (size_t)head);
+    int64_t k = head;
+    for (; k + 16384 <= bytes; k += 16384)
+        for (int64_t j = 0; j < 4096; j += 64) {
+            stream_line(dst + k + j, src + k + j);
+            stream_line(dst + k + 4096 + j, src + k + 4096 + j);
+            stream_line(dst + k + 8192 + j, src + k + 8192 + j);
+            stream_line(dst + k + 12288 + j, src + k + 12288 + j);
+        }
+    for (; k + 64 <= bytes; k += 64)
+        stream_line(dst + k, src + k);
+    memcpy(dst + k, src + k, (size_t)(bytes - k));
+}
+
+/* a row: streamed when it is whole lines of the destination, else as row_copy */
+static inline void row_put(char *dst, const char *src, int64_t bytes, int stream) {
+    if (stream && ((uintptr_t)dst & 63) == 0 && (bytes & 63) == 0) {
+        for (int64_t k = 0; k < bytes; k += 64)
+            stream_line(dst + k, src + k);
+        return;
+    }
+    row_copy(dst, src, bytes);
+}
+
 static inline void tile_any(const char *src, int64_t ls, char *dst, int64_t ld, int es) {
     for (int i = 0; i < 8; i++)
         for (int j = 0; j < 8; j++)
             memcpy(dst + j * ld + (int64_t)es * i, src + i * ls + (int64_t)es * j, (size_t)es);
 }
 
+/* A load of `transposed` below through streaming stores: per head, 8 cache rows at a time are
+ * transposed into a buffer (whole tiles: N and D multiples of 8) and streamed out as whole
+ * lines. 0 (nothing copied) where the rows are not whole aligned lines or longer than 1 KiB. */
+static int transposed_streamed(char *c, const char *s, int64_t N, int64_t H, int64_t D, int64_t sh, int64_t sd,
+                               int es) {
+    const int64_t srow = H * D * es, crow = sd * es, rowb = N * es;
+    if ((N & 7) || (D & 7) || (es != 4 && es != 2) || (rowb & 63) || rowb > 1024 || (crow & 63) ||
+        ((sh * es) & 63) || ((uintptr_t)c & 63))
+        return 0;
+    char buf[8 * 1024] __attribute__((aligned(64)));
+    for (int64_t h = 0; h < H; h++) {
+        char *ch = c + h * sh * es;
+        const char *sh0 = s + h * D * es;
+        for (int64_t a = 0; a < D; a += 8) {
+            for (int64_t b = 0; b < N; b += 8) {
+                const char *sp = sh0 + b * srow + a * es;
+                if (es == 4) tile32(sp, srow, buf + b * 4, rowb); else tile16(sp, srow, buf + b * 2, rowb);
+            }
+            for (int64_t r = 0; r < 8; r++)
+                for (int64_t k = 0; k < rowb; k += 64)
+                    stream_line(ch + (a + r) * crow + k, buf + r * rowb + k);
+        }
+    }
+    return 1;
+}
+
 /* One block of one plane whose cache tokens are contiguous (sn == 1): per head a (D, N) matrix
- * with row stride sd, against the slot's (N, D) rows of stride H * D. */
+ * with row stride sd, against the slot's (N, D) rows of stride H * D. `stream`: a load's rows
+ * streamed where transposed_streamed takes them. */
 static void transposed(char *c, char *s, int64_t N, int64_t H, int64_t D, int64_t sh, int64_t sd, int es,
-                       int to_cache) {
+                       int to_cache, int stream) {
+    if (to_cache && stream && transposed_streamed(c, s, N, H, D, sh, sd, es))
+        return;
     const int64_t srow = H * D * es, crow = sd * es;
     const int64_t N8 = N & ~(int64_t)7, D8 = D & ~(int64_t)7;
     for (int64_t h = 0; h < H; h++) {
@@ -140,11 +225,12 @@ static int ids_in_range(int64_t count, const int64_t *ids, int64_t num_blocks) {
  * tier block t copies engine block ids[t * ratio + r] (skipped if negative) of each layer's
  * cache (the layer's starts at `cache_base[l]`, its blocks `block_stride` bytes apart) to or from
  * the slot bytes at slot_base[t] + slot_offset + l * layer_step + r * (one engine block of the
- * plane). `to_cache`: slot -> cache (a load), else cache -> slot (a save). Returns -1, copying
- * nothing, if an id is out of range. */
+ * plane). `to_cache`: slot -> cache (a load), else cache -> slot (a save). `stream`: runs and
+ * whole-line rows go through streaming stores (copies far larger than the caches). Returns -1,
+ * copying nothing, if an id is out of range. */
 int tierd_copy_blocks(int64_t layers, const int64_t *cache_base, int64_t block_stride, int64_t num_blocks,
                       int64_t tiers, int64_t ratio, const int64_t *ids, const int64_t *slot_base,
-                      int64_t slot_offset, int64_t layer_step, int to_cache, int es,
+                      int64_t slot_offset, int64_t layer_step, int to_cache, int stream, int es,
                       int64_t N, int64_t H, int64_t D, int64_t sn, int64_t sh, int64_t sd) {
     const int whole = sd == 1 && sh == D && sn == H * D;
     const int64_t unit = N * H * D * es;
@@ -161,16 +247,18 @@ int tierd_copy_blocks(int64_t layers, const int64_t *cache_base, int64_t block_s
             int64_t run = 1;
             if (block_stride == unit)
                 while (r + run < ratio && ids[t * ratio + r + run] == id + run) run++;
-            if (to_cache) memcpy(c, s, (size_t)(run * unit)); else memcpy(s, c, (size_t)(run * unit));
+            char *d = to_cache ? c : s;
+            const char *from = to_cache ? s : c;
+            if (stream) stream_copy(d, from, run * unit); else memcpy(d, from, (size_t)(run * unit));
             r += run - 1;
         } else if (sd == 1) {                 /* rows of D elements, the cache's in its order */
             for (int64_t n = 0; n < N; n++)
                 for (int64_t h = 0; h < H; h++) {
                     char *cp = c + (n * sn + h * sh) * es, *sp = s + ((n * H + h) * D) * es;
-                    if (to_cache) row_copy(cp, sp, D * es); else row_copy(sp, cp, D * es);
+                    if (to_cache) row_put(cp, sp, D * es, stream); else row_put(sp, cp, D * es, stream);
                 }
         } else if (sn == 1) {
-            transposed(c, s, N, H, D, sh, sd, es, to_cache);
+            transposed(c, s, N, H, D, sh, sd, es, to_cache, stream);
         } else {                               /* any other strides: element by element */
             for (int64_t n = 0; n < N; n++)
                 for (int64_t h = 0; h < H; h++)
@@ -180,6 +268,7 @@ int tierd_copy_blocks(int64_t layers, const int64_t *cache_base, int64_t block_s
                     }
         }
     }
+    if (stream) STREAM_FENCE();
     return 0;
 }
 
@@ -225,10 +314,11 @@ static inline void deinterleave16(const char *in, char *a, char *b) {    /* the 
 }
 
 /* One plane (0: K, 1: V) of every layer of the amx layout, addressed as in tierd_copy_blocks
- * (bf16); a cache block's address is the plane's start in its head 0. N and D multiples of 16. */
+ * (bf16); a cache block's address is the plane's start in its head 0. N and D multiples of 16.
+ * `stream`: a load's lines are streamed (K's through transposed_streamed, V's interleaved). */
 int tierd_copy_amx(int64_t layers, const int64_t *cache_base, int64_t block_stride, int64_t num_blocks,
                    int64_t tiers, int64_t ratio, const int64_t *ids, const int64_t *slot_base,
-                   int64_t slot_offset, int64_t layer_step, int to_cache, int plane,
+                   int64_t slot_offset, int64_t layer_step, int to_cache, int stream, int plane,
                    int64_t N, int64_t H, int64_t D, int64_t sh) {
     const int64_t srow = H * D * 2;                         /* one token of the slot, bytes */
     const int64_t unit = N * srow;
@@ -243,7 +333,8 @@ int tierd_copy_amx(int64_t layers, const int64_t *cache_base, int64_t block_stri
         if (plane == 0) {
             /* each 16-token tile: pairs as 4-byte elements, (16, D / 2) slot rows <-> (D / 2, 16) */
             for (int64_t a = 0; a < N / 16; a++)
-                transposed(c + a * 16 * D * 2, s + a * 16 * srow, 16, H, D / 2, sh / 2, 16, 4, to_cache);
+                transposed(c + a * 16 * D * 2, s + a * 16 * srow, 16, H, D / 2, sh / 2, 16, 4, to_cache,
+                           stream);
             continue;
         }
         for (int64_t h = 0; h < H; h++)
@@ -251,10 +342,19 @@ int tierd_copy_amx(int64_t layers, const int64_t *cache_base, int64_t block_stri
                 char *cf = c + (h * sh + f * 16 * N) * 2, *sf = s + (h * D + f * 16) * 2;
                 for (int64_t q = 0; q < N / 2; q++) {
                     char *cp = cf + q * 64, *s0 = sf + 2 * q * srow;
-                    if (to_cache) interleave16(s0, s0 + srow, cp); else deinterleave16(cp, s0, s0 + srow);
+                    if (!to_cache) {
+                        deinterleave16(cp, s0, s0 + srow);
+                    } else if (stream && ((uintptr_t)cp & 63) == 0) {
+                        char line[64] __attribute__((aligned(64)));
+                        interleave16(s0, s0 + srow, line);
+                        stream_line(cp, line);
+                    } else {
+                        interleave16(s0, s0 + srow, cp);
+                    }
                 }
             }
     }
+    if (stream) STREAM_FENCE();
     return 0;
 }
 

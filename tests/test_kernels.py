@@ -386,11 +386,12 @@ def test_c_block_copy_without_simd_matches_the_reference():
             ref = reference.scatter_blocks if scatter else reference.gather_blocks
             want = cases.block_copy_case(torch.device("cpu"), ref, scatter=scatter, layout=layout, dtype=dtype,
                                          block_size=bs, head_dim=d, seed=3)
-            got = cases.block_copy_case(torch.device("cpu"),
-                                        lambda *a: native._copy_blocks(*a, to_slots=not scatter, lib=lib),
-                                        scatter=scatter, layout=layout, dtype=dtype, block_size=bs,
-                                        head_dim=d, seed=3)
-            assert all(same_bytes(w, g) for w, g in zip(want, got, strict=True))
+            for stream in (False, True):
+                got = cases.block_copy_case(
+                    torch.device("cpu"),
+                    lambda *a: native._copy_blocks(*a, to_slots=not scatter, lib=lib, stream=stream),
+                    scatter=scatter, layout=layout, dtype=dtype, block_size=bs, head_dim=d, seed=3)
+                assert all(same_bytes(w, g) for w, g in zip(want, got, strict=True))
 
 
 @needs_cc
@@ -405,9 +406,11 @@ def test_c_block_copy_of_amx_tiles_matches_the_reference(bs, d, heads):
                   kv_heads=heads, seed=bs + d)
         want = cases.block_copy_case(torch.device("cpu"), reference.scatter_blocks if scatter else
                                      reference.gather_blocks, **kw)
-        got = cases.block_copy_case(torch.device("cpu"),
-                                    lambda *a: native._copy_blocks(*a, to_slots=not scatter), **kw)
-        assert all(same_bytes(w, g) for w, g in zip(want, got, strict=True))
+        for stream in (False, True):
+            got = cases.block_copy_case(torch.device("cpu"),
+                                        lambda *a: native._copy_blocks(*a, to_slots=not scatter, stream=stream),
+                                        **kw)
+            assert all(same_bytes(w, g) for w, g in zip(want, got, strict=True))
     # views that are not the tiles' (K and V swapped) are refused, not copied wrong
     t = torch.zeros(4, heads, 2 * bs * d, dtype=torch.bfloat16)
     from tierd.connectors.vllm_layout import amx_views
@@ -417,19 +420,23 @@ def test_c_block_copy_of_amx_tiles_matches_the_reference(bs, d, heads):
 
 
 @needs_cc
+@pytest.mark.parametrize("stream", [None, True], ids=["by-size", "streamed"])
 @pytest.mark.parametrize("layout", [*cases.LAYOUTS, "cpu_attn"])
 @pytest.mark.parametrize("dtype,bs,d", [(torch.float32, 16, 64), (torch.bfloat16, 32, 128), (torch.float16, 13, 36),
                                         (torch.float8_e4m3fn, 16, 64), (torch.float32, 7, 9)])
-def test_c_block_copy_matches_the_reference_on_every_layout(layout, dtype, bs, d):
+def test_c_block_copy_matches_the_reference_on_every_layout(layout, dtype, bs, d, stream):
     """Bit for bit what the reference does, both ways, on every engine layout (vLLM's CPU
     attention's transposed K among them), for 4-, 2- and 1-byte elements and sizes that are no
-    multiple of its 8 x 8 tiles; parts marked -1 untouched."""
+    multiple of its 8 x 8 tiles; parts marked -1 untouched. Through plain stores (what a copy
+    this small uses) and streaming stores (copies over a MiB: runs and rows of any length and
+    alignment, their partial lines written as usual)."""
     from tierd.kernels import native
     for scatter in (False, True):
         want = cases.block_copy_case(torch.device("cpu"), reference.scatter_blocks if scatter else
                                      reference.gather_blocks, scatter=scatter, layout=layout, dtype=dtype,
                                      block_size=bs, head_dim=d, kv_heads=3, seed=bs + d)
-        got = cases.block_copy_case(torch.device("cpu"), native.scatter_blocks if scatter else native.gather_blocks,
+        got = cases.block_copy_case(torch.device("cpu"),
+                                    lambda *a: native._copy_blocks(*a, to_slots=not scatter, stream=stream),
                                     scatter=scatter, layout=layout, dtype=dtype, block_size=bs, head_dim=d,
                                     kv_heads=3, seed=bs + d)
         untouched = cases.block_copy_case(torch.device("cpu"), lambda *a: None, scatter=scatter, layout=layout,
