@@ -198,6 +198,8 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
         for i, k in enumerate(keys):
             ikey = pid + k
             b = self._blocks.get(ikey)
+            if b is not None and self._retire_doomed(b):   # flushed while pinned: written anew
+                b = None
             given = slots[i] if slots is not None else None
             if given == -1 or not (b is None or (b.host_state == ABSENT and b.disk is None and not b.disk_writing)):
                 if given is not None and given >= 0:
@@ -206,6 +208,8 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
                 continue
             slot = given if given is not None else self._host_alloc(st)
             b = self._blocks.get(ikey)  # the lock may have been released
+            if b is not None and self._retire_doomed(b):
+                b = None
             if b is not None and (b.host_state != ABSENT or b.disk is not None or b.disk_writing):
                 if slot is not None:
                     self.host.free_slot(slot)

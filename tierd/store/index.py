@@ -87,7 +87,7 @@ class BlockIndex:
         """(Lock held.) Publish `b`'s state in the shared index. Called wherever it changes —
         in particular in the same hold of the lock that frees its host slot (`_drop_host`):
         clients read published host slots without a lease (tierd/index.py)."""
-        if self._index is not None:
+        if self._index is not None and not b.orphan:   # an orphan's key is another block's
             host = self._host_servable(b)
             self._index.set(b.st.ns_id, b.key, host | (self._disk_servable(b) << 1)
                             | ((b.host_state == LOADING and not b.doomed & DOOM_HOST) << 2),
@@ -109,6 +109,24 @@ class BlockIndex:
             self._keep_forget(b)   # a flushed block never comes back after a restart
         self._publish(b)
         self._reap(b)
+
+    def _retire_doomed(self, b: Block) -> bool:
+        """(Lock held.) Before a write of `b`'s key: if a flush doomed `b`'s host copy while it
+        was pinned (a lease, the record being written) and `b` has no other copy, `b` leaves
+        the key now — an orphan, out of `_blocks`, the policy and the shared index, whose slot
+        is freed when its pins go (`_drop_host`) — so that the write goes ahead. Else the write
+        would find the key present and skip it, and the doomed copy would go after: the key
+        lost right after it was written. False, changing nothing, for any other block."""
+        if not (b.doomed & DOOM_HOST and b.host_state == READY and b.disk is None and not b.disk_writing
+                and b.gpu_slot < 0 and not b.orphan):
+            return False
+        self._rh.policy.remove(b.ikey, evicted=False)
+        self._leave(b, "host")
+        b.orphan = True
+        if self._blocks.get(b.ikey) is b:
+            del self._blocks[b.ikey]
+            b.st.records -= 1
+        return True
 
     def _reap(self, b: Block) -> None:
         """(Lock held.) Drop the doomed copies of `b` whose pins are gone; called wherever a pin
@@ -183,7 +201,7 @@ class BlockIndex:
     def _drop_host(self, b: Block, *, evicted: bool) -> None:
         if b.gpu_slot >= 0:
             self._drop_gpu(b, evicted=False)   # inclusive: no HBM copy without the host copy
-        if b.host_state == READY:
+        if b.host_state == READY and not b.orphan:    # (an orphan left both when it became one)
             self._rh.policy.remove(b.ikey, evicted=evicted)
             self._leave(b, "host")
         self._free(self._rh, b.host_slot, evicted=evicted)

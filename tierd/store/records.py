@@ -71,7 +71,7 @@ class NsState:
 @dataclass(slots=True, eq=False)
 class Block:
     """One block known to the store. Invariant: present in `_blocks` iff it has a host slot
-    (any state) or a disk copy or a disk write in flight."""
+    (any state) or a disk copy or a disk write in flight, and is not an orphan."""
 
     ikey: bytes                 # ns_id + key: the index key
     st: NsState
@@ -93,3 +93,6 @@ class Block:
     decoded: bool = False        # its host bytes were decoded from a lossy copy: written exact
     doomed: int = 0              # copies a flush dropped while pinned (DOOM_HOST | DOOM_DISK):
     #                              never served again, dropped when their pins go (`_reap`)
+    orphan: bool = False         # a doomed block whose key was written again meanwhile: out of
+    #                              `_blocks`, the index and the policy; its pinned slot is freed
+    #                              when its pins go, nothing else (`_retire_doomed`)
