@@ -14,7 +14,7 @@ import pytest
 from tierd import TieredStore
 from tierd.tiers.disk import CHECKPOINT_NAME
 
-from .helpers import block_for, chain, make_ns
+from .helpers import block_for, chain, make_ns, small_config
 from .writer_proc import config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,3 +135,29 @@ def test_killed_writer_leaves_only_intact_blocks(tmp_path):
                 results = [served_exact(s, ns, k) for k in keys]
                 if seed in durable:
                     assert all(results), f"round {round_}: durable chain {seed} lost"
+
+
+def test_a_flipped_byte_in_any_piece_of_a_large_payload_is_never_served(tmp_path):
+    """A disk read hashes and copies a large block a piece at a time (FUSE_PIECE): a byte
+    flipped in the first, a middle or the last (partial) piece of a payload drops that block
+    and never serves it; the untouched block is exact."""
+    from tierd.tiers.slot_header import FUSE_PIECE
+    ns = make_ns(num_layers=4, num_kv_heads=8, head_dim=128, block_tokens=80)
+    assert ns.block_bytes > 2 * FUSE_PIECE and ns.block_bytes % FUSE_PIECE
+    cfg = small_config(tmp_path, host_bytes="32MiB", host_slab_bytes="8MiB", disk_bytes="64MiB",
+                       disk_slab_bytes="8MiB", disk_file_bytes="32MiB")
+    keys = chain(ns, 3, 4)
+    with TieredStore(cfg) as s:
+        s.put(ns, keys, [block_for(ns, k) for k in keys])
+        s.sync()
+    slots = find_slots(tmp_path / "disk")
+    for key, where in ((keys[0], 100), (keys[1], FUSE_PIECE + 7), (keys[2], ns.block_bytes - 1)):
+        f, off = slots[key]
+        with open(f, "r+b") as fh:
+            fh.seek(off + 4096 + where)
+            b = fh.read(1)
+            fh.seek(off + 4096 + where)
+            fh.write(bytes([b[0] ^ 0x01]))
+    with TieredStore(cfg) as s:
+        assert [served_exact(s, ns, k) for k in keys] == [None, None, None, True]
+        assert s.stats()["tiers"]["disk"]["corrupt_dropped"] == 3

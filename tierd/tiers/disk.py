@@ -34,8 +34,8 @@ from .disk_files import (_SLAB, _SUPER, ALL_NAMESPACES, CHECKPOINT_NAME, FENCES_
                          NAMESPACES_NAME, SLAB_MAGIC, DiskEntry, SlabFiles, _aligned)
 from .disk_recovery import Recovery
 # the slot header is shared with the remote tier (re-exported here for the disk format's users)
-from .slot_header import (_CSUM, FORMAT_VERSION, PAGE, CorruptBlockError, _csum, encode_block,  # noqa: F401
-                          pack_slot_header, unpack_slot_header)
+from .slot_header import (_CSUM, FORMAT_VERSION, PAGE, CorruptBlockError, _csum, copy_hashed,  # noqa: F401
+                          encode_block, pack_slot_header, unpack_slot_header)
 
 log = logging.getLogger("tierd.disk")
 
@@ -285,10 +285,11 @@ class DiskTier(SlabFiles, Recovery, Tier):
         length = PAGE + align_up(payload_len)
         stg = self._staging(length)
         body = stg[PAGE:PAGE + payload_len]
-        body[:] = payload if codec == _codec.CODEC_NONE else np.frombuffer(payload, dtype=np.uint8)
+        # the checksum of what is written: of the buffer, each piece hashed as it is copied in
+        csum = copy_hashed(body, payload if codec == _codec.CODEC_NONE else np.frombuffer(payload, dtype=np.uint8),
+                           hash_dst=True)
         header = pack_slot_header(codec, dtype_bytes, ns_id, key, parent or b"", payload_len,
-                                  block_bytes, seq, self.slab_gen[SlabAllocator.slab_of(slot)],
-                                  _csum(body))
+                                  block_bytes, seq, self.slab_gen[SlabAllocator.slab_of(slot)], csum)
         stg[:PAGE] = 0
         stg[:len(header)] = np.frombuffer(header, dtype=np.uint8)
         fd, off = self._slot_loc(slot)
@@ -329,11 +330,14 @@ class DiskTier(SlabFiles, Recovery, Tier):
         if gen != self.slab_gen[SlabAllocator.slab_of(e.slot)]:
             raise CorruptBlockError("slot belongs to an earlier use of its slab")
         payload = stg[PAGE:PAGE + e.payload_len]
+        if e.codec == _codec.CODEC_NONE:
+            # hashed as it is copied on: `dst` is a slot nobody reads before this returns (a
+            # LOADING slot), so bytes that fail the check are never served
+            if copy_hashed(dst[:e.raw_len], payload, hash_dst=False) != pcsum:
+                raise CorruptBlockError("payload checksum mismatch")
+            return
         if _csum(payload) != pcsum:
             raise CorruptBlockError("payload checksum mismatch")
-        if e.codec == _codec.CODEC_NONE:
-            dst[:e.raw_len] = payload
-            return
         try:
             _codec.decode(e.codec, payload, dst[:e.raw_len])
         except Exception as ex:  # zstd errors are not one class

@@ -36,6 +36,34 @@ def _csum(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+# A block moved through a bounce buffer is hashed and copied a piece at a time: the copy reads
+# each piece while the hash has just brought it into the CPU's caches, so the block's bytes come
+# from memory once instead of twice (a disk read or write of large blocks competes with the
+# device's own transfers for memory bandwidth).
+FUSE_PIECE = 512 << 10
+
+
+def copy_hashed(dst: np.ndarray, src: np.ndarray, *, hash_dst: bool) -> int:
+    """dst[:] = src for (n,) uint8 arrays, and the checksum (`_csum`) of the bytes: of `src`
+    as each piece is read (`hash_dst` False: what a disk read verifies before it copies on),
+    or of `dst` as each piece is written (True: what a disk write records of its buffer)."""
+    n = src.nbytes
+    if n <= FUSE_PIECE:
+        if not hash_dst:
+            c = _csum(src)
+        np.copyto(dst, src)
+        return _csum(dst) if hash_dst else c
+    h = xxhash.xxh3_64()
+    for off in range(0, n, FUSE_PIECE):
+        a, b = src[off:off + FUSE_PIECE], dst[off:off + FUSE_PIECE]
+        if not hash_dst:
+            h.update(a)
+        np.copyto(b, a)
+        if hash_dst:
+            h.update(b)
+    return h.intdigest()
+
+
 def encode_block(codec_name: str, level: int, raw: np.ndarray, dtype_bytes: int, lossy: str,
                  kv_dtype: str) -> tuple[int, np.ndarray | bytes]:
     """(codec, payload) of a block for a tier that describes its contents (disk, remote): the
