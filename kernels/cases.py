@@ -188,10 +188,10 @@ def cpu_gather_case(device, fn):
 def cpu_streamed_cases(device, fn, *, scatter: bool, seed: int):
     """Copies of over a MiB, which the C copy writes with streaming stores: a contiguous cache,
     vLLM's CPU attention (its V rows streamed) and its amx tiles (V lines streamed)."""
-    return [*block_copy_case(device, fn, scatter=scatter, layers=2, ratio=4, kv_heads=8, head_dim=128,
+    return [*block_copy_case(device, fn, scatter=scatter, layers=2, ratio=2, kv_heads=8, head_dim=128,
                              n_tier=2, dtype=torch.float32, seed=seed),
             *block_copy_case(device, fn, scatter=scatter, layout="cpu_attn", layers=2, block_size=32, kv_heads=8,
-                             n_tier=4, dtype=torch.float32, seed=seed + 1),
+                             n_tier=2, dtype=torch.float32, seed=seed + 1),
             *block_copy_case(device, fn, scatter=scatter, layout="cpu_amx", dtype=torch.bfloat16, layers=2,
                              block_size=32, head_dim=128, kv_heads=4, seed=seed + 2)]
 
