@@ -111,21 +111,20 @@ class BlockIndex:
         self._reap(b)
 
     def _retire_doomed(self, b: Block) -> bool:
-        """(Lock held.) Before a write of `b`'s key: if a flush doomed `b`'s host copy while it
+        """(Lock held.) Before a write of `b`'s key (`b` the block `_blocks` holds for it): if a flush doomed `b`'s host copy while it
         was pinned (a lease, the record being written) and `b` has no other copy, `b` leaves
         the key now — an orphan, out of `_blocks`, the policy and the shared index, whose slot
         is freed when its pins go (`_drop_host`) — so that the write goes ahead. Else the write
         would find the key present and skip it, and the doomed copy would go after: the key
         lost right after it was written. False, changing nothing, for any other block."""
         if not (b.doomed & DOOM_HOST and b.host_state == READY and b.disk is None and not b.disk_writing
-                and b.gpu_slot < 0 and not b.orphan):
+                and b.gpu_slot < 0):
             return False
         self._rh.policy.remove(b.ikey, evicted=False)
         self._leave(b, "host")
         b.orphan = True
-        if self._blocks.get(b.ikey) is b:
-            del self._blocks[b.ikey]
-            b.st.records -= 1
+        del self._blocks[b.ikey]
+        b.st.records -= 1
         return True
 
     def _reap(self, b: Block) -> None:

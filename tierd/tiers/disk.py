@@ -286,8 +286,7 @@ class DiskTier(SlabFiles, Recovery, Tier):
         stg = self._staging(length)
         body = stg[PAGE:PAGE + payload_len]
         # the checksum of what is written: of the buffer, each piece hashed as it is copied in
-        csum = copy_hashed(body, payload if codec == _codec.CODEC_NONE else np.frombuffer(payload, dtype=np.uint8),
-                           hash_dst=True)
+        csum = copy_hashed(body, payload if codec == _codec.CODEC_NONE else np.frombuffer(payload, dtype=np.uint8))
         header = pack_slot_header(codec, dtype_bytes, ns_id, key, parent or b"", payload_len,
                                   block_bytes, seq, self.slab_gen[SlabAllocator.slab_of(slot)], csum)
         stg[:PAGE] = 0
@@ -331,9 +330,9 @@ class DiskTier(SlabFiles, Recovery, Tier):
             raise CorruptBlockError("slot belongs to an earlier use of its slab")
         payload = stg[PAGE:PAGE + e.payload_len]
         if e.codec == _codec.CODEC_NONE:
-            # hashed as it is copied on: `dst` is a slot nobody reads before this returns (a
-            # LOADING slot), so bytes that fail the check are never served
-            if copy_hashed(dst[:e.raw_len], payload, hash_dst=False) != pcsum:
+            # hashed as copied into `dst`, a slot nobody reads before this returns (a LOADING
+            # slot): bytes that fail the check are never served
+            if copy_hashed(dst[:e.raw_len], payload) != pcsum:
                 raise CorruptBlockError("payload checksum mismatch")
             return
         if _csum(payload) != pcsum:

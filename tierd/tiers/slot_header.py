@@ -36,31 +36,22 @@ def _csum(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-# A block moved through a bounce buffer is hashed and copied a piece at a time: the copy reads
-# each piece while the hash has just brought it into the CPU's caches, so the block's bytes come
+# A block moved through a bounce buffer is copied and hashed a piece at a time: the hash reads
+# each piece while the copy has just left it in the CPU's caches, so the block's bytes come
 # from memory once instead of twice (a disk read or write of large blocks competes with the
 # device's own transfers for memory bandwidth).
 FUSE_PIECE = 512 << 10
 
 
-def copy_hashed(dst: np.ndarray, src: np.ndarray, *, hash_dst: bool) -> int:
-    """dst[:] = src for (n,) uint8 arrays, and the checksum (`_csum`) of the bytes: of `src`
-    as each piece is read (`hash_dst` False: what a disk read verifies before it copies on),
-    or of `dst` as each piece is written (True: what a disk write records of its buffer)."""
-    n = src.nbytes
-    if n <= FUSE_PIECE:
-        if not hash_dst:
-            c = _csum(src)
-        np.copyto(dst, src)
-        return _csum(dst) if hash_dst else c
+def copy_hashed(dst: np.ndarray, src: np.ndarray) -> int:
+    """dst[:] = src for (n,) uint8 arrays, and the checksum (`_csum`) of the bytes as they are
+    in `dst`, each piece hashed right after it is copied (a disk read verifies what it will
+    serve; a disk write records what it writes)."""
     h = xxhash.xxh3_64()
-    for off in range(0, n, FUSE_PIECE):
-        a, b = src[off:off + FUSE_PIECE], dst[off:off + FUSE_PIECE]
-        if not hash_dst:
-            h.update(a)
-        np.copyto(b, a)
-        if hash_dst:
-            h.update(b)
+    for off in range(0, src.nbytes, FUSE_PIECE):
+        b = dst[off:off + FUSE_PIECE]
+        np.copyto(b, src[off:off + FUSE_PIECE])
+        h.update(b)
     return h.intdigest()
 
 
