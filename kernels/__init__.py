@@ -17,13 +17,31 @@ from __future__ import annotations
 
 if __name__ == "kernels":
     # This folder, imported under its bare name: a checkout's root is on sys.path (`python -c`,
-    # pytest). Hugging Face's `kernels` package has that name, and transformers looks for it with
-    # importlib.util.find_spec, then its dist-info version, and failing both imports it and takes
-    # a module with neither `__version__` nor `__file__` for a namespace package that shadows no
-    # real install. So: no file, no submodules, nothing imported (no torch, no tierd, which may
-    # not even be installed where the checkout is on the path). tierd's kernels are
+    # pytest). The name is Hugging Face's `kernels` package (transformers depends on it from
+    # 5.25 and imports it while importing itself), so this folder must never stand in for it:
+    # where that package is installed further down sys.path, it is loaded in this module's place
+    # (an import returns what sys.modules holds once the module has run); where it is not, this
+    # is an empty module with no file and no submodules, which transformers takes for a
+    # namespace package that shadows no real install. Nothing of tierd's is imported here (tierd
+    # may not even be installed where the checkout is on the path): its kernels are
     # `tierd.kernels` only.
-    del __file__, annotations
+    def _the_installed_kernels() -> None:
+        import importlib.machinery
+        import importlib.util
+        import os
+        import sys
+
+        checkout = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+        rest = [p for p in sys.path if os.path.realpath(p or os.curdir) != checkout]
+        spec = importlib.machinery.PathFinder.find_spec("kernels", rest)
+        if spec is None or not spec.has_location or spec.loader is None:
+            return
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["kernels"] = module
+        spec.loader.exec_module(module)
+
+    _the_installed_kernels()
+    del _the_installed_kernels, __file__, annotations
     __path__ = []
     __all__: list[str] = []
 else:
