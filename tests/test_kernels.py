@@ -420,23 +420,26 @@ def test_c_block_copy_of_amx_tiles_matches_the_reference(bs, d, heads):
 
 
 @needs_cc
-@pytest.mark.parametrize("stream", [None, True], ids=["by-size", "streamed"])
+@pytest.mark.parametrize("stream,threads", [(None, None), (True, 1), (True, 3), (False, 2)],
+                         ids=["by-size", "streamed", "streamed-3-threads", "2-threads"])
 @pytest.mark.parametrize("layout", [*cases.LAYOUTS, "cpu_attn"])
 @pytest.mark.parametrize("dtype,bs,d", [(torch.float32, 16, 64), (torch.bfloat16, 32, 128), (torch.float16, 13, 36),
                                         (torch.float8_e4m3fn, 16, 64), (torch.float32, 7, 9)])
-def test_c_block_copy_matches_the_reference_on_every_layout(layout, dtype, bs, d, stream):
+def test_c_block_copy_matches_the_reference_on_every_layout(layout, dtype, bs, d, stream, threads):
     """Bit for bit what the reference does, both ways, on every engine layout (vLLM's CPU
     attention's transposed K among them), for 4-, 2- and 1-byte elements and sizes that are no
     multiple of its 8 x 8 tiles; parts marked -1 untouched. Through plain stores (what a copy
     this small uses) and streaming stores (copies over a MiB: runs and rows of any length and
-    alignment, their partial lines written as usual)."""
+    alignment, their partial lines written as usual), on the caller alone and split by plane and
+    layer across helper threads (copies over a MiB)."""
     from tierd.kernels import native
     for scatter in (False, True):
         want = cases.block_copy_case(torch.device("cpu"), reference.scatter_blocks if scatter else
                                      reference.gather_blocks, scatter=scatter, layout=layout, dtype=dtype,
                                      block_size=bs, head_dim=d, kv_heads=3, seed=bs + d)
         got = cases.block_copy_case(torch.device("cpu"),
-                                    lambda *a: native._copy_blocks(*a, to_slots=not scatter, stream=stream),
+                                    lambda *a: native._copy_blocks(*a, to_slots=not scatter, stream=stream,
+                                                                   threads=threads),
                                     scatter=scatter, layout=layout, dtype=dtype, block_size=bs, head_dim=d,
                                     kv_heads=3, seed=bs + d)
         untouched = cases.block_copy_case(torch.device("cpu"), lambda *a: None, scatter=scatter, layout=layout,
@@ -498,9 +501,17 @@ def test_a_copy_plan_takes_the_stores_buffers_as_they_are_and_copies_runs_and_ga
     with pytest.raises(ValueError):
         plan.copy(ids, [s[:-1] for s in slots], to_slots=False)   # a slot too small
     before = [c.clone() for c in ks2 + vs2]
-    with pytest.raises(ValueError, match="out of range"):
-        plan.copy(torch.tensor([[1, 2, 3, nb]]), ro[:1], to_slots=False)
-    assert all(torch.equal(a, b) for a, b in zip(before, ks2 + vs2))   # nothing copied, not even a part
+    for threads in (1, 2, 5):      # split across helper threads too: no part copied by any of them
+        with pytest.raises(ValueError, match="out of range"):
+            plan.copy(torch.tensor([[1, 2, 3, nb]]), ro[:1], to_slots=False, threads=threads)
+        assert all(torch.equal(a, b) for a, b in zip(before, ks2 + vs2))   # nothing copied, not even a part
+    for threads in (2, 5):          # and a split copy gives the same bytes both ways
+        back = [np.zeros(bb, np.uint8) for _ in range(3)]
+        plan.copy(ids, back, to_slots=True, threads=threads)
+        assert all(np.array_equal(a, b) for a, b in zip(back, slots))
+        k3, v3 = [torch.zeros_like(k) for k in ks], [torch.zeros_like(v) for v in vs]
+        native.CopyPlan(k3, v3).copy(ids, ro, to_slots=False, threads=threads)
+        assert all(torch.equal(a, b) for a, b in zip(k3 + v3, kw + vw))
 
 
 # -- on a GPU -------------------------------------------------------------------------------------
