@@ -263,7 +263,6 @@ class CopyPlan:
 # flushed): 32 MiB loads 1.7x and saves 1.8x faster than on one thread, 4 MiB 1.2x; at 2 MiB
 # level, at 1 MiB slower (waking a helper costs about 0.15 ms on this virtual machine).
 SPLIT_MIN_BYTES = 4 << 20
-_helpers: "_Helpers | None" = None
 
 
 def copy_threads() -> int:
@@ -272,79 +271,49 @@ def copy_threads() -> int:
     return max(1, min(torch.get_num_threads(), 4))
 
 
-class _Helpers:
-    """Threads that run parts of a copy beside its caller (tierd.threads: off an engine's compute
-    cores where it keeps helpers off them). Made again in a forked child."""
-
-    def __init__(self) -> None:
-        import queue
-        self.pid, self.jobs, self.count = os.getpid(), queue.SimpleQueue(), 0
-        self.lock = threading.Lock()
-
-    def grow(self, n: int) -> None:
-        from tierd import threads as helper_threads
-        with self.lock:
-            while self.count < n:
-                helper_threads.start(self._serve, name=f"tierd-copy-{self.count}")
-                self.count += 1
-
-    def _serve(self) -> None:
-        while True:
-            fn, arg, out, j, done = self.jobs.get()
-            try:
-                out[j] = fn(arg)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                out[j] = e
-            done.release()
-
-
 def _split(fn, shares: list) -> int:
-    """fn(share) for each share, the first on the caller, the rest on helper threads at once;
+    """fn(share) for each share, the first on the caller, the rest on `_workers()` at once;
     returns the OR of their results once every one has returned (raises what one raised)."""
-    global _helpers
-    if len(shares) == 1:
-        return fn(shares[0])
-    h = _helpers
-    if h is None or h.pid != os.getpid():
-        with _lock:
-            if _helpers is None or _helpers.pid != os.getpid():
-                _helpers = _Helpers()
-            h = _helpers
-    h.grow(len(shares) - 1)
-    out: list = [0] * len(shares)
-    done = threading.Semaphore(0)
-    for j in range(1, len(shares)):
-        h.jobs.put((fn, shares[j], out, j, done))
+    pool = _workers()[0] if len(shares) > 1 else None
+    if pool is None:
+        bad = 0
+        for share in shares:
+            bad |= fn(share)
+        return bad
+    futures = [pool.submit(fn, share) for share in shares[1:]]
     try:
-        out[0] = fn(shares[0])
+        bad = fn(shares[0])
     finally:
-        for _ in range(len(shares) - 1):
-            done.acquire()
-    bad = 0
-    for r in out:
-        if isinstance(r, BaseException):
-            raise r
-        bad |= r
+        from concurrent.futures import wait
+        wait(futures)      # nothing of the copy still running when it returns or raises
+    for f in futures:
+        bad |= f.result()
     return bad
 
 
 _pool = None
+_pool_pid = 0
 _pool_lock = threading.Lock()
 
 
 def _workers():
-    """Threads beside the caller for one attention call: as many as torch's intra-op threads,
-    less the caller's own (the kernel lets go of the GIL)."""
-    global _pool
+    """Threads beside the caller for one attention call or large copy: as many as torch's
+    intra-op threads, less the caller's own (the C calls let go of the GIL); placed like
+    tierd's other helper threads (off an engine's compute cores where it keeps helpers off
+    them), and made again in a forked child (which has none of its parent's threads)."""
+    global _pool, _pool_pid
     n = torch.get_num_threads() - 1
     if n < 1:
         return None, 1
     with _pool_lock:
-        if _pool is None or _pool._max_workers != n:
+        if _pool is None or _pool._max_workers != n or _pool_pid != os.getpid():
             from concurrent.futures import ThreadPoolExecutor
-            if _pool is not None:
+
+            from tierd import threads
+            if _pool is not None and _pool_pid == os.getpid():
                 _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(n, thread_name_prefix="tierd-attn")
+            _pool = ThreadPoolExecutor(n, thread_name_prefix="tierd-cpu", initializer=threads.enter_helper)
+            _pool_pid = os.getpid()
         return _pool, n + 1
 
 

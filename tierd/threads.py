@@ -31,7 +31,9 @@ def keep_helpers_off_my_cores() -> frozenset[int] | None:
     return _helper_cpus
 
 
-def _enter() -> None:
+def enter_helper() -> None:
+    """Move the calling (helper) thread off the compute cores, where an engine keeps helpers
+    off them (`start` does this for its threads; a thread pool passes it as its initializer)."""
     cpus = _helper_cpus
     if cpus:
         try:
@@ -43,7 +45,7 @@ def _enter() -> None:
 def start(target: Callable[..., Any], *args: Any, name: str) -> threading.Thread:
     """Start a daemon helper thread running `target(*args)`, off the compute cores."""
     def run() -> None:
-        _enter()
+        enter_helper()
         target(*args)
     t = threading.Thread(target=run, name=name, daemon=True)
     t.start()
