@@ -214,3 +214,68 @@ def test_a_key_written_again_after_a_flush_dropped_it_while_pinned_is_stored(tmp
         store.close()
         if d is not None:
             assert d.stop() == 0
+
+
+@pytest.mark.parametrize("pinned_by", ["disk read", "disk write"])
+def test_a_key_written_again_after_a_flush_dropped_every_copy_during_io_is_stored(tmp_path, pinned_by):
+    """A flush of every tier comes while a block's copies are pinned by I/O in flight — read up
+    from disk for an acquire (its host copy LOADING, its disk copy pinned), or written down by a
+    sync (its host copy pinned, its disk write in flight) — and its key is written again before
+    the I/O ends: the put stores the new bytes, they are served, written down and survive a
+    reopen, and the old copies' slots come back when the I/O ends. (Such a block kept its key
+    until its pins went, so the put found it "present", stored nothing, and the key was gone
+    a moment later.)"""
+    import threading
+    import time
+    faults = tmp_path / "faults"
+    cfg = dict(disk_fault_file=str(faults), disk_stall_s=60.0)
+    store = TieredStore(small_config(tmp_path, **cfg))
+    ns = make_ns()
+    (key,) = chain(ns, 9, 1)
+    old = block_for(ns, key)
+    new = 255 - old
+    try:
+        store.put(ns, [key], [old])
+        one_slot = store.stats()["tiers"]["host"]["used_bytes"]
+        if pinned_by == "disk read":
+            store.sync()
+            store.flush(tier="host")                       # on disk only: an acquire reads it
+            faults.write_text("read=hang:10")
+            got = {}
+            io = threading.Thread(target=lambda: got.setdefault("n", len(store.acquire(ns, [key]))))
+        else:
+            faults.write_text("write=hang:10")
+            io = threading.Thread(target=store.sync)
+        io.start()
+        time.sleep(0.3)                                     # the I/O hangs
+        assert io.is_alive()
+        assert store.flush(tier="all") == 1
+        assert store.lookup(ns, [key]) == 0
+        assert store.put(ns, [key], [new]) == 1, "the put skipped a key whose copies a flush had dropped"
+        assert store.where(ns, [key]) == ["host"]
+        faults.write_text("")
+        io.join(10)
+        assert not io.is_alive()
+        if pinned_by == "disk read":
+            assert got["n"] == 0, "a block flushed while it was read was served"
+        (g,) = store.get(ns, [key])
+        assert np.array_equal(g, new)
+        st = store.stats()["tiers"]
+        assert st["host"]["blocks"] == 1 and st["disk"]["blocks"] == 0
+        assert st["host"]["used_bytes"] == one_slot, "the old host slot was not given back"
+        assert st["disk"]["used_bytes"] == 0, "the old disk slot was not given back"
+        assert store.sync() == 1                            # the new copy goes down, once
+        assert store.stats()["tiers"]["disk"]["blocks"] == 1
+        store.flush(tier="host")
+        (g,) = store.get(ns, [key])
+        assert np.array_equal(g, new)
+    finally:
+        faults.write_text("")
+        store.close()
+    store = TieredStore(small_config(tmp_path, **cfg))     # reopened: the new bytes, only
+    try:
+        assert store.stats()["tiers"]["disk"]["blocks"] == 1
+        (g,) = store.get(ns, [key])
+        assert np.array_equal(g, new)
+    finally:
+        store.close()

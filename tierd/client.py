@@ -620,6 +620,14 @@ class Client(DaemonConnection):
     def close(self) -> None:
         with self._lock:
             self._report_hits()
+            if self._deferred and self._sock is not None:
+                # the replies of requests still unanswered (a put's commit): a put that
+                # returned is applied before the close does (a daemon stopped right after
+                # serves what reached it, but it cannot serve what is still being sent)
+                try:
+                    self._drain_deferred(time.monotonic() + self.timeout_s)
+                except Exception:  # noqa: BLE001 -- a close never raises; the connection goes anyway
+                    pass
             if self._hits_reporter is not None:
                 self._hits_reporter = None   # it sees that and ends
                 self._hits_cv.notify()

@@ -9,6 +9,7 @@ client's input and never let one client name another's slots.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import logging
 import os
@@ -17,6 +18,7 @@ import socket
 import stat
 import struct
 import sys
+import termios
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -79,6 +81,7 @@ class _Conn(asyncio.Protocol):
         self._last = 0.0            # monotonic time of the last complete frame
         self._frame_started = 0.0   # when the incomplete frame at the head of _buf began (0: none)
         self._timer = None
+        self._stop_left: int | None = None   # stopping: bytes sent before the stop, not read yet
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -109,6 +112,8 @@ class _Conn(asyncio.Protocol):
         if self._closed:
             return
         self._buf += data
+        if self._stop_left is not None:
+            self._stop_left -= len(data)
         self._pump()
 
     def eof_received(self):
@@ -231,13 +236,32 @@ class _Conn(asyncio.Protocol):
     def _set_reading(self) -> None:
         if self.transport is None or self._closed:
             return
-        want_pause = self._busy or self._paused_write
+        want_pause = self._busy or self._paused_write or (self._stop_left is not None and self._stop_left <= 0)
         if want_pause and not self._paused_read:
             self.transport.pause_reading()
             self._paused_read = True
         elif not want_pause and self._paused_read:
             self.transport.resume_reading()
             self._paused_read = False
+
+    def stop_after_pending(self) -> None:
+        """The daemon is stopping: serve the requests whose bytes had reached this socket by now
+        (a client's put may have returned on a commit it sent unanswered), read nothing after."""
+        if self._closed or self.transport is None:
+            return
+        try:
+            fd = self.transport.get_extra_info("socket").fileno()
+            self._stop_left = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+        except (OSError, AttributeError, ValueError):
+            self._stop_left = 0
+        self._set_reading()
+
+    @property
+    def draining(self) -> bool:
+        """Stopping, and requests sent before the stop are still to be read or served."""
+        if self._closed or self._stop_left is None:
+            return False
+        return self._busy or (self._stop_left > 0 and not self._paused_write)
 
     def _close(self) -> None:
         if not self._closed and self.transport is not None:
@@ -433,15 +457,18 @@ class Daemon(Ops):
         logged, never a reason to skip the rest."""
         loop = asyncio.get_running_loop()
         notify("STOPPING=1\nSTATUS=stopping")
-        log.info("stopping: no new connections; finishing %d requests", self._inflight)
+        log.info("stopping: no new connections; finishing %d requests and those already sent", self._inflight)
         if self._server is not None:
             self._server.close()
         if getattr(self, "_beat_handle", None) is not None:
             self._beat_handle.cancel()
         if getattr(self, "_wd_task", None) is not None:
             self._wd_task.cancel()
+        for c in list(self.conns.values()):
+            c.stop_after_pending()      # what clients sent before the stop is still served
         deadline = time.monotonic() + self.STOP_REQUESTS_S
-        while self._inflight and time.monotonic() < deadline:
+        while (self._inflight or any(c.draining for c in list(self.conns.values()))) \
+                and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         if self._inflight:
             log.warning("stopping with %d requests still running (a hung disk?); they will fail",

@@ -129,8 +129,11 @@ class Demotion:
                     self._disk_error("write", entry)  # the block stays in host RAM only
                 failed += 1
                 continue
-            if disk.fenced(entry.ns_id, entry.seq):
-                disk.free_slot(slot)   # a flush came while it was written: that copy is dead
+            if disk.fenced(entry.ns_id, entry.seq) or b.orphan:
+                # a flush came while it was written: that copy is dead (an orphan's key is
+                # another block's now; only a flush that dropped its disk copy, and so fenced
+                # it, makes one while its write is in flight)
+                disk.free_slot(slot)
                 continue
             b.disk = entry
             self._rd.owner[slot] = b

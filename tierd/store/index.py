@@ -111,17 +111,27 @@ class BlockIndex:
         self._reap(b)
 
     def _retire_doomed(self, b: Block) -> bool:
-        """(Lock held.) Before a write of `b`'s key (`b` the block `_blocks` holds for it): if a flush doomed `b`'s host copy while it
-        was pinned (a lease, the record being written) and `b` has no other copy, `b` leaves
-        the key now — an orphan, out of `_blocks`, the policy and the shared index, whose slot
-        is freed when its pins go (`_drop_host`) — so that the write goes ahead. Else the write
-        would find the key present and skip it, and the doomed copy would go after: the key
-        lost right after it was written. False, changing nothing, for any other block."""
-        if not (b.doomed & DOOM_HOST and b.host_state == READY and b.disk is None and not b.disk_writing
-                and b.gpu_slot < 0):
+        """(Lock held.) Before a write of `b`'s key (`b` the block `_blocks` holds for it): if a
+        flush dropped every copy of `b` while they were pinned — a host copy leased, being
+        recorded or being read up (LOADING), a disk copy being read, a disk write in flight
+        (which the flush's fence discards when it lands) — `b` leaves the key now: an orphan,
+        out of `_blocks`, the policies, the tiers' counts and the shared index, whose slots are
+        freed when its pins go (`_drop_host`, `_drop_disk`). The write then goes ahead. Else it
+        would find the key present and skip it, and the doomed copies would go after: the key
+        lost right after a put that said it was stored. False, changing nothing, while `b` has
+        a copy no flush dropped (or an HBM copy)."""
+        if not b.doomed or b.gpu_slot >= 0:
             return False
-        self._rh.policy.remove(b.ikey, evicted=False)
-        self._leave(b, "host")
+        host = b.host_state == ABSENT or (b.doomed & DOOM_HOST and b.host_state in (READY, LOADING))
+        disk = (b.disk is None and not b.disk_writing) or b.doomed & DOOM_DISK
+        if not (host and disk):
+            return False
+        if b.host_state == READY:                  # (a LOADING copy never entered)
+            self._rh.policy.remove(b.ikey, evicted=False)
+            self._leave(b, "host")
+        if b.disk is not None:
+            self._rd.policy.remove(b.ikey, evicted=False)
+            self._leave(b, "disk")
         b.orphan = True
         del self._blocks[b.ikey]
         b.st.records -= 1
@@ -136,7 +146,8 @@ class BlockIndex:
             b.doomed &= ~DOOM_HOST
             if b.host_state != ABSENT:
                 self._drop_host(b, evicted=False)
-        if b.doomed & DOOM_DISK and (b.disk is None or (b.disk_pins == 0 and not b.disk_writing)):
+        # (a write in flight keeps the mark: the fence discards what it writes when it lands)
+        if b.doomed & DOOM_DISK and not b.disk_writing and (b.disk is None or b.disk_pins == 0):
             b.doomed &= ~DOOM_DISK
             if b.disk is not None:
                 self._drop_disk(b, evicted=False)
@@ -218,8 +229,9 @@ class BlockIndex:
     def _drop_disk(self, b: Block, *, evicted: bool, free: bool = True) -> None:
         """(Lock held.) Forget `b`'s disk copy; with `free=False` its slot stays taken until its
         header is erased on disk (`_tombstone`)."""
-        self._rd.policy.remove(b.ikey, evicted=evicted)
-        self._leave(b, "disk")
+        if not b.orphan:                     # (an orphan left both when it became one)
+            self._rd.policy.remove(b.ikey, evicted=evicted)
+            self._leave(b, "disk")
         self._free(self._rd, b.disk.slot, evicted=evicted, free=free)
         b.disk = None
         self._publish(b)
