@@ -232,7 +232,8 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
         self.stats = self.link.stats
         for k in ("lookup_timeouts", "loads_async", "stores_present", "lost_leases", "requests_not_keyed",
                   "save_s", "hbm_hit_blocks", "loads_unordered", "stores_skipped", "state_misses",
-                  "state_load_misses", "load_acquire_s", "load_copy_s", "unleased_loads", "requests_opted_out"):
+                  "state_load_misses", "load_acquire_s", "load_copy_s", "unleased_loads", "requests_opted_out",
+                  "sched_s", "hook_s"):
             self.stats.setdefault(k, 0)
         if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning("kv_load_failure_policy is %r: a tier block evicted between lookup and load "
@@ -242,6 +243,7 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
         self._reqs: dict[str, _Req] = {}
         self._unkeyable: set[str] = set()
         self._loads: list[LoadSpec] = []
+        self._sched_sent = 0.0                       # sched_s already sent to the workers
         # worker side
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._rank = 0                               # the rank whose keys this worker uses

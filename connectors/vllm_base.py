@@ -4,6 +4,8 @@ connector's modules import without vLLM, so their logic is tested everywhere."""
 from __future__ import annotations
 
 import enum
+import functools
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -75,3 +77,19 @@ except ImportError:
         @abstractmethod
         def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
             raise NotImplementedError
+
+
+def timed(stat: str):
+    """Adds the wall time of each call of the decorated connector method to `self.stats[stat]`
+    (the connector's time on the engine's own thread: `sched_s` in the scheduler's hooks,
+    `hook_s` in the worker's; what a request that hits nothing pays)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def method(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                self.stats[stat] = self.stats.get(stat, 0.0) + time.perf_counter() - t0
+        return method
+    return wrap

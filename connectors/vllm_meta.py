@@ -56,3 +56,7 @@ class SaveSpec:
 class TierdConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # the scheduler half's time in vLLM's scheduler hooks since the last metadata (lookups,
+    # planning): the workers add it to their `sched_s`, so that one place counts what the
+    # connector costs the engine's step
+    sched_s: float = 0.0

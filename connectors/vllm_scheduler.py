@@ -21,6 +21,7 @@ from tierd.errors import TierdError
 from tierd.keys import extend_keys
 
 from .link import STORE_ERRORS
+from .vllm_base import timed
 from .vllm_keys import block_extra
 from .vllm_meta import LoadSpec, SaveSpec, TierdConnectorMetadata
 
@@ -92,6 +93,7 @@ class SchedulerHalf:
                             self.block_tokens, n_blocks, st.extra)
 
     # -- lookups --------------------------------------------------------------------------------
+    @timed("sched_s")
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.disabled:
             return 0, False
@@ -171,6 +173,7 @@ class SchedulerHalf:
         log.warning("request %s is not cached in tierd: %s", request.request_id, e)
 
     # -- loads ----------------------------------------------------------------------------------
+    @timed("sched_s")
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         if self.disabled or request.request_id in self._unkeyable:
             return
@@ -219,10 +222,13 @@ class SchedulerHalf:
         return table if len(table) == len(self.groups) else None
 
     # -- per-step metadata and saves --------------------------------------------------------------
+    @timed("sched_s")
     def build_connector_meta(self, scheduler_output) -> TierdConnectorMetadata:
         meta = TierdConnectorMetadata()
         if self.disabled:
             return meta
+        spent = self.stats.get("sched_s", 0.0)     # (this call's own time goes with the next)
+        meta.sched_s, self._sched_sent = spent - self._sched_sent, spent
         meta.loads, self._loads = self._loads, []
         scheduled = scheduler_output.num_scheduled_tokens
         live = getattr(scheduler_output, "kv_connector_block_state", None)

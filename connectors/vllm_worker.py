@@ -29,6 +29,7 @@ from tierd.namespace import Namespace
 
 from . import vllm_layout
 from .link import STORE_ERRORS, acquire_for, drain_quietly, holding, load_unleased
+from .vllm_base import timed
 from .vllm_groups import KVGroups
 from .vllm_meta import LoadSpec, SaveSpec
 
@@ -148,6 +149,7 @@ class WorkerHalf:
         log.warning("tierd connector disabled: %s", reason)
 
     # -- loads --------------------------------------------------------------------------------
+    @timed("hook_s")
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         # per-layer waits only once a forward has asked for every layer (a model whose attention
         # never calls wait_for_layer_load gets its loads waited for as a whole, before the forward)
@@ -376,6 +378,7 @@ class WorkerHalf:
                         ids[j, g, r] = spec.block_ids[g][b - spec.first_block]
         return ids[:, 0] if groups == 1 else ids
 
+    @timed("hook_s")
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Before layer `layer_name`'s attention: the compute stream waits for that layer's copies
         (and no others). Asynchronous loads complete outside the batch."""
@@ -403,6 +406,7 @@ class WorkerHalf:
         with self._lock:
             self._load_errors.update(errors)
 
+    @timed("hook_s")
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._finish_loads()
         with self._lock:
@@ -431,6 +435,7 @@ class WorkerHalf:
             results.failed_recving = set(results.failed_recving or ()) | failed
         return results
 
+    @timed("hook_s")
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_loads()
         with self._lock:
@@ -438,8 +443,11 @@ class WorkerHalf:
         return errors
 
     # -- saves --------------------------------------------------------------------------------
+    @timed("hook_s")
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
+        if self._rank == 0:      # (every worker gets it; counted once)
+            self.stats["sched_s"] += getattr(connector_metadata, "sched_s", 0.0)
         saves = getattr(connector_metadata, "saves", None)
         if not saves or not self._layers or not self._writer:    # (MLA: rank 0 writes for all)
             return
@@ -472,6 +480,7 @@ class WorkerHalf:
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # whole tier blocks are copied out in wait_for_save, once every layer is written
 
+    @timed("hook_s")
     def wait_for_save(self):
         self._finish_loads()
         pending, self._step_saves = self._step_saves, []

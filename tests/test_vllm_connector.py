@@ -334,6 +334,28 @@ def test_every_tensor_parallel_rank_counts_and_a_missing_rank_heals(daemon):
         w.shutdown()
 
 
+def test_the_connectors_time_in_the_engines_hooks_is_counted_once_on_the_workers(daemon):
+    """What the connector costs a step: the scheduler half's time in its hooks (lookups,
+    planning) goes to the workers with each step's metadata and is counted once (rank 0),
+    beside the workers' own time in theirs; a benchmark reads both from the workers."""
+    sched, workers = _tp(daemon.url), [_tp(daemon.url, r) for r in (0, 1)]
+    objs = drv.Objects()
+    prompt = list(range(1, 71))
+    a = objs.request("A", prompt)
+    assert drv.admit(sched, objs, a, 0, list(range(5))) == 0
+    assert sched.stats["sched_s"] > 0                 # the lookup
+    step_workers(sched, workers, objs.output([(a, range(5), 0, 70)]))
+    sched.request_finished(a, list(range(5)))
+    assert sched._sched_sent > 0
+    assert workers[0].stats["sched_s"] == pytest.approx(sched._sched_sent) and workers[1].stats["sched_s"] == 0
+    step_workers(sched, workers, objs.output([]))     # the last build's own time goes with the next
+    assert workers[0].stats["sched_s"] == pytest.approx(sched._sched_sent)
+    assert sched._sched_sent == pytest.approx(sched.stats["sched_s"], abs=1e-3)
+    assert all(w.stats["hook_s"] >= w.stats["save_s"] > 0 for w in workers)   # the save is in a hook
+    for w in [*workers, sched]:
+        w.shutdown()
+
+
 # -- a stalled daemon costs the scheduler at most the deadline -----------------------------------
 def test_lookups_keep_their_deadline_on_a_stalled_daemon_and_recover(daemon):
     import signal
