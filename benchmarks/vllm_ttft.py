@@ -131,7 +131,7 @@ def main() -> None:
     WARMUP[:] = rng.integers(1, vocab, length).tolist()
     hit_prompts = [rng.integers(1, vocab, length).tolist() for _ in range(n_prompts)]
     miss_sets = [[rng.integers(1, vocab, length).tolist() for _ in range(n_miss)] for _ in range(2)]
-    pair_prompts = [rng.integers(1, vocab, length).tolist() for _ in range(2 * (4 if args.quick else 6))]
+    pair_prompts = [rng.integers(1, vocab, length).tolist() for _ in range(2 * (4 if args.quick else 10))]
     hit_tokens = (length // BLOCK_TOKENS) * BLOCK_TOKENS
     print(f"model {model} ({'quick' if args.quick else 'bench'}), {n_prompts} prompts of {length} tokens")
 

@@ -175,6 +175,7 @@ class StoreLink:
         self._backoff = retry_after_s
         self._down_until = 0.0
         self._lock = threading.Lock()
+        self._connect_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending_blocks)
         self._max_batch = max_batch
         self._pending = 0  # blocks queued or being stored
@@ -202,12 +203,19 @@ class StoreLink:
                     return None
             return self.store
         if self.store is None:
-            try:
-                self.store = tierd.connect(self._url)
-            except STORE_ERRORS as e:
-                self.failed(e, "connect")
-                return None
-        return self.store
+            with self._connect_lock:          # (a caller and `warm` may race for the first one)
+                if self.store is None and not self.backing_off:
+                    try:
+                        self.store = tierd.connect(self._url)
+                    except STORE_ERRORS as e:
+                        self.failed(e, "connect")
+        return self.store if not self.backing_off else None
+
+    def warm(self) -> None:
+        """Connect now, in a thread of its own, so that the first request finds the daemon's
+        arena mapped and its pages faulted in (with `prefault`) instead of paying for it."""
+        if self.store is None and not self._background:
+            threads.start(self.get, name=f"{self._name}-warm")
 
     def _connect_in_background(self) -> tuple[threading.Event, bool]:
         """Start a connection attempt unless one runs: (an event set when it ends, whether this

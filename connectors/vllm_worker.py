@@ -120,6 +120,11 @@ class WorkerHalf:
         self._xfer = BlockTransfer([k for k, _ in layers], None if self.latent else [v for _, v in layers],
                                    self.ratio, layer_groups=groups.layer_group)
         self._layer_idx = {n: i for i, n in enumerate(names)}
+        # the daemon's connections now, off this thread: the first hit and the first save do not
+        # pay for connecting, mapping the arena and faulting its pages in
+        self.link.warm()
+        if self.save_link is not self.link:
+            self.save_link.warm()
 
     @staticmethod
     def _state_page(name: str, t, nbytes: int):
