@@ -239,6 +239,7 @@ class Promotion:
                 slot = self._host_alloc(st)
             finally:
                 b.disk_pins -= 1
+                self._reap(b)  # a flush meanwhile (the lock may have been let go) doomed it
             b = self._blocks.get(ikey)
             if b is not None and self._host_servable(b):  # promoted meanwhile
                 if slot is not None:
@@ -267,6 +268,7 @@ class Promotion:
         for b, e in plan:
             b.host_pins -= 1
             if e is None:
+                self._reap(b)   # flushed while planned (the lock may have been let go): goes now
                 continue
             if e is not REMOTE:
                 b.disk_pins -= 1
