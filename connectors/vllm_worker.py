@@ -383,8 +383,7 @@ class WorkerHalf:
                         ids[j, g, r] = spec.block_ids[g][b - spec.first_block]
         return ids[:, 0] if groups == 1 else ids
 
-    @timed("hook_s")
-    def wait_for_layer_load(self, layer_name: str) -> None:
+    def wait_for_layer_load(self, layer_name: str) -> None:   # (per layer: not timed)
         """Before layer `layer_name`'s attention: the compute stream waits for that layer's copies
         (and no others). Asynchronous loads complete outside the batch."""
         self._waited.add(layer_name)
