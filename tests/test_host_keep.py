@@ -6,6 +6,7 @@ import os
 import signal
 
 import numpy as np
+import xxhash
 import pytest
 
 from tierd import TieredStore
@@ -282,3 +283,71 @@ def test_sigterm_with_a_backlog_records_it_before_exit(tmp_path):
             assert c.stats()["tiers"]["host"]["adopted_blocks"] == 320
     finally:
         assert d.stop() == 0
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["staged put", "reserve and commit"])
+def test_a_writers_checksums_are_recorded_as_given_and_a_wrong_one_loses_only_its_block(tmp_path, staged):
+    """A put hashes its blocks as it copies them and the daemon records those checksums (its
+    keeper reads nothing again); a writer that gives a wrong checksum only makes the next daemon
+    drop that block, never serve it; a malformed one is refused."""
+    ns = make_ns()
+    keys, own = chain(ns, 5, 6), chain(ns, 6, 4)
+    d = DaemonProc(tmp_path, args=NO_DISK).start()
+    c = Client(d.socket, stage_bytes=(64 << 20) if staged else 0)
+    try:
+        assert put_chain(c, ns, keys) == 6
+        recorded(c)
+        host = c.stats()["tiers"]["host"]
+        assert host["records_written"] == 6 and host["records_hashed"] == 0
+        res = c.reserve(ns, own)
+        assert (res.id == -1) == staged and res.num_reserved == 4
+        for k, buf in zip(own, res.buffers):
+            np.copyto(buf, block_for(ns, k))
+        if not staged:   # malformed checksums are refused; the reservation stands
+            for bad in (["x"] * 4, [1, 2, 3], [1.5] * 4, [-2] * 4, [True] * 4, 7):
+                with pytest.raises(TierdError, match="checksums"):
+                    c._call("commit", res=res.id, checksums=bad)
+        good = [xxhash.xxh3_64_intdigest(block_for(ns, k)) for k in own]
+        res.checksums = [good[0], good[1] ^ 1, -1, good[3]]   # a wrong one; one not given
+        assert c.commit(res) == 4
+        assert_exact(c, ns, own)                              # served as written meanwhile
+        recorded(c)
+        host = c.stats()["tiers"]["host"]
+        assert host["records_written"] == 10 and host["records_hashed"] == 1
+        d.kill()
+        d.start()
+        assert c.where(ns, own) == ["host", "", "host", "host"]
+        assert_exact(c, ns, keys)
+        for k in (own[0], own[2], own[3]):
+            with c.acquire(ns, [k]) as lease:
+                assert np.array_equal(lease.buffers[0], block_for(ns, k))
+        host = c.stats()["tiers"]["host"]
+        assert host["adopted_blocks"] == 9 and host["adopt_dropped"] == 1
+    finally:
+        c.close()
+        assert d.stop() == 0
+
+
+def test_an_embedded_store_records_the_checksums_its_put_computed(tmp_path):
+    ns = make_ns()
+    keys = chain(ns, 7, 5)
+    shm = os.path.join("/dev/shm", f"tierd-test-{os.getpid()}-{tmp_path.name}")
+    kw = dict(host_bytes=1 << 20, host_slab_bytes=256 << 10, host_shm_path=shm, host_keep=True)
+    try:
+        with TieredStore(**kw) as s:
+            assert put_chain(s, ns, keys) == 5
+            res = s.reserve(ns, chain(ns, 8, 1))
+            res.checksums = [1, 2]
+            with pytest.raises(TierdError, match="checksums"):
+                s.commit(res)
+            s.abort(res)
+            wait_for(lambda: s.keep_pending() == 0, what="host block records")
+            host = s.stats()["tiers"]["host"]
+            assert host["records_written"] == 5 and host["records_hashed"] == 0
+        with TieredStore(**kw) as s:
+            assert s.stats()["tiers"]["host"]["adopted_blocks"] == 5
+            assert_exact(s, ns, keys)
+    finally:
+        for p in (shm, shm + ".rec", shm + ".rec.ns"):
+            if os.path.exists(p):
+                os.unlink(p)

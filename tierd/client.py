@@ -32,6 +32,13 @@ log = logging.getLogger("tierd.client")
 
 
 
+def _with_checksums(msg: dict, res) -> dict:
+    """`msg` (a put or commit) with the reservation's checksums, where it has them."""
+    if res.checksums is not None:
+        msg["checksums"] = [int(c) for c in res.checksums]
+    return msg
+
+
 class ClientReservation:
     """Slots in the daemon's arena to write into; `commit` makes them visible. It holds its
     connection open until committed or aborted (see `Client.acquire`)."""
@@ -45,6 +52,9 @@ class ClientReservation:
         # a deferred `put`, with the parent and token ids kept here until then.
         self._staged = staged
         self._parent = self._tokens = None
+        # per key, optional: the checksum of what was copied into the slot, or -1 (as
+        # `tierd.store.Reservation.checksums`); sent with the commit
+        self.checksums: list[int] | None = None
 
     @property
     def num_reserved(self) -> int:
@@ -138,6 +148,7 @@ class Client(DaemonConnection):
         self._hbm = hbm              # reads HBM copies: None = when it maps the daemon's HBM tier
         self._hold_lock = threading.Lock()
         self._noreply = False        # the daemon serves releases without a reply (its hello says)
+        self._checksums = False      # the daemon records blocks for restarts: puts send checksums
         # Reads without a lease (see `get`): possible where the daemon's hello and shared index
         # allow them; the keys read are reported to the daemon later, in one message.
         self._unleased_ok = False
@@ -323,6 +334,7 @@ class Client(DaemonConnection):
             msg["parent"] = res._parent
         if res._tokens is not None:
             msg["tokens"] = res._tokens
+        _with_checksums(msg, res)
         # this client's own puts count as present until their replies are read
         written = [res.namespace.id + k for k, off in zip(res.keys, res._staged) if off >= 0]
         putting = self._putting
@@ -363,7 +375,7 @@ class Client(DaemonConnection):
         try:
             with self._lock:
                 self._check_held(res, link, "reservation")
-                return self._call("commit", res=res.id)["n"]
+                return self._call(**_with_checksums({"op": "commit", "res": res.id}, res))["n"]
         finally:
             self._unpin(link)
 
@@ -400,7 +412,7 @@ class Client(DaemonConnection):
             raise E.TierdError(f"put: {len(keys)} keys but {len(blocks)} blocks")
         views = [as_u8(b, nsobj.block_bytes, nsobj.kv_dtype) for b in blocks]
         res = self.reserve(nsobj, keys, parent=parent, token_ids=token_ids)
-        fill_reservation(self, res, views)
+        fill_reservation(self, res, views, hashed=self._checksums)
         if not res.num_reserved:
             return 0
         if res._staged is not None:
@@ -412,7 +424,7 @@ class Client(DaemonConnection):
                 # The daemon serves a connection's requests in order, so everything this client
                 # asks next already sees the blocks; the commit's reply is read with the next
                 # reply.
-                if not self._send_deferred({"op": "commit", "res": res.id}):
+                if not self._send_deferred(_with_checksums({"op": "commit", "res": res.id}, res)):
                     raise DaemonUnavailableError(f"lost the tierd daemon at {self.path} during put")
                 self._deferred_commits += 1
                 return res.num_reserved

@@ -119,6 +119,7 @@ class DaemonConnection:
             self.server_version = reply.get("server")
             self.events = bool(reply.get("events"))   # the daemon publishes KV events: send token ids
             self._noreply = reply.get("noreply") is True   # releases may go unanswered
+            self._checksums = reply.get("checksums") is True   # it records blocks: put hashes as it copies
             self.limits = reply.get("limits", {})
             self._map_arena(reply["arenas"][0])
             self._map_index(reply.get("index"))

@@ -97,3 +97,15 @@ def keys_field(msg: dict, max_keys: int, name: str = "keys") -> list[bytes]:
     if not well_formed(keys):
         raise ProtocolError("every key must be 16 bytes (msgpack bin)")
     return keys
+
+
+def checksums_field(msg: dict, n: int) -> list[int] | None:
+    """A put's or commit's optional per-key checksums of the bytes the writer copied (xxh3-64,
+    or -1 where it gives none), checked; None where the request gives none."""
+    v = msg.get("checksums")
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) != n or not all(
+            type(c) is int and -1 <= c < 1 << 64 for c in v):
+        raise ProtocolError(f"checksums must hold one 64-bit checksum (or -1) per key ({n})")
+    return v

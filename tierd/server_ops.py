@@ -72,6 +72,8 @@ class Ops:
                 "events": self.events is not None and self.cfg.events_token_ids,
                 "noreply": True,   # a release may ask to go unanswered
                 "hits": True,      # reads without a lease are reported (op hits)
+                # a writer's checksums of what it copied (put, commit) spare the keeper a read
+                "checksums": self.store.host.records is not None,
                 "limits": {"max_frame_bytes": self.cfg.max_frame_bytes,
                            "max_keys_per_request": self.cfg.max_keys_per_request}}
 
@@ -152,7 +154,8 @@ class Ops:
         refill = self._count_field(msg, "refill")
         try:
             parent, tokens = self._write_fields(msg, ns, keys)
-            n = self.store.put_staged(ns, keys, offsets, owner=conn.id, parent=parent, token_ids=tokens)
+            n = self.store.put_staged(ns, keys, offsets, owner=conn.id, parent=parent, token_ids=tokens,
+                                      checksums=P.checksums_field(msg, len(keys)))
         except Exception:
             # the client gave these slots up when it sent them: back to the free pool
             self.store.unstage(conn.id, [o for o in offsets if o >= 0])
@@ -165,7 +168,9 @@ class Ops:
         rid = P.field(msg, "res", int)
         if rid == 0:
             return {"n": 0}   # a reservation of nothing (every block present or no room)
-        n = self.store.commit(self.store.find_reservation(rid, conn.id))
+        res = self.store.find_reservation(rid, conn.id)
+        res.checksums = P.checksums_field(msg, len(res.keys))
+        n = self.store.commit(res)
         conn.held.discard(("res", rid))
         return {"n": n}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import BlockError
+from .tiers.slot_header import copy_hashed
 
 # dtype names (numpy's and torch's str()) that are acceptable raw-byte carriers for any block.
 _RAW_DTYPES = {"uint8", "int8", "torch.uint8", "torch.int8"}
@@ -60,13 +61,19 @@ def copy_block(dst: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dst, src, casting="no")
 
 
-def fill_reservation(store, res, views: list[np.ndarray]) -> None:
+def fill_reservation(store, res, views: list[np.ndarray], *, hashed: bool = False) -> None:
     """Copy `views[i]` into each reserved buffer of `res`; on any failure abort `res` (the
-    slots go back) and re-raise. Shared by TieredStore.put and Client.put."""
+    slots go back) and re-raise. With `hashed`, each block is checksummed as it is copied
+    (`res.checksums`, -1 where nothing was copied): a store that records its blocks for restarts
+    then need not read them again. Shared by TieredStore.put and Client.put."""
     try:
-        for dst, src in zip(res.buffers, views):
-            if dst is not None:
-                copy_block(dst, src)
+        if not hashed:
+            for dst, src in zip(res.buffers, views):
+                if dst is not None:
+                    copy_block(dst, src)
+            return
+        res.checksums = [copy_hashed(dst, src) if dst is not None else -1
+                         for dst, src in zip(res.buffers, views)]
     except BaseException:
         store.abort(res)
         raise

@@ -244,6 +244,11 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
         """Make the reserved blocks visible. Returns how many became visible."""
         if res.id == 0:
             return 0   # nothing was reserved
+        sums = res.checksums
+        if sums is not None and (len(sums) != len(res.keys) or not all(
+                type(c) is int and -1 <= c < 1 << 64 for c in sums)):
+            raise TierdError(f"commit: checksums must hold one 64-bit checksum (or -1) for each of "
+                             f"the {len(res.keys)} keys")
         with self._cond:
             self._check_open()
             if self._reservations.pop(res.id, None) is None:
@@ -254,6 +259,7 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
         """(Lock held.) Make a reservation's blocks visible (it is no longer registered)."""
         pid = res.namespace.id
         n = 0
+        sums = res.checksums   # (checked by `commit`, `put_staged` and the daemon's requests)
         # Links first, then residency in reverse chain order so that the chain's tail is
         # the least recent: descendants are evicted before their ancestors.
         for i, b in enumerate(res._blocks):
@@ -264,6 +270,7 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
             if b is None or b.host_state != RESERVED or b.owner_res != res.id:
                 continue
             b.host_state, b.owner_res = READY, 0
+            b.csum = sums[i] if sums is not None else -1
             self._rh.policy.insert(b.ikey)
             self._enter(b, "host", event=False)   # events below, in chain order
             b.st.counters["puts"] += 1
@@ -297,7 +304,7 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
             st = self._ns(ns)
         views = [as_u8(blk, st.block_bytes, st.desc.get("kv_dtype", "")) for blk in blocks]
         res = self.reserve(ns, keys, parent=parent, token_ids=token_ids)
-        fill_reservation(self, res, views)
+        fill_reservation(self, res, views, hashed=self.host.records is not None)
         return self.commit(res)
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:

@@ -3,7 +3,9 @@ re-adoption of an earlier arena's blocks at open. Part of `TieredStore` (its one
 queue and the blocks; the records file is the host tier's, `tiers/host_records.py`).
 
 **Recording.** A block that becomes READY in host RAM is queued; the keeper thread pins a batch,
-checksums the blocks outside the lock (xxh3, which lets go of the GIL), and writes each record
+checksums the blocks outside the lock (xxh3, which lets go of the GIL) — except those whose
+writer gave the checksum of what it copied (`put` hashes each block as it copies it, where the
+bytes are still in the CPU's caches; `Block.csum`) — and writes each record
 under the lock only if the block is still READY in the same slot and not flushed. A record is
 cleared before its slot is freed (`HostTier.free_slot`) and when a flush dooms the block. A block
 that was not yet recorded when the daemon died is simply not re-adopted; a clean close records the
@@ -99,7 +101,8 @@ class HostKeeping:
         self._keep_stop = False
         self._keep_failing = False
         self._keep_stats = {"adopted_blocks": 0, "adopted_bytes": 0, "adopt_dropped": 0,
-                            "adopt_seconds": 0.0, "records_written": 0, "unrecorded": 0}
+                            "adopt_seconds": 0.0, "records_written": 0, "records_hashed": 0,
+                            "unrecorded": 0}
         self._keeper = None
 
     def _keep_start(self) -> None:
@@ -151,9 +154,9 @@ class HostKeeping:
                 if b.host_state != READY or b.doomed & DOOM_HOST or b.host_slot < 0:
                     continue
                 b.host_pins += 1
-                batch.append((b, b.host_slot))
+                batch.append((b, b.host_slot, b.csum))
                 nbytes += b.st.block_bytes
-            need = {b.st.ns_id: b.st.desc for b, _ in batch if b.st.ns_id not in rec.namespaces}
+            need = {b.st.ns_id: b.st.desc for b, _, _ in batch if b.st.ns_id not in rec.namespaces}
             self._keep_busy = len(batch)
         if not batch:
             return False
@@ -161,7 +164,7 @@ class HostKeeping:
         try:
             if need:
                 rec.remember_namespaces(need)
-            rec.reserve_pages(rec.pages_for(self.host.alloc.offset(slot) for _, slot in batch))
+            rec.reserve_pages(rec.pages_for(self.host.alloc.offset(slot) for _, slot, _ in batch))
         except OSError as e:
             named = False
             self._keep_stats["unrecorded"] += len(batch)
@@ -178,21 +181,25 @@ class HostKeeping:
         # flag read here a moment early only orders eviction); under it, a few blocks at a
         # time, each record is written only if its block still holds that slot, READY and not
         # flushed: the lock is never held for long by this thread, whose work is not urgent.
+        # A checksum the writer gave with the bytes (hashed as it copied them into the slot) is
+        # recorded as it is: a wrong one only makes the next daemon drop that block.
         recs = []
-        for b, slot in batch:
+        for b, slot, csum in batch:
             if not named:
                 recs.append(None)
                 continue
             self._keep_seq += 1   # (this thread's alone)
+            if csum < 0:
+                csum = checksum(self.host.view(slot, b.st.block_bytes))
+                self._keep_stats["records_hashed"] += 1
             recs.append(pack_record(HostRecord(
                 self.host.alloc.offset(slot), b.st.ns_id, b.key, b.parent[len(b.st.ns_id):] if b.parent else None,
-                b.st.block_bytes, self._keep_seq, checksum(self.host.view(slot, b.st.block_bytes)),
-                FLAG_DECODED if b.decoded else 0)))
+                b.st.block_bytes, self._keep_seq, csum, FLAG_DECODED if b.decoded else 0)))
         for i in range(0, len(batch), self.KEEP_SETTLE_BLOCKS):
             if i:
                 time.sleep(0)   # let the GIL and the lock go to requests between chunks
             with self._cond:
-                for (b, slot), data in zip(batch[i:i + self.KEEP_SETTLE_BLOCKS], recs[i:i + self.KEEP_SETTLE_BLOCKS]):
+                for (b, slot, _), data in zip(batch[i:i + self.KEEP_SETTLE_BLOCKS], recs[i:i + self.KEEP_SETTLE_BLOCKS]):
                     b.host_pins -= 1
                     if (data is not None and not self._keep_stop and b.host_slot == slot
                             and b.host_state == READY and not b.doomed & DOOM_HOST):
@@ -340,6 +347,7 @@ class HostKeeping:
                     if b.parent is None and r.parent:
                         b.parent = r.ns_id + r.parent
                     b.host_slot, b.host_state, b.decoded = slot, READY, bool(r.flags & FLAG_DECODED)
+                    b.csum = r.checksum    # verified over this copy
                     self._rh.owner[slot] = b
                     adopted.append((b, r))
                     nbytes += r.length

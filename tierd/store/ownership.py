@@ -42,6 +42,10 @@ class Reservation:
         self._host = host
         self._buffers = None
         self._tokens = None   # token ids of the keys, for KV events (when the store publishes them)
+        # Per key, optional: the checksum (`tiers.host_records.checksum`) of what the writer
+        # copied into the slot, or -1; set by a writer that hashed the bytes as it copied them
+        # (`put` does where the store records its blocks), so the keeper need not read them again.
+        self.checksums: list[int] | None = None
 
     @property
     def buffers(self) -> list[np.ndarray | None]:
@@ -209,15 +213,19 @@ class Ownership:
             return offsets
 
     def put_staged(self, ns: Namespace, keys: Sequence[bytes], offsets: Sequence[int], *, owner,
-                   parent: bytes | None = None, token_ids: Sequence[int] | None = None) -> int:
+                   parent: bytes | None = None, token_ids: Sequence[int] | None = None,
+                   checksums: Sequence[int] | None = None) -> int:
         """Store the blocks `owner` wrote into its staged slots: `keys[i]`'s block is at
         `offsets[i]` (-1: not written, the writer found it present). All at once, as `commit`:
         each slot becomes its block's, or goes back to the free pool where the key is present
         (or repeated). LeaseError, changing nothing, if any offset is not one of `owner`'s
-        staged slots of this namespace's slot size. Returns how many blocks were newly stored."""
+        staged slots of this namespace's slot size. `checksums`: per key, the writer's checksum
+        of what it wrote (see `Reservation.checksums`). Returns how many blocks were newly stored."""
         keys = check_keys(keys)
         if len(offsets) != len(keys):
             raise TierdError(f"put: {len(keys)} keys but {len(offsets)} slots")
+        if checksums is not None and len(checksums) != len(keys):
+            raise TierdError(f"put: {len(keys)} keys but {len(checksums)} checksums")
         with self._cond:
             self._check_open()
             st = self._ns(ns)
@@ -241,7 +249,10 @@ class Ownership:
             if not mine:
                 self._staged.pop(owner, None)
             res = self._reserve_locked(st, keys, parent, owner, token_ids, slots=slots)   # never lets go of the lock
-            return self._commit_locked(res) if res.id else 0
+            if not res.id:
+                return 0
+            res.checksums = list(checksums) if checksums is not None else None
+            return self._commit_locked(res)
 
     def unstage(self, owner, offsets: Sequence[int] | None = None) -> int:
         """Give `owner`'s staged slots at `offsets` (None: all of them) back to the free pool;

@@ -121,7 +121,7 @@ class Promotion:
                     self._reap(b)
                     continue
                 if err is None:
-                    b.host_state = READY
+                    b.host_state, b.csum = READY, -1
                     b.decoded = e.codec in _codec.LOSSY
                     self._rh.policy.insert(b.ikey)
                     self._enter(b, "host")

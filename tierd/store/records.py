@@ -91,6 +91,9 @@ class Block:
     gpu_pins: int = 0            # leases reading the HBM copy
     gpu_filling: bool = False    # its HBM copy is being made (outside the lock): not served yet
     decoded: bool = False        # its host bytes were decoded from a lossy copy: written exact
+    csum: int = -1               # checksum of its host bytes, given with them when they became
+    #                              READY (the writer hashed them as it copied), else -1: the
+    #                              keeper computes it (`keeping.py`)
     doomed: int = 0              # copies a flush dropped while pinned (DOOM_HOST | DOOM_DISK):
     #                              never served again, dropped when their pins go (`_reap`)
     orphan: bool = False         # a doomed block whose key was written again meanwhile: out of

@@ -175,7 +175,7 @@ class RemoteLink:
         else the slot goes back and the key is remembered as missing."""
         now = time.monotonic()
         if err is None:
-            b.host_state = READY
+            b.host_state, b.csum = READY, -1
             b.decoded = bool(b.st.lossy)   # the server's value may have been lossy: write it exact
             self._rh.policy.insert(b.ikey)
             self._enter(b, "host")
