@@ -167,9 +167,12 @@ class CopyPlan:
     costs a few Python operations besides the C loop (what a load of a few blocks would
     otherwise spend mostly on checking caches, cold in the CPU's caches after a forward pass).
     ValueError for caches it does not take. The caches must keep their storage while it is used
-    (as an engine's KV caches do); it holds them."""
+    (as an engine's KV caches do); it holds them. `layer_groups`: each layer's KV cache group
+    (vLLM's hybrid models: block ids (tiers, groups, ratio), each layer copied through its
+    group's; kernels/transfer.py)."""
 
-    def __init__(self, k_caches, v_caches, *, lib: ctypes.CDLL | None = None):
+    def __init__(self, k_caches, v_caches, *, lib: ctypes.CDLL | None = None,
+                 layer_groups: list[int] | None = None):
         lib = lib or library()
         if lib is None:
             raise ValueError(f"no C block copy: {_why}")
@@ -192,6 +195,20 @@ class CopyPlan:
         else:
             raise ValueError("CPU caches of (blocks, block_size, heads, head_dim), or AMX tiles, expected")
         self.layers, self.planes, self.num_blocks = len(k_caches), len(planes), k0.shape[0]
+        # Layer groups (kernels/transfer.py: each layer's engine blocks come from its group's ids,
+        # block ids (tiers, groups, ratio)): the copy runs per run of consecutive layers of one
+        # group, each through its group's ids. None: one group, block ids (tiers, ratio).
+        if layer_groups is not None and len(layer_groups) != len(k_caches):
+            raise ValueError(f"layer groups for {len(layer_groups)} of {len(k_caches)} layers")
+        self.layer_groups = None if layer_groups is None else [int(g) for g in layer_groups]
+        runs, lo = [], 0            # (first layer, layers, group)
+        groups = self.layer_groups or [0] * self.layers
+        for i in range(1, self.layers + 1):
+            if i == self.layers or groups[i] != groups[lo]:
+                runs.append((lo, i - lo, groups[lo]))
+                lo = i
+        self._runs = runs
+        self.groups = max(groups) + 1
         self.unit = n * h * d * es                          # one engine block of one plane, bytes
         self._caches = planes
         # per plane: its layers' start addresses (C array) and block stride, its layout's arguments
@@ -207,9 +224,11 @@ class CopyPlan:
         whether the destination is written with streaming stores; by default from
         STREAM_MIN_BYTES copied. `threads`: how many threads copy (the caller and helpers, each
         its planes and layers); by default `copy_threads()` from SPLIT_MIN_BYTES copied, else 1."""
-        if block_ids.dim() != 2:
-            raise ValueError(f"block ids of shape {tuple(block_ids.shape)}: (tier blocks, ratio) expected")
-        tiers, ratio = block_ids.shape
+        grouped = self.layer_groups is not None
+        if block_ids.dim() != (3 if grouped else 2) or grouped and block_ids.shape[1] < self.groups:
+            raise ValueError(f"block ids of shape {tuple(block_ids.shape)}: (tier blocks, "
+                             f"{f'{self.groups} groups, ' if grouped else ''}ratio) expected")
+        tiers, ratio = block_ids.shape[0], block_ids.shape[-1]
         if len(slots) != tiers:
             raise ValueError(f"{len(slots)} slots for {tiers} tier blocks")
         if tiers == 0 or ratio == 0:
@@ -217,6 +236,8 @@ class CopyPlan:
         ids = block_ids
         if ids.dtype != torch.int64 or ids.device.type != "cpu" or not ids.is_contiguous():
             ids = ids.to("cpu", torch.int64).contiguous()
+        # per group, its (tiers, ratio) ids as one C array (kept alive until the copy is over)
+        by_group = [ids[:, g].contiguous() for g in range(self.groups)] if grouped else [ids]
         part = ratio * self.unit                            # one (layer, plane) of a slot, bytes
         need = self.layers * self.planes * part
         base = (ctypes.c_int64 * tiers)()
@@ -235,20 +256,22 @@ class CopyPlan:
             stream = need * tiers >= STREAM_MIN_BYTES
         if threads is None:
             threads = copy_threads() if need * tiers >= SPLIT_MIN_BYTES else 1
-        ids_at, slots_at, step = ids.data_ptr(), ctypes.addressof(base), self.planes * part
-        calls = []      # (plane, first layer, layers): every (plane, layer) once
+        slots_at, step = ctypes.addressof(base), self.planes * part
+        calls = []      # (plane, first layer, layers, group): every (plane, layer) once
         per_plane = max(1, min(threads, self.layers))       # each thread: a part of every plane
         for kv in range(self.planes):
-            for i in range(per_plane):
-                lo, hi = self.layers * i // per_plane, self.layers * (i + 1) // per_plane
-                if hi > lo:
-                    calls.append((kv, lo, hi - lo))
+            for first, count, g in self._runs:
+                k = min(per_plane, count)
+                for i in range(k):
+                    lo, hi = first + count * i // k, first + count * (i + 1) // k
+                    calls.append((kv, lo, hi - lo, g))
+        ids_at = [x.data_ptr() for x in by_group]
 
         def run(part_of: list) -> int:
             bad = 0
-            for kv, lo, n in part_of:
+            for kv, lo, n, g in part_of:
                 bases, stride, tail = self._plane_args[kv]
-                bad |= self._fn(n, ctypes.addressof(bases) + 8 * lo, stride, self.num_blocks, tiers, ratio, ids_at,
+                bad |= self._fn(n, ctypes.addressof(bases) + 8 * lo, stride, self.num_blocks, tiers, ratio, ids_at[g],
                                 slots_at, kv * part + lo * step, step, to_cache, int(stream), *tail)
             return bad
         # every call checks every id before it copies: one that refuses them all refuse, nothing copied

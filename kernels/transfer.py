@@ -163,10 +163,9 @@ class BlockTransfer:
         if self.device.type == "cpu":
             # the C copy is built and checked now (once per process), not in the first load; where
             # it passed, the caches' geometry is checked once here, not at every copy
-            if gather_blocks.use_kernel(self.device) and scatter_blocks.use_kernel(self.device) \
-                    and layer_groups is None:
+            if gather_blocks.use_kernel(self.device) and scatter_blocks.use_kernel(self.device):
                 try:
-                    self._plan = native.CopyPlan(self.k, self.v)
+                    self._plan = native.CopyPlan(self.k, self.v, layer_groups=layer_groups)
                 except ValueError:
                     pass     # caches the C copy does not take: the ops decide per call
         if self.streams is not None:

@@ -830,8 +830,9 @@ def test_gpu_layered_load_and_async_save_with_real_streams(layout):
 
 
 # -- layer groups (vLLM's hybrid manager: per-group block ids from one pool, aliased layers) ---------
+@pytest.mark.parametrize("layout", ["plain", "vllm-cpu"])
 @pytest.mark.parametrize("staged", [False, True])
-def test_layer_groups_copy_each_layer_through_its_groups_blocks_and_save_zeros_for_skipped_parts(staged):
+def test_layer_groups_copy_each_layer_through_its_groups_blocks_and_save_zeros_for_skipped_parts(staged, layout):
     """Layers 0 and 2 form group 0, layers 1 and 3 group 1, and layer 0 aliases layer 1's memory
     (layer 2 layer 3's), as vLLM lays a hybrid model out: block 5 belongs to group 0, block 6 to
     group 1. A save reads each layer through its group's ids and writes zeros for a skipped part
@@ -842,11 +843,18 @@ def test_layer_groups_copy_each_layer_through_its_groups_blocks_and_save_zeros_f
     from .helpers import LazyStreams
     ratio, bs, h, d, nb = 2, 16, 2, 32, 12
     g = torch.Generator().manual_seed(7)
-    mem = [torch.randn((nb, 2, bs, h, d), generator=g).half() for _ in range(2)]   # two allocations
-    ks = [mem[0][:, 0], mem[0][:, 0], mem[1][:, 0], mem[1][:, 0]]                  # layer i -> mem[i // 2]
-    vs = [mem[0][:, 1], mem[0][:, 1], mem[1][:, 1], mem[1][:, 1]]
+    if layout == "plain":
+        mem = [torch.randn((nb, 2, bs, h, d), generator=g).half() for _ in range(2)]   # two allocations
+        kv = [(m[:, 0], m[:, 1]) for m in mem]
+    else:   # vLLM's CPU attention: K transposed in each (block, head)
+        from connectors.vllm_layout import CPU_BACKEND, kv_views
+        mem = [torch.randn((nb, h, bs, 2 * d), generator=g).half() for _ in range(2)]
+        kv = [kv_views(m, CPU_BACKEND, "vec16", bs, h, d) for m in mem]
+    ks = [kv[0][0], kv[0][0], kv[1][0], kv[1][0]]                                  # layer i -> mem[i // 2]
+    vs = [kv[0][1], kv[0][1], kv[1][1], kv[1][1]]
     sx = LazyStreams() if staged else None
     tr = BlockTransfer(ks, vs, ratio, layer_groups=[0, 1, 0, 1], streams=sx)
+    assert (tr._plan is not None) == K.native.available()        # the C copy takes grouped layers
     ids = torch.tensor([[[5, 2], [6, 3]], [[-1, 9], [7, 8]]])       # (tier blocks, groups, ratio)
     bufs = [np.full(tr.block_bytes, 0xAB, dtype=np.uint8) for _ in range(2)]     # stale slot bytes
     ev = tr.save_async(ids, bufs)
