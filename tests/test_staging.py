@@ -14,7 +14,7 @@ import pytest
 
 from tierd import TieredStore
 from tierd.client import Client
-from tierd.errors import LeaseError
+from tierd.errors import LeaseError, TierdError
 
 from .daemon import ROOT
 from .helpers import assert_exact, block_for, chain, make_ns, put_chain, wait_for
@@ -43,6 +43,10 @@ def test_store_staged_slots_become_blocks_or_go_back_exactly_once():
             s.put_staged(ns, keys[:1], offs[:1], owner="b")
         with pytest.raises(LeaseError):
             s.put_staged(ns, keys[:2], [offs[0], offs[0]], owner="a")
+        # nor can it give malformed checksums: too few, out of range, not integers
+        for sums in ([1], [1, 1 << 64], [-2, 0], [1.0, 2], [True, 0]):
+            with pytest.raises(TierdError, match="checksums"):
+                s.put_staged(ns, keys[:2], offs[:2], owner="a", checksums=sums)
         assert s.staged_slots("a") == 6 and s.lookup(ns, keys) == 0
         assert s.put_staged(ns, keys, offs[:4], owner="a") == 4
         assert_exact(s, ns, keys)

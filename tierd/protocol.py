@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 
 from .errors import TierdError
-from .keys import well_formed
+from .keys import checksums_ok, well_formed
 
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct(">I")
@@ -105,7 +105,6 @@ def checksums_field(msg: dict, n: int) -> list[int] | None:
     v = msg.get("checksums")
     if v is None:
         return None
-    if not isinstance(v, list) or len(v) != n or not all(
-            type(c) is int and -1 <= c < 1 << 64 for c in v):
+    if not checksums_ok(v, n):
         raise ProtocolError(f"checksums must hold one 64-bit checksum (or -1) per key ({n})")
     return v

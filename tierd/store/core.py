@@ -36,7 +36,7 @@ from ..errors import (
     StoreClosedError,
     TierdError,
 )
-from ..keys import check_keys
+from ..keys import check_keys, checksums_ok
 from ..namespace import Namespace
 from ..policy import AdmissionFilter, make_policy
 from ..tiers.disk import DiskTier
@@ -244,9 +244,7 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
         """Make the reserved blocks visible. Returns how many became visible."""
         if res.id == 0:
             return 0   # nothing was reserved
-        sums = res.checksums
-        if sums is not None and (len(sums) != len(res.keys) or not all(
-                type(c) is int and -1 <= c < 1 << 64 for c in sums)):
+        if res.checksums is not None and not checksums_ok(res.checksums, len(res.keys)):
             raise TierdError(f"commit: checksums must hold one 64-bit checksum (or -1) for each of "
                              f"the {len(res.keys)} keys")
         with self._cond:

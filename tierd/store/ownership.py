@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import LeaseError, TierdError
-from ..keys import check_keys
+from ..keys import check_keys, checksums_ok
 from ..namespace import Namespace
 from .records import RESERVED, Block
 
@@ -224,8 +224,11 @@ class Ownership:
         keys = check_keys(keys)
         if len(offsets) != len(keys):
             raise TierdError(f"put: {len(keys)} keys but {len(offsets)} slots")
-        if checksums is not None and len(checksums) != len(keys):
-            raise TierdError(f"put: {len(keys)} keys but {len(checksums)} checksums")
+        if checksums is not None:
+            checksums = list(checksums)
+            if not checksums_ok(checksums, len(keys)):
+                raise TierdError(f"put: checksums must hold one 64-bit checksum (or -1) for each of the "
+                                 f"{len(keys)} keys")
         with self._cond:
             self._check_open()
             st = self._ns(ns)
@@ -251,7 +254,7 @@ class Ownership:
             res = self._reserve_locked(st, keys, parent, owner, token_ids, slots=slots)   # never lets go of the lock
             if not res.id:
                 return 0
-            res.checksums = list(checksums) if checksums is not None else None
+            res.checksums = checksums
             return self._commit_locked(res)
 
     def unstage(self, owner, offsets: Sequence[int] | None = None) -> int:
