@@ -476,6 +476,7 @@ def _total_layers(model_dir: str) -> int:
 # -- SGLang plugin: an engine's shutdown waits for its storage writes --------------------------
 DRAIN_RPC = "tierd_storage_pending"
 DRAIN_DEFAULT_S = 30.0
+DRAIN_SETTLE_S = 0.05
 
 
 def sglang_plugin() -> None:
@@ -492,11 +493,27 @@ def sglang_plugin() -> None:
 
 
 def pending_writes(scheduler) -> int:
-    """Host write-throughs and storage backups one scheduler has issued and not yet seen end."""
+    """Host write-throughs and storage backups one scheduler has issued and not yet seen end,
+    plus one while it is settling (see `_settling`)."""
     cache = getattr(scheduler, "tree_cache", None)
     n = sum(len(getattr(cache, name, None) or ()) for name in ("ongoing_write_through", "ongoing_backup"))
     queue = getattr(getattr(cache, "cache_controller", None), "backup_queue", None)
-    return n + (queue.qsize() if queue is not None else 0)
+    n += queue.qsize() if queue is not None else 0
+    return n + _settling(scheduler)
+
+
+def _settling(scheduler) -> bool:
+    """No request running or waiting, yet the scheduler is not idle by its own measure: the
+    last batch's results are still being processed, so the writes of what it caches may be
+    yet to be issued. (A scheduler still running requests is not waited for: a shutdown then
+    ends them.)"""
+    idle = getattr(scheduler, "is_fully_idle", None)
+    if not callable(idle):
+        return False
+    running = getattr(scheduler, "running_batch", None)
+    if (running is not None and not running.is_empty()) or len(getattr(scheduler, "waiting_queue", None) or ()):
+        return False
+    return not idle()
 
 
 def _rpc_hook(original, self, recv_req):
@@ -548,7 +565,11 @@ def drain_engine(engine, timeout_s: float | None = None, *, any_backend: bool = 
     from sglang.srt.managers.io_struct import RpcReqInput
     deadline = time.monotonic() + timeout_s
     start, message = time.monotonic(), ""
+    # Drained means two answers in a row, DRAIN_SETTLE_S apart, with nothing pending: a write
+    # the scheduler issues a step after a request's output went out is seen by the second.
+    polls, first, quiet = 0, None, 0
     while True:
+        polls += 1
         sock = engine.send_to_rpc
         engine_mod.sock_send(sock, RpcReqInput(method=DRAIN_RPC, parameters=None))
         # a scheduler that died never answers: wait for the reply no longer than the deadline
@@ -556,12 +577,17 @@ def drain_engine(engine, timeout_s: float | None = None, *, any_backend: bool = 
             log.warning("tierd: the engine's schedulers did not answer within %.0f s; shutting down", timeout_s)
             return False
         reply = engine_mod.sock_recv(sock, flags=zmq.BLOCKY)
-        if getattr(reply, "success", False):
+        message = getattr(reply, "message", "")
+        first = message if first is None else first
+        quiet = quiet + 1 if getattr(reply, "success", False) else 0
+        # (what the wait met, for whoever shut the engine down: tests and benchmarks report it)
+        engine.tierd_drain = {"drained": quiet >= 2, "s": time.monotonic() - start, "polls": polls,
+                              "first": first, "last": message}
+        if quiet >= 2:
             log.info("tierd: the engine's storage writes drained in %.2f s", time.monotonic() - start)
             return True
-        message = getattr(reply, "message", "")
         if time.monotonic() >= deadline:
             log.warning("tierd: shutting down with storage writes still pending after %.0f s (%s)",
                         timeout_s, message)
             return False
-        time.sleep(0.05)
+        time.sleep(DRAIN_SETTLE_S)

@@ -135,6 +135,7 @@ def main(spec_path: str) -> int:
             drain_engine(engine, any_backend=True)
         engine.shutdown()
         result["shutdown_s"] = time.perf_counter() - t
+        result["drain"] = getattr(engine, "tierd_drain", None)   # what tierd's shutdown wait met
         out_path.write_text(json.dumps(result))
         drop_leaked_shm(shm)
     return 0

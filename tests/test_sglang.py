@@ -190,7 +190,9 @@ def test_engine_shutdown_waits_for_its_writes(run):
     held every page of A's prompts once A was gone, and B loads the late prompt whole."""
     keys = ("p1", "p2", "p3", "salted", "down1", "down2", "after", "late")
     expected = sum(len(PROMPTS[k]) // PAGE for k in keys) - 160 // PAGE   # p2 and p3 share 10 pages
-    assert run["blocks_after_A"] >= expected, (run["blocks_after_A"], expected)
+    drain = run["A"]["drain"]        # what the shutdown's wait met
+    assert drain is not None and drain["drained"], drain
+    assert run["blocks_after_A"] >= expected, (run["blocks_after_A"], expected, drain, run["A"]["shutdown_s"])
     late_a, late_b = _outs(run["A"], "late")[0], _outs(run["B"], "load")[5]
     assert late_b["cached"] == hit_tokens(len(PROMPTS["late"])) and late_b["tokens"] == late_a["tokens"]
 
