@@ -114,7 +114,8 @@ class HostKeeping:
         """(Lock held.) `b` became READY in host RAM: record it (soon, off the critical path)."""
         if self._keep_queue is not None:
             self._keep_queue.append(b)
-            self._keep_wake.set()
+            if not self._keep_wake.is_set():   # (once per wake-up, not per block: set() takes a lock)
+                self._keep_wake.set()
 
     def _keep_forget(self, b: Block) -> None:
         """(Lock held.) A flush doomed `b`'s host copy: its record goes now, before its pins do."""
