@@ -278,3 +278,48 @@ def test_an_idle_connection_holding_staged_slots_is_not_closed(tmp_path):
             assert_exact(writer, ns, chain(ns, 72, 2))
     finally:
         d.stop()
+
+
+@pytest.mark.parametrize("write", ["put", "commit"])
+def test_a_write_pipelined_behind_a_waiting_request_is_stored_though_its_writer_left(tmp_path, write):
+    """A client may pipeline (docs/protocol.md): here it sends a put into staged slots (or the
+    commit of a reservation) while its acquire waits on a hung disk read, and goes away before
+    either reply. The write is still served — what a writer sent before it left is not lost —
+    and the acquire's lease and the writer's staged slots are reclaimed."""
+    from .daemon import SMALL_TOML, DaemonProc
+    from .test_client_threads import disk_only_block
+    faults = tmp_path / "faults"
+    d = DaemonProc(tmp_path, toml=SMALL_TOML + f'fault_file = "{faults}"\n').start()
+    try:
+        ns = make_ns()
+        cold = disk_only_block(d, ns, 5)
+        (k,) = chain(ns, 6, 1)
+        with Client(d.socket) as c:
+            s = raw_conn(d.socket)
+            send(s, {"id": 1, "op": "hello", "version": 1, "namespaces": [ns.to_dict()]})
+            assert read_reply(s)["ok"]
+            if write == "put":
+                send(s, {"id": 2, "op": "stage", "ns": ns.name, "n": 2})
+                slots = read_reply(s)["slots"]
+                off, last = slots[0], {"op": "put", "ns": ns.name, "keys": [k], "slots": slots[:1]}
+            else:
+                send(s, {"id": 2, "op": "reserve", "ns": ns.name, "keys": [k]})
+                r = read_reply(s)
+                off, last = r["slots"][0][1], {"op": "commit", "res": r["res"]}
+            c.host_array()[off:off + ns.block_bytes] = block_for(ns, k)
+            faults.write_text("read=hang:30")
+            send(s, {"id": 3, "op": "acquire", "ns": ns.name, "keys": [cold]})
+            time.sleep(0.3)            # the acquire waits on the disk: the put comes in behind it
+            send(s, {"id": 4, **last})
+            time.sleep(0.3)
+            s.close()
+            time.sleep(0.3)
+            faults.write_text("")      # the acquire ends; its reply has nobody to go to
+            wait_for(lambda: c.lookup(ns, [k]) == 1, what="the pipelined put")
+            assert_exact(c, ns, [k])
+            wait_for(lambda: c.stats()["leases"] == 0 and c.stats()["staged_slots"] == 0
+                     and c.stats()["reservations"] == 0, what="the gone client's lease and slots reclaimed")
+    finally:
+        faults.write_text("")
+        if d.alive():
+            assert d.stop() == 0

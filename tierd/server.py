@@ -60,8 +60,15 @@ class _Conn(asyncio.Protocol):
     inline is answered before the next frame is read. One that runs on the worker pool holds
     back the connection's later requests until its reply is written, so replies never
     overtake each other. Reading pauses while replies cannot be written (a client that does not
-    read) or a request is running, which bounds what one connection can make the daemon buffer.
+    read), or while a request is running and BUSY_BUFFER_FRAMES frames' worth waits behind it,
+    which bounds what one connection can make the daemon buffer. Reading on while a request
+    runs means a pipelined write behind it is in hand when its client goes away: the writes
+    (`put`, `commit`) a client sent before it left are served before the daemon takes back
+    what the connection held (LEFT_OPS; see `_leave`).
     """
+
+    BUSY_BUFFER_FRAMES = 2      # frames of max_frame_bytes read ahead behind a running request
+    LEFT_OPS = ("put", "commit")   # served after the client left: what they store stands
 
     def __init__(self, daemon: "Daemon", cid: int):
         self.d = daemon
@@ -132,9 +139,36 @@ class _Conn(asyncio.Protocol):
         self._closed = True
         if self._timer is not None:
             self._timer.cancel()
-        d = self.d
-        if d.conns.pop(self.id, None) is None:
+        if self.d.conns.pop(self.id, None) is None:
             return
+        self._leave()
+
+    def _leave(self) -> None:
+        """The client is gone: serve the writes it sent before it left (complete frames already
+        read; their replies go nowhere), then take back its reservations, leases and staged
+        slots. A request of its still running on the pool gives back what it takes when it
+        ends (`_undo_late`); a write behind it cannot depend on its reply, which never came."""
+        d, buf = self.d, self._buf
+        while len(buf) >= 4:
+            try:
+                n = P.frame_length(bytes(buf[:4]), d.cfg.max_frame_bytes)
+            except P.FrameTooLarge:
+                break
+            if len(buf) < 4 + n:
+                break
+            body = bytes(buf[4:4 + n])
+            del buf[:4 + n]
+            try:
+                msg = P.decode_body(body)
+            except P.ProtocolError:
+                continue
+            if msg.get("op") not in self.LEFT_OPS:
+                continue
+            out = d._dispatch(self, msg)   # (inline ops: a reply, never a future)
+            if isinstance(out, dict) and "error" in out:
+                log.warning("client %d (pid %d) left; its %s failed: %s", self.id, self.pid, msg.get("op"),
+                            out["error"].get("message"))
+        buf.clear()
         nr, nl = d.store.drop_owner(self.id)   # only the store lock, never I/O: inline
         d.counters["reclaimed_reservations"] += nr
         d.counters["reclaimed_leases"] += nl
@@ -236,7 +270,8 @@ class _Conn(asyncio.Protocol):
     def _set_reading(self) -> None:
         if self.transport is None or self._closed:
             return
-        want_pause = self._busy or self._paused_write or (self._stop_left is not None and self._stop_left <= 0)
+        want_pause = (self._paused_write or (self._stop_left is not None and self._stop_left <= 0)
+                      or (self._busy and len(self._buf) >= self.BUSY_BUFFER_FRAMES * self.d.cfg.max_frame_bytes))
         if want_pause and not self._paused_read:
             self.transport.pause_reading()
             self._paused_read = True
