@@ -67,7 +67,8 @@ class _Conn(asyncio.Protocol):
     what the connection held (LEFT_OPS; see `_leave`).
     """
 
-    BUSY_BUFFER_FRAMES = 2      # frames of max_frame_bytes read ahead behind a running request
+    BUSY_BUFFER_FRAMES = 1      # frames of max_frame_bytes read ahead behind a running request (the
+                                # same bound as one frame on its way in)
     LEFT_OPS = ("put", "commit")   # served after the client left: what they store stands
 
     def __init__(self, daemon: "Daemon", cid: int):
