@@ -564,7 +564,7 @@ def drain_engine(engine, timeout_s: float | None = None, *, any_backend: bool = 
     from sglang.srt.entrypoints import engine as engine_mod
     from sglang.srt.managers.io_struct import RpcReqInput
     deadline = time.monotonic() + timeout_s
-    start, message = time.monotonic(), ""
+    start = time.monotonic()
     # Drained means two answers in a row, DRAIN_SETTLE_S apart, with nothing pending: a write
     # the scheduler issues a step after a request's output went out is seen by the second.
     polls, first, quiet = 0, None, 0

@@ -124,7 +124,7 @@ def checksums_ok(sums, n: int) -> bool:
     """Whether `sums` is a writer's list of block checksums for `n` blocks: one 64-bit value
     (xxh3-64 of the block's bytes) or -1 (none given) per block. Checked wherever such a list
     comes in (a daemon's request, an embedded commit or put), before anything is stored."""
-    return isinstance(sums, list) and len(sums) == n and all(type(c) is int and -1 <= c < 1 << 64 for c in sums)
+    return isinstance(sums, (list, tuple)) and len(sums) == n and all(type(c) is int and -1 <= c < 1 << 64 for c in sums)
 
 
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:

@@ -149,16 +149,14 @@ class _Conn(asyncio.Protocol):
         read; their replies go nowhere), then take back its reservations, leases and staged
         slots. A request of its still running on the pool gives back what it takes when it
         ends (`_undo_late`); a write behind it cannot depend on its reply, which never came."""
-        d, buf = self.d, self._buf
-        while len(buf) >= 4:
+        d = self.d
+        while True:
             try:
-                n = P.frame_length(bytes(buf[:4]), d.cfg.max_frame_bytes)
+                body = self._take_frame()
             except P.FrameTooLarge:
                 break
-            if len(buf) < 4 + n:
+            if body is None:
                 break
-            body = bytes(buf[4:4 + n])
-            del buf[:4 + n]
             try:
                 msg = P.decode_body(body)
             except P.ProtocolError:
@@ -169,7 +167,7 @@ class _Conn(asyncio.Protocol):
             if isinstance(out, dict) and "error" in out:
                 log.warning("client %d (pid %d) left; its %s failed: %s", self.id, self.pid, msg.get("op"),
                             out["error"].get("message"))
-        buf.clear()
+        self._buf.clear()
         nr, nl = d.store.drop_owner(self.id)   # only the store lock, never I/O: inline
         d.counters["reclaimed_reservations"] += nr
         d.counters["reclaimed_leases"] += nl
@@ -178,24 +176,32 @@ class _Conn(asyncio.Protocol):
                      self.id, self.pid, nr, nl)
 
     # -- frames -------------------------------------------------------------------------------
+    def _take_frame(self) -> bytes | None:
+        """The next complete frame's body, taken off the buffer; None while it is incomplete.
+        Raises FrameTooLarge for a length over the limit (the stream cannot be resynchronised)."""
+        buf = self._buf
+        if len(buf) < 4:
+            return None
+        n = P.frame_length(bytes(buf[:4]), self.d.cfg.max_frame_bytes)
+        if len(buf) < 4 + n:
+            return None
+        body = bytes(buf[4:4 + n])
+        del buf[:4 + n]
+        return body
+
     def _pump(self) -> None:
         """Serve every complete frame in the buffer, in order, until one must wait."""
         buf = self._buf
-        cfg = self.d.cfg
         while not self._busy and not self._paused_write and not self._closed:
-            if len(buf) < 4:
-                break
             try:
-                n = P.frame_length(bytes(buf[:4]), cfg.max_frame_bytes)
+                body = self._take_frame()
             except P.FrameTooLarge as e:
                 self.d.counters["bad_requests"] += 1
                 self._write(P.error_reply(None, e.code, str(e)))
                 self._close()   # the stream cannot be resynchronised
                 return
-            if len(buf) < 4 + n:
+            if body is None:
                 break
-            body = bytes(buf[4:4 + n])
-            del buf[:4 + n]
             self._frame_started = 0.0
             self._last = time.monotonic()
             try:
