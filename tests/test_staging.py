@@ -117,6 +117,30 @@ def test_a_client_without_staging_and_a_staging_one_store_the_same(daemon):
         assert_exact(fast, ns, a)
 
 
+def test_a_client_holds_at_most_stage_bytes_of_staged_slots(daemon):
+    """A client stages several writes ahead (so its writes need not wait for the daemon's
+    replies), but never more than `stage_bytes` per namespace; a write too large for that takes
+    the reserve path. Bytes are exact either way."""
+    ns = make_ns()
+    cap = 6
+    with Client(daemon.socket, stage_bytes=cap * ns.block_bytes) as c:
+        keys = chain(ns, 20, 12)
+        for i in range(0, 8, 2):
+            assert put_chain(c, ns, keys[i:i + 2]) == 2
+            assert 0 < staged(c) <= cap
+        before = staged(c)
+        assert put_chain(c, ns, keys[8:]) == 4     # 4 blocks: twice that is past the cap
+        assert staged(c) == before
+        assert c.lookup(ns, keys) == 12
+        assert_exact(c, ns, keys)
+    with Client(daemon.socket) as c:               # the default: several writes deep
+        keys = chain(ns, 21, 8)
+        for i in range(0, 8, 2):
+            assert put_chain(c, ns, keys[i:i + 2]) == 2
+        assert staged(c) > 2 * 2
+        assert_exact(c, ns, keys)
+
+
 def test_many_threads_on_one_client_put_and_read_exact(daemon):
     ns = make_ns()
     errors = []

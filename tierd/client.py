@@ -30,6 +30,12 @@ from .transfer import as_u8, copy_block, copy_out, fill_reservation
 
 log = logging.getLogger("tierd.client")
 
+# Staged slots held per namespace, in writes of the size being written (where `stage_bytes`
+# allows; at least two): a write must not wait for the replies of the ones before it, which
+# bring its slots back. A writer of 8 x 1 MiB blocks per put took about 540 us a put two deep,
+# 445 us four deep (design-notes).
+STAGE_DEPTH = 4
+
 
 
 def _with_checksums(msg: dict, res) -> dict:
@@ -285,7 +291,8 @@ class Client(DaemonConnection):
                 return None
         if len(pool) < want:
             try:
-                r = self._call("stage", ns=nsobj.name, n=2 * want - len(pool))
+                depth = max(2 * want, min(STAGE_DEPTH * want, self.stage_bytes // nsobj.block_bytes))
+                r = self._call("stage", ns=nsobj.name, n=depth - len(pool))
             except P.RemoteError as e:
                 if e.code != "unknown_op":
                     raise
