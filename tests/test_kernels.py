@@ -424,7 +424,10 @@ def test_c_block_copy_of_amx_tiles_matches_the_reference(bs, d, heads):
                          ids=["by-size", "streamed", "streamed-3-threads", "2-threads"])
 @pytest.mark.parametrize("layout", [*cases.LAYOUTS, "cpu_attn"])
 @pytest.mark.parametrize("dtype,bs,d", [(torch.float32, 16, 64), (torch.bfloat16, 32, 128), (torch.float16, 13, 36),
-                                        (torch.float8_e4m3fn, 16, 64), (torch.float32, 7, 9)])
+                                        (torch.float8_e4m3fn, 16, 64), (torch.float32, 7, 9),
+                                        # rows of half a line (16 tokens of 2 bytes); a block's K plane
+                                        # past the transposing load's bounce buffer (read per head)
+                                        (torch.bfloat16, 16, 64), (torch.float32, 256, 128)])
 def test_c_block_copy_matches_the_reference_on_every_layout(layout, dtype, bs, d, stream, threads):
     """Bit for bit what the reference does, both ways, on every engine layout (vLLM's CPU
     attention's transposed K among them), for 4-, 2- and 1-byte elements and sizes that are no
