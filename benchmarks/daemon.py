@@ -13,9 +13,13 @@
                                               median >= 0.9x at 1 MiB, >= 0.7x at 64 KiB); and at
                                               64 KiB and 1 MiB beside an embedded store that also
                                               records its blocks for restarts, as the daemon does
-                                              (host.keep): what the socket alone adds. The
-                                              client maps the daemon's arena ahead of use
-                                              (prefault), as the engines' connectors do
+                                              (host.keep): what the socket alone adds; and
+                                              a daemon that does not record (host.keep =
+                                              false) beside the bare embedded store: the
+                                              data plane alone, neither side keeping blocks
+                                              for restarts. The client maps the daemon's
+                                              arena ahead of use (prefault), as the engines'
+                                              connectors do
   p99 with 32 clients                         32 client processes, each pacing 80% lookups and
                                               20% acquire+release like an engine's scheduler
                                               (100 requests/s each), beside one such client
@@ -63,7 +67,7 @@ def lookup_latency(store, ns: Namespace, keys: list[bytes], n: int, raw: bool = 
 
 
 def transfer(ns: Namespace, embedded: TieredStore, client: Client, n_blocks: int, repeats: int,
-             keep: bool = False):
+             keep: bool = False, daemon_keeps: bool = True):
     bb = ns.block_bytes
     keys = [k for i in range(n_blocks) for k in ns.block_keys(np.full(ns.block_tokens, i))]
     src = [kv_like(bb, seed=i) for i in range(4)]
@@ -106,8 +110,10 @@ def transfer(ns: Namespace, embedded: TieredStore, client: Client, n_blocks: int
     params = {"block": format_size(bb), "blocks": n_blocks, "batch": 8, "runs": repeats}
     if keep:
         params["embedded"] = "blocks recorded (host.keep)"
+    if not daemon_keeps:
+        params["daemon"] = "blocks not recorded (host.keep = false)"
     g = lambda sec: total / sec / 1e9  # noqa: E731
-    goal = None if keep else {64 * KiB: 0.7, MiB: 0.9}.get(bb)
+    goal = None if keep or not daemon_keeps else {64 * KiB: 0.7, MiB: 0.9}.get(bb)
     out = []
     for op, what in (("put", "store"), ("get", "fetch"), ("lease", "fetch, leased")):
         ratios = sorted(e / d for e, d in zip(t[f"e_{op}"], t[f"d_{op}"]))
@@ -286,6 +292,29 @@ def main() -> None:
                 results += transfer(ns_b, embedded, client, max(8, total // bb), repeats, keep=True)
                 embedded.flush()
                 client.flush()
+            embedded.close()
+            # Like for like the other way: a daemon that does not record its blocks (host.keep =
+            # false; its client then copies without hashing) beside the bare embedded store: the
+            # data plane alone, without what keeping blocks across restarts costs either side.
+            os.makedirs(os.path.join(tmp, "plain"), exist_ok=True)
+            plain = DaemonUnderTest(os.path.join(tmp, "plain"), host_bytes=str(host),
+                                    toml='[host]\nslab_bytes = "64MiB"\nhigh_watermark = 1.0\n'
+                                         'low_watermark = 1.0\nkeep = false\n')
+            try:
+                pc = Client(plain.socket, prefault=True)
+                pc.ping()
+                deadline = time.monotonic() + 60
+                while pc.prefaulted_bytes < len(pc._arena) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                embedded = TieredStore(host_bytes=host, host_high_watermark=1.0, host_low_watermark=1.0)
+                for bb in (64 * KiB, 1 * MiB):
+                    ns_b = namespace_for(bb)
+                    results += transfer(ns_b, embedded, pc, max(8, total // bb), repeats, daemon_keeps=False)
+                    embedded.flush()
+                    pc.flush()
+                pc.close()
+            finally:
+                plain.stop()
             paced_s = 3.0 if quick else 10.0
             one50, one99, n1 = paced_p99(d.socket, 1, paced_s, 100.0)
             many50, many99, nm = paced_p99(d.socket, 32, paced_s, 100.0)
