@@ -125,6 +125,31 @@ def transfer(ns: Namespace, embedded: TieredStore, client: Client, n_blocks: int
     return out
 
 
+# every block of a run stays in host RAM: no eviction is timed
+HOST_TOML = '[host]\nslab_bytes = "64MiB"\nhigh_watermark = 1.0\nlow_watermark = 1.0\n'
+
+
+def prefaulted_client(sock: str) -> Client:
+    """A client that has mapped the daemon's arena ahead of use, as the engines' connectors do
+    (prefault): a copy into a slot this process has not touched yet is not timed."""
+    client = Client(sock, prefault=True)
+    client.ping()
+    deadline = time.monotonic() + 60
+    while client.prefaulted_bytes < len(client._arena) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return client
+
+
+def transfers(sizes, embedded: TieredStore, client: Client, total: int, repeats: int, **kw) -> list[Result]:
+    """`transfer` at each block size, `total` bytes each, both stores emptied after each."""
+    out = []
+    for bb in sizes:
+        out += transfer(namespace_for(bb), embedded, client, max(8, total // bb), repeats, **kw)
+        embedded.flush()
+        client.flush()
+    return out
+
+
 def _client_ops(sock: str, seconds: float, seed: int, out) -> None:
     ns = namespace_for(64 * KiB)
     c = Client(sock)
@@ -237,16 +262,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tierd-bench-daemon-") as tmp:
         # room for every block of each size (three 16 MiB blocks fill a 64 MiB slab) and staged slots
         host = 2 * max(total, 8 * 16 * MiB) + 128 * MiB
-        d = DaemonUnderTest(tmp, host_bytes=str(host), toml='[host]\nslab_bytes = "64MiB"\n'
-                            'high_watermark = 1.0\nlow_watermark = 1.0\n')
+        d = DaemonUnderTest(tmp, host_bytes=str(host), toml=HOST_TOML)
         try:
-            # the client maps the daemon's arena ahead of use, as the engines' connectors do
-            # (prefault): a copy into a slot this process has not touched yet is not timed
-            client = Client(d.socket, prefault=True)
-            client.ping()
-            deadline = time.monotonic() + 60
-            while client.prefaulted_bytes < len(client._arena) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            client = prefaulted_client(d.socket)
             embedded = TieredStore(host_bytes=host, host_high_watermark=1.0, host_low_watermark=1.0)
             ns = namespace_for(64 * KiB)
             keys = [k for i in range(16) for k in ns.block_keys(np.full(ns.block_tokens, i))]
@@ -274,11 +292,7 @@ def main() -> None:
                                pct(lat["n"], 50), "us", "embedded p50 us", e50, higher_is_better=False)]
             asked.close()
             nospin.close()
-            for bb in (64 * KiB, 1 * MiB, 16 * MiB):
-                ns_b = namespace_for(bb)
-                results += transfer(ns_b, embedded, client, max(8, total // bb), repeats)
-                embedded.flush()
-                client.flush()
+            results += transfers((64 * KiB, MiB, 16 * MiB), embedded, client, total, repeats)
             embedded.close()
             # The daemon records every block for restarts (host.keep, its default); the embedded
             # store above does not. Beside an embedded store that does the same work (an arena
@@ -287,31 +301,18 @@ def main() -> None:
             embedded = TieredStore(host_bytes=host, host_high_watermark=1.0, host_low_watermark=1.0,
                                    host_slab_bytes=64 * MiB, host_shm_path=os.path.join(shm_dir, "arena"),
                                    host_keep=True)
-            for bb in (64 * KiB, 1 * MiB):
-                ns_b = namespace_for(bb)
-                results += transfer(ns_b, embedded, client, max(8, total // bb), repeats, keep=True)
-                embedded.flush()
-                client.flush()
+            results += transfers((64 * KiB, MiB), embedded, client, total, repeats, keep=True)
             embedded.close()
             # Like for like the other way: a daemon that does not record its blocks (host.keep =
             # false; its client then copies without hashing) beside the bare embedded store: the
             # data plane alone, without what keeping blocks across restarts costs either side.
             os.makedirs(os.path.join(tmp, "plain"), exist_ok=True)
             plain = DaemonUnderTest(os.path.join(tmp, "plain"), host_bytes=str(host),
-                                    toml='[host]\nslab_bytes = "64MiB"\nhigh_watermark = 1.0\n'
-                                         'low_watermark = 1.0\nkeep = false\n')
+                                    toml=HOST_TOML + "keep = false\n")
             try:
-                pc = Client(plain.socket, prefault=True)
-                pc.ping()
-                deadline = time.monotonic() + 60
-                while pc.prefaulted_bytes < len(pc._arena) and time.monotonic() < deadline:
-                    time.sleep(0.05)
+                pc = prefaulted_client(plain.socket)
                 embedded = TieredStore(host_bytes=host, host_high_watermark=1.0, host_low_watermark=1.0)
-                for bb in (64 * KiB, 1 * MiB):
-                    ns_b = namespace_for(bb)
-                    results += transfer(ns_b, embedded, pc, max(8, total // bb), repeats, daemon_keeps=False)
-                    embedded.flush()
-                    pc.flush()
+                results += transfers((64 * KiB, MiB), embedded, pc, total, repeats, daemon_keeps=False)
                 pc.close()
             finally:
                 plain.stop()
