@@ -141,6 +141,25 @@ def test_a_client_holds_at_most_stage_bytes_of_staged_slots(daemon):
         assert_exact(c, ns, keys)
 
 
+def test_staging_asks_no_more_slots_than_one_request_may_name(tmp_path):
+    """The slots a client stages ahead are asked for in one `stage` request, which may name at
+    most the daemon's `max_keys_per_request`: a write of more than half that many blocks still
+    stores every block, exact (staged in part, or reserved)."""
+    from .daemon import SMALL_TOML, DaemonProc
+    d = DaemonProc(tmp_path, host_bytes="16MiB", toml=SMALL_TOML + "[limits]\nmax_keys_per_request = 6\n").start()
+    try:
+        ns = make_ns()
+        with Client(d.socket) as c:
+            for i, n in enumerate((4, 5, 6, 3)):
+                keys = chain(ns, 30 + i, n)
+                assert put_chain(c, ns, keys) == n
+                assert c.lookup(ns, keys) == n
+                assert_exact(c, ns, keys)
+            assert 0 < staged(c) <= 6
+    finally:
+        assert d.stop() == 0
+
+
 def test_many_threads_on_one_client_put_and_read_exact(daemon):
     ns = make_ns()
     errors = []

@@ -37,7 +37,6 @@ log = logging.getLogger("tierd.client")
 STAGE_DEPTH = 4
 
 
-
 def _with_checksums(msg: dict, res) -> dict:
     """`msg` (a put or commit) with the reservation's checksums, where it has them."""
     if res.checksums is not None:
@@ -292,7 +291,9 @@ class Client(DaemonConnection):
         if len(pool) < want:
             try:
                 depth = max(2 * want, min(STAGE_DEPTH * want, self.stage_bytes // nsobj.block_bytes))
-                r = self._call("stage", ns=nsobj.name, n=depth - len(pool))
+                # no more than one request may name (fewer than `want` then: reserve instead)
+                limit = self.limits.get("max_keys_per_request", P.DEFAULT_MAX_KEYS)
+                r = self._call("stage", ns=nsobj.name, n=min(depth - len(pool), limit))
             except P.RemoteError as e:
                 if e.code != "unknown_op":
                     raise
