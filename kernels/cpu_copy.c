@@ -159,8 +159,9 @@ static inline void tile_any(const char *src, int64_t ls, char *dst, int64_t ld, 
 /* The source of a transposing load, read first in its own order into a buffer that stays in
  * this core's L2 cache: the tiles below read 8 rows at a time, a few bytes of each, which out of
  * DRAM ran at 0.6-0.75 of memcpy's speed here; a sequential read ahead of them, then tiles out of
- * L2, at 0.8-1.0 (8 to 64 MiB of vLLM's CPU layout, fp32 and bf16, one thread). One per thread,
- * allocated at its first use and freed when the thread exits; NULL where it cannot be had. */
+ * L2, at 0.8-1.0 (8 to 64 MiB of vLLM's CPU layout, fp32 and bf16, one thread). A save uses both
+ * halves (transposed_save below). One per thread, allocated at its first use and freed when the
+ * thread exits; NULL where it cannot be had. */
 #define BOUNCE_BYTES (256 << 10)     /* a quarter of an L2 cache here: a whole 512 KiB plane ran slower than per head */
 static pthread_key_t bounce_key;
 static int bounce_key_ok;
@@ -171,7 +172,7 @@ static char *bounce_buffer(void) {
     if (!bounce_key_ok) return NULL;
     char *b = pthread_getspecific(bounce_key);
     if (!b) {
-        b = aligned_alloc(64, BOUNCE_BYTES);
+        b = aligned_alloc(64, 2 * BOUNCE_BYTES);
         if (b && pthread_setspecific(bounce_key, b) != 0) {
             free(b);
             b = NULL;
@@ -232,9 +233,41 @@ static int transposed_streamed(char *c, const char *s, int64_t N, int64_t H, int
 /* One block of one plane whose cache tokens are contiguous (sn == 1): per head a (D, N) matrix
  * with row stride sd, against the slot's (N, D) rows of stride H * D. `stream`: a load's rows
  * streamed where transposed_streamed takes them. */
+/* A save of `transposed` below (cache -> slot) where each (block, head) of the cache is one run
+ * of D rows (vLLM's CPU layout): per head, the run is read in order into the first half of the
+ * bounce buffer, its tiles transposed into the slot's rows in the second half (the block's whole
+ * plane, in the slot's order), which is then written out in one run (streamed with `stream`).
+ * Tiles straight between DRAM and the slot read and wrote a few bytes of each of 8 rows at a
+ * time: 0.47-0.57 of memcpy here. 0 (nothing copied) where the layout or sizes do not fit. */
+static int transposed_save(const char *c, char *s, int64_t N, int64_t H, int64_t D, int64_t sh, int64_t sd,
+                           int es, int stream) {
+    const int64_t srow = H * D * es, crow = sd * es, rowb = N * es;
+    if ((N & 7) || (D & 7) || (es != 4 && es != 2) || crow != rowb || D * rowb > BOUNCE_BYTES ||
+        N * srow > BOUNCE_BYTES)
+        return 0;
+    char *bounce = bounce_buffer();
+    if (!bounce)
+        return 0;
+    char *cb = bounce, *pb = bounce + BOUNCE_BYTES;
+    for (int64_t h = 0; h < H; h++) {
+        memcpy(cb, c + h * sh * es, (size_t)(D * rowb));
+        char *ph = pb + h * D * es;
+        for (int64_t b = 0; b < N; b += 8)
+            for (int64_t a = 0; a < D; a += 8) {
+                const char *cp = cb + a * rowb + b * es;
+                char *sp = ph + b * srow + a * es;
+                if (es == 4) tile32(cp, rowb, sp, srow); else tile16(cp, rowb, sp, srow);
+            }
+    }
+    if (stream) stream_copy(s, pb, N * srow); else memcpy(s, pb, (size_t)(N * srow));
+    return 1;
+}
+
 static void transposed(char *c, char *s, int64_t N, int64_t H, int64_t D, int64_t sh, int64_t sd, int es,
                        int to_cache, int stream) {
     if (to_cache && stream && transposed_streamed(c, s, N, H, D, sh, sd, es))
+        return;
+    if (!to_cache && transposed_save(c, s, N, H, D, sh, sd, es, stream))
         return;
     const int64_t srow = H * D * es, crow = sd * es;
     const int64_t N8 = N & ~(int64_t)7, D8 = D & ~(int64_t)7;
