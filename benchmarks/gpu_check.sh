@@ -5,7 +5,8 @@
 # (gpu_kernels) and TTFT of a ~1B model (gpu_ttft). Needs Python with a CUDA build of torch, CuPy
 # and tierd's dependencies (set PYTHON to choose the interpreter). Writes gpu_check.log,
 # gpu_tests.xml, gpu_kernels.json and gpu_ttft.json under benchmarks/results (or $OUT when
-# set). At most 8 minutes: each part has its own time limit.
+# set). At most about 6 minutes: each part has its own time limit (seconds, overridable:
+# GPU_TESTS_S, GPU_TEST_S for one test, GPU_KERNELS_S, GPU_TTFT_S) and a hung test fails alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SRC=$(pwd)
@@ -14,6 +15,10 @@ RES=$(realpath -m "${OUT:-benchmarks/results}")
 mkdir -p "$RES"
 LOG="$RES/gpu_check.log"
 export PYTHONUNBUFFERED=1
+TESTS_S=${GPU_TESTS_S:-180}
+TEST_S=${GPU_TEST_S:-90}
+KERNELS_S=${GPU_KERNELS_S:-75}
+TTFT_S=${GPU_TTFT_S:-120}
 # Run from a copy of the tests outside the checkout, so that `tierd` is the installed package
 # (tierd.kernels is a package-dir mapping that a source tree on sys.path would hide).
 WORK=$(mktemp -d /tmp/tierd-gpu.XXXXXX)
@@ -33,7 +38,7 @@ print("torch", torch.__version__, "cuda", torch.version.cuda,
 print("kernels available (CUDA and CuPy):", K.available())
 PY
     echo "== gpu tests"
-    timeout 210 $PY -m pytest -q -m gpu -p no:cacheprovider --junitxml="$RES/gpu_tests.xml" \
+    timeout $TESTS_S $PY -m pytest -q -m gpu -p no:cacheprovider -o timeout=$TEST_S --junitxml="$RES/gpu_tests.xml" \
         tests/test_kernels.py tests/test_gpu_tier.py tests/test_engine.py tests/test_connector.py \
         tests/test_vllm_connector.py
     echo "pytest exit: $?"
@@ -44,9 +49,9 @@ for op in K.OPS:
     op.use_kernel(torch.device('cuda')) if K.available() else None
     print(f'{op.name:24s}', op.status(torch.device('cuda')))"
     echo "== figures"
-    timeout 90 $PY -m benchmarks.gpu_kernels --json "$RES/gpu_kernels.json"
+    timeout $KERNELS_S $PY -m benchmarks.gpu_kernels --json "$RES/gpu_kernels.json"
     echo "gpu_kernels exit: $?"
-    timeout 150 $PY -m benchmarks.gpu_ttft --json "$RES/gpu_ttft.json"
+    timeout $TTFT_S $PY -m benchmarks.gpu_ttft --json "$RES/gpu_ttft.json"
     echo "gpu_ttft exit: $?"
 } 2>&1 | tee "$LOG"
 rm -rf "$WORK"

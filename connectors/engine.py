@@ -48,6 +48,14 @@ class EngineConnector:
         # on a GPU (loads also from HBM-tier copies on this device), the references on CPU
         self.xfer = BlockTransfer([k for k, _ in kv_caches], [v for _, v in kv_caches], self.ratio)
         self.device = kv_caches[0][0].device
+        if self.xfer.pinning is not None:
+            # page-lock the arena now (a second or more for GiBs), not in the first hit's TTFT
+            store = self.link.get()
+            try:
+                if store is not None:
+                    self.xfer.attach(store)
+            except STORE_ERRORS as e:
+                self.link.failed(e, "page-locking the arena")
         self.stats.setdefault("hbm_hit_blocks", 0)
         self._loading: list = []     # (seq, lease, job, hold) of loads whose copies may still run
         self.stats.setdefault("lost_leases", 0)

@@ -211,11 +211,22 @@ class StoreLink:
                         self.failed(e, "connect")
         return self.store if not self.backing_off else None
 
-    def warm(self) -> None:
+    def warm(self, then=None) -> None:
         """Connect now, in a thread of its own, so that the first request finds the daemon's
-        arena mapped and its pages faulted in (with `prefault`) instead of paying for it."""
-        if self.store is None and not self._background:
-            threads.start(self.get, name=f"{self._name}-warm")
+        arena mapped and its pages faulted in (with `prefault`) instead of paying for it; then,
+        in that thread, `then(store)` where a store was reached (page-locking its arena)."""
+        if self._background:
+            return
+
+        def work():
+            store = self.get()
+            if store is not None and then is not None:
+                try:
+                    then(store)
+                except STORE_ERRORS as e:
+                    self.failed(e, "warm-up")
+        if self.store is None or then is not None:
+            threads.start(work, name=f"{self._name}-warm")
 
     def _connect_in_background(self) -> tuple[threading.Event, bool]:
         """Start a connection attempt unless one runs: (an event set when it ends, whether this

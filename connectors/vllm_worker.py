@@ -121,10 +121,12 @@ class WorkerHalf:
                                    self.ratio, layer_groups=groups.layer_group)
         self._layer_idx = {n: i for i, n in enumerate(names)}
         # the daemon's connections now, off this thread: the first hit and the first save do not
-        # pay for connecting, mapping the arena and faulting its pages in
-        self.link.warm()
+        # pay for connecting, mapping the arena and faulting its pages in, nor (on a GPU) for
+        # page-locking it
+        pin = self._xfer.attach if self._xfer.pinning is not None else None
+        self.link.warm(pin)
         if self.save_link is not self.link:
-            self.save_link.warm()
+            self.save_link.warm(pin)
 
     @staticmethod
     def _state_page(name: str, t, nbytes: int):

@@ -64,18 +64,73 @@ def host_tensor(buf) -> torch.Tensor:
         return torch.from_numpy(arr)
 
 
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed runtime call made outside torch's
+    checks (cudaHostRegister): left set, the next torch call that checks it (an allocation)
+    raises it as its own. The runtime is the one this process loaded (torch's), found by name."""
+    import ctypes
+    import os
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart" in line and line.rstrip().endswith(tuple("0123456789o"))}
+        for path in sorted(paths):
+            lib = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 4) | ctypes.RTLD_GLOBAL)
+            lib.cudaGetLastError()
+    except (OSError, AttributeError):     # no such runtime here (linked into torch): nothing to reset
+        pass
+
+
+def _cuda_error_name(rc) -> str:
+    code = int(rc[0] if isinstance(rc, tuple) else rc)
+    try:
+        return f"{torch.cuda.cudart().cudaGetErrorString(rc)} ({code})"
+    except Exception:  # noqa: BLE001 - only the message is at stake
+        return f"CUDA error {code}"
+
+
+# Host ranges this process has page-locked, shared by every transfer in it (two transfers may
+# attach the same arena: the CUDA runtime refuses a second registration of a range, and its
+# error, left set, would fail the next torch call): ptr -> [size, tag, holders]. `tag` names the
+# mapping (an arena re-mapped at the same address has other pages behind the same range).
+_PINS: dict[int, list] = {}
+_PINS_LOCK = threading.Lock()
+
+
 class CudaHostPinning:
-    """Page-locking through the CUDA runtime (cudaHostRegister / cudaHostUnregister)."""
+    """Page-locking through the CUDA runtime (cudaHostRegister / cudaHostUnregister), counted
+    per process: a range registered by one transfer is shared by the others that attach it."""
 
-    def register(self, ptr: int, size: int) -> bool:
-        rc = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
-        ok = int(rc) == 0 if not isinstance(rc, tuple) else int(rc[0]) == 0
-        if not ok:
-            log.warning("cudaHostRegister of %d bytes failed (%s); host copies will not overlap", size, rc)
-        return ok
+    def register(self, ptr: int, size: int, tag=None) -> bool:
+        cudart = torch.cuda.cudart()
+        with _PINS_LOCK:
+            held = _PINS.get(ptr)
+            if held is not None and held[0] == size and held[1] == tag:
+                held[2] += 1
+                return True
+            if held is not None:
+                # what was registered here is another mapping's: its pages are gone from this range
+                cudart.cudaHostUnregister(ptr)
+                _clear_cuda_error()
+                del _PINS[ptr]
+            rc = cudart.cudaHostRegister(ptr, size, 0)
+            if int(rc[0] if isinstance(rc, tuple) else rc) != 0:
+                _clear_cuda_error()
+                log.warning("cudaHostRegister of %d bytes failed: %s; host copies will not overlap",
+                            size, _cuda_error_name(rc))
+                return False
+            _PINS[ptr] = [size, tag, 1]
+            return True
 
-    def unregister(self, ptr: int) -> None:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+    def unregister(self, ptr: int, tag=None) -> None:
+        with _PINS_LOCK:
+            held = _PINS.get(ptr)
+            if held is None or held[1] != tag:
+                return                # re-registered since for another mapping: not this holder's
+            held[2] -= 1
+            if held[2] == 0:
+                del _PINS[ptr]
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+                _clear_cuda_error()
 
 
 class CudaStreams:
@@ -154,16 +209,18 @@ class BlockTransfer:
         # who page-locks host memory: the CUDA runtime on a CUDA device, nobody on CPU (a test
         # may pass a stand-in to watch what would be pinned)
         self.pinning = pinning if pinning is not None else (CudaHostPinning() if self.cuda else None)
-        self._pinned: dict[int, int] = {}              # registered host ranges: ptr -> size
+        self._pinned: dict[int, tuple] = {}            # registered host ranges: ptr -> (size, tag)
         self._mapping: dict[int, tuple[int, int, int]] = {}  # id(store) -> arena range, generation
         self._pin_lock = threading.Lock()              # loads and saves attach from several threads
         # streams: CUDA's on a CUDA device; none on CPU (copies run at once), or a test's stand-in
         self.streams = streams if streams is not None else (CudaStreams(self.device) if self.cuda else None)
         self._plan = None
+        # the copy kernels (the C copy on CPU, CUDA's built by NVRTC) are built and checked now,
+        # once per process and device, not in the first save or load (the first hit's TTFT)
+        kernels = [op.use_kernel(self.device) for op in (gather_blocks, scatter_blocks)]
         if self.device.type == "cpu":
-            # the C copy is built and checked now (once per process), not in the first load; where
-            # it passed, the caches' geometry is checked once here, not at every copy
-            if gather_blocks.use_kernel(self.device) and scatter_blocks.use_kernel(self.device):
+            # where the C copy passed, the caches' geometry is checked once here, not at every copy
+            if all(kernels):
                 try:
                     self._plan = native.CopyPlan(self.k, self.v, layer_groups=layer_groups)
                 except ValueError:
@@ -173,17 +230,19 @@ class BlockTransfer:
             self.h2d = self.streams.stream()
 
     # -- pinned host memory -----------------------------------------------------------------------
-    def register_host(self, array: np.ndarray) -> bool:
+    def register_host(self, array: np.ndarray, tag=None) -> bool:
         """Page-lock a host buffer (the shared arena) for async copies. False if it cannot be
-        (copies then still work, synchronously)."""
+        (copies then still work, synchronously). `tag` names the mapping behind the range."""
         if self.pinning is None:
             return False
         ptr, size = array.ctypes.data, array.nbytes
-        if self._pinned.get(ptr) == size:
+        if self._pinned.get(ptr) == (size, tag):
             return True
-        ok = self.pinning.register(ptr, size)
+        if ptr in self._pinned:
+            self.pinning.unregister(ptr, tag=self._pinned.pop(ptr)[1])
+        ok = self.pinning.register(ptr, size, tag=tag)
         if ok:
-            self._pinned[ptr] = size
+            self._pinned[ptr] = (size, tag)
         return ok
 
     def attach(self, store) -> bool:
@@ -203,16 +262,16 @@ class BlockTransfer:
         # a mapping is its range and its generation: a re-mapped arena may come back at the
         # same address with other pages behind it
         now = (array.ctypes.data, array.nbytes, getattr(store, "arena_generation", 0))
+        tag = (id(store), now[2])
         old = self._mapping.get(id(store))
         if old == now:
-            return self._pinned.get(now[0]) == now[1]
-        if old is not None and self._pinned.get(old[0]) == old[1] and \
+            return self._pinned.get(now[0]) == (now[1], tag)
+        if old is not None and self._pinned.get(old[0], (None,))[0] == old[1] and \
                 old[:2] not in (m[:2] for k, m in self._mapping.items() if k != id(store)):
             self.drain()             # no copy queued from the old range may still be running
-            self.pinning.unregister(old[0])
-            del self._pinned[old[0]]
+            self.pinning.unregister(old[0], tag=self._pinned.pop(old[0])[1])
         self._mapping[id(store)] = now
-        return self.register_host(array)
+        return self.register_host(array, tag)
 
     def drain(self) -> None:
         """Wait on the host for every copy queued on this transfer's streams (after a failed
@@ -224,8 +283,8 @@ class BlockTransfer:
     def close(self) -> None:
         with self._pin_lock:
             self.drain()
-            for ptr in list(self._pinned):
-                self.pinning.unregister(ptr)
+            for ptr, (_, tag) in list(self._pinned.items()):
+                self.pinning.unregister(ptr, tag=tag)
             self._pinned.clear()
             self._mapping.clear()
 

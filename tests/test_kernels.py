@@ -577,11 +577,11 @@ def test_sources_are_packaged():
 
 
 # -- the transfer path --------------------------------------------------------------------------------
-def _transfer_roundtrip(store, device):
+def _transfer_roundtrip(store, device, name="transfer-test"):
     from tierd import Namespace
     from tierd.kernels.transfer import BlockTransfer
     layers, ratio, bs, h, d = 3, 2, 16, 2, 32
-    ns = Namespace("transfer-test", "float16", layers, h, d, block_tokens=ratio * bs)
+    ns = Namespace(name, "float16", layers, h, d, block_tokens=ratio * bs)
     g = torch.Generator().manual_seed(0)
     ks = [torch.randn((40, bs, h, d), generator=g).half().to(device) for _ in range(layers)]
     vs = [torch.randn((40, bs, h, d), generator=g).half().to(device) for _ in range(layers)]
@@ -609,6 +609,7 @@ def _transfer_roundtrip(store, device):
     (block,) = store.get(ns, keys[1:2])
     t = torch.from_numpy(block).view(torch.float16).view(ns.block_shape)
     assert torch.equal(t[2, 1], torch.cat([vs[2][4], vs[2][3]]).cpu())
+    return src, dst
 
 
 def test_transfer_store_and_load_embedded(host_store):
@@ -628,13 +629,13 @@ class RecordingPinning:
         self.pinned: dict[int, int] = {}
         self.calls: list[tuple[str, int]] = []
 
-    def register(self, ptr, size):
+    def register(self, ptr, size, tag=None):
         assert ptr not in self.pinned, "registered twice"
         self.pinned[ptr] = size
         self.calls.append(("register", ptr))
         return True
 
-    def unregister(self, ptr):
+    def unregister(self, ptr, tag=None):
         assert ptr in self.pinned, "unregistered a range that was not registered"
         del self.pinned[ptr]
         self.calls.append(("unregister", ptr))
@@ -691,9 +692,9 @@ def test_a_re_mapped_arena_is_unpinned_only_after_every_copy_queued_from_it_has_
     pending_at_unpin = []
     unregister = pin.unregister
 
-    def watched(ptr):
+    def watched(ptr, tag=None):
         pending_at_unpin.append(sum(len(st.ops) - st.done for st in sx.streams[1:]))
-        unregister(ptr)
+        unregister(ptr, tag)
     pin.unregister = watched
     with tierd.connect(daemon.url) as c:
         assert tr.store(c, ns, keys, torch.tensor([[2]])) == 1
@@ -714,7 +715,22 @@ def test_a_re_mapped_arena_is_unpinned_only_after_every_copy_queued_from_it_has_
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_transfer_store_and_load(host_store):
-    _transfer_roundtrip(host_store, "cuda")
+    """Two transfers in one process attach the same arena (the runtime refuses a second
+    registration of a range): both copy, and the range stays page-locked until the last of
+    them closes."""
+    from tierd.kernels import transfer
+    src, dst = _transfer_roundtrip(host_store, "cuda")
+    ptr = host_store.host_array().ctypes.data
+    assert transfer._PINS[ptr][2] == 2                 # one registration, two holders
+    src.close()
+    assert transfer._PINS[ptr][2] == 1
+    torch.empty(1 << 20, dtype=torch.uint8, device="cuda")   # no runtime error left pending
+    more = _transfer_roundtrip(host_store, "cuda", "transfer-test-2")   # new transfers beside the open one
+    dst.close()
+    assert transfer._PINS[ptr][2] == 2
+    for t in more:
+        t.close()
+    assert ptr not in transfer._PINS
 
 
 # -- stream ordering, with a CPU stand-in for CUDA streams -------------------------------------------
