@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +52,7 @@ class DaemonModel(RuleBasedStateMachine):
         self.leases = []
         self.shadowed: set[bytes] = set()   # host copy flushed while leased: a miss until released
         self.disk_ok = True
+        self.disk_ok_at = 0.0               # a disk call hung before the fault was cleared: not before
         self.wrong: list[str] = []
 
     def teardown(self):
@@ -183,7 +185,7 @@ class DaemonModel(RuleBasedStateMachine):
     @rule()
     def kill_9_and_restart(self):
         self.faults.write_text("")
-        self.disk_ok = True
+        self.disk_ok, self.disk_ok_at = True, 0.0    # hung calls die with the daemon
         self.d.kill()
         self.d.start()
         self.shadowed.clear()   # the daemon's leases went with it
@@ -193,8 +195,14 @@ class DaemonModel(RuleBasedStateMachine):
 
     @rule(fault=st.sampled_from(["", "write=EIO", "all=EIO", "read=hang:3", "write=hang:3"]))
     def disk_fault(self, fault):
+        old = self.faults.read_text()
         self.faults.write_text(fault)
         self.disk_ok = fault == ""
+        if "hang:" in old:
+            # a call that began hanging before the fault went keeps hanging its time out: the
+            # disk is stalled (disk-only blocks are misses, not waits) until it has returned
+            hang_s = float(old.split("hang:")[1].split()[0])
+            self.disk_ok_at = time.monotonic() + hang_s + 0.5
 
     # -- invariants ---------------------------------------------------------------------------
     @invariant()
@@ -212,6 +220,7 @@ class DaemonModel(RuleBasedStateMachine):
     def synced_blocks_are_served(self):
         if not self.disk_ok:
             return
+        time.sleep(max(0.0, self.disk_ok_at - time.monotonic()))
         with self._admin() as a:
             for k, s in self.state.items():
                 if s == "synced" and k not in self.shadowed:
