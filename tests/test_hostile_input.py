@@ -79,14 +79,14 @@ def test_a_failure_between_plan_and_settle_leaves_no_block_loading(tmp_path, mon
         ns = make_ns()
         keys = chain(ns, 3, 3)
         disk_only(store, ns, keys)
-        real = store.disk.read
+        real = store.disk.read_many
 
-        def broken(entry, dst):   # a fault injected at the disk tier's boundary
+        def broken(items):   # a fault injected at the disk tier's boundary
             raise RuntimeError("injected: not an OSError")
-        monkeypatch.setattr(store.disk, "read", broken)
+        monkeypatch.setattr(store.disk, "read_many", broken)
         with pytest.raises(RuntimeError, match="injected"):
             store.acquire(ns, keys)
-        monkeypatch.setattr(store.disk, "read", real)
+        monkeypatch.setattr(store.disk, "read_many", real)
         t0 = time.monotonic()
         got = store.get(ns, keys)
         assert time.monotonic() - t0 < 3.0

@@ -161,3 +161,42 @@ def test_a_flipped_byte_in_any_piece_of_a_large_payload_is_never_served(tmp_path
     with TieredStore(cfg) as s:
         assert [served_exact(s, ns, k) for k in keys] == [None, None, None, True]
         assert s.stats()["tiers"]["disk"]["corrupt_dropped"] == 3
+
+
+def _read_calls() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("syscr:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts read calls through /proc/self/io")
+def test_blocks_read_together_are_each_checked_alone(tmp_path):
+    """Slots next to each other on disk are promoted in one read call, and each block in it is
+    still checked on its own: a flipped payload byte and an overwritten header each drop their
+    block only, and every neighbour read in the same call is served exact."""
+    ns = make_ns(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16)   # 16 KiB blocks
+    cfg = small_config(tmp_path, host_bytes="8MiB", host_slab_bytes="2MiB", disk_bytes="16MiB",
+                       disk_slab_bytes="4MiB", disk_file_bytes="16MiB")
+    keys = chain(ns, 5, 12)
+    with TieredStore(cfg) as s:
+        s.put(ns, keys, [block_for(ns, k) for k in keys])
+        s.sync()
+    slots = find_slots(tmp_path / "disk")
+    f, first = slots[keys[0]]
+    stride = 4096 + ns.block_bytes
+    assert [slots[k] for k in keys] == [(f, first + i * stride) for i in range(12)]   # one run on disk
+    with open(f, "r+b") as fh:
+        fh.seek(first + 5 * stride + 4096 + 1000)          # block 5: a payload byte
+        b = fh.read(1)
+        fh.seek(first + 5 * stride + 4096 + 1000)
+        fh.write(bytes([b[0] ^ 0x40]))
+        fh.seek(first + 8 * stride + 32)                   # block 8: its header names another key
+        fh.write(keys[0])
+    with TieredStore(cfg) as s:
+        before = _read_calls()
+        with s.acquire(ns, keys) as lease:                 # every block planned, read at once
+            assert len(lease) == 5                         # the longest exact prefix
+            for buf, k in zip(lease.buffers, keys):
+                assert np.array_equal(buf, block_for(ns, k))
+        assert _read_calls() - before < 12                 # fewer calls than blocks
+        assert s.stats()["tiers"]["disk"]["corrupt_dropped"] == 2
+        assert [served_exact(s, ns, k) for k in keys] == [True] * 5 + [None, True, True, None] + [True] * 3

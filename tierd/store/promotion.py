@@ -316,20 +316,16 @@ class Promotion:
         errors: dict[int, Exception] = {}
         if not loads:
             return errors
-
-        def one(item):
-            b, e = item
-            try:
-                if e.codec in _codec.LOSSY and not b.st.lossy:
-                    raise CorruptBlockError(f"a {_codec.CODEC_NAMES[e.codec]} (lossy) copy in an exact namespace")
-                self.disk.read(e, self.host.view(b.host_slot, b.st.host_slot_bytes))
-            except (CorruptBlockError, OSError) as ex:
-                errors[id(b)] = ex
-
-        if len(loads) == 1:
-            one(loads[0])
-        else:
-            list(self.disk.pool.map(one, loads))
+        reads = []
+        for b, e in loads:
+            if e.codec in _codec.LOSSY and not b.st.lossy:
+                errors[id(b)] = CorruptBlockError(f"a {_codec.CODEC_NAMES[e.codec]} (lossy) copy in an exact namespace")
+            else:
+                reads.append((b, e))
+        # slots next to each other on disk are read in one call (each block still checked alone)
+        failed = self.disk.read_many([(e, self.host.view(b.host_slot, b.st.host_slot_bytes)) for b, e in reads])
+        for i, ex in failed.items():
+            errors[id(reads[i][0])] = ex
         return errors
 
     def _tombstone(self, disk: DiskTier, slots: list[int], *, durable: bool = False) -> OSError | None:
