@@ -94,12 +94,13 @@ class Demotion:
         headers = disk.take_pending_headers()
         self._batch_writing = True
 
-        def write(job):
-            b, slot, parent_key, src = job
+        def write_all():
+            # slots next to each other on disk go out in one call (each block its own slot)
             try:
-                return disk.write(slot, src, b.st.meta(b.key, parent_key, exact=b.decoded))
+                return disk.write_many([(slot, src, b.st.meta(b.key, parent_key, exact=b.decoded))
+                                        for b, slot, parent_key, src in jobs])
             except Exception as e:  # noqa: BLE001 - any failure must still unpin below
-                return e
+                return [e] * len(jobs)
 
         self._cond.release()
         try:
@@ -113,7 +114,7 @@ class Demotion:
             except OSError as e:
                 results = [e] * len(jobs)
             else:
-                results = [write(jobs[0])] if len(jobs) == 1 else list(disk.pool.map(write, jobs))
+                results = write_all()
         finally:
             self._cond.acquire()
             self._batch_writing = False

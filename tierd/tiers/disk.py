@@ -40,10 +40,11 @@ from .slot_header import (_CSUM, FORMAT_VERSION, PAGE, CorruptBlockError, _csum,
 
 log = logging.getLogger("tierd.disk")
 
-# A promotion reads slots that lie one after another in a file in one call of up to this many
-# bytes, across gaps of up to READ_GAP_BYTES (read and not used)
-READ_RUN_BYTES = 8 << 20
-READ_SPLIT_BYTES = 512 << 10
+# Promotions read, and syncs write, slots that lie one after another in a file in one call of
+# up to RUN_BYTES (cut into an even share per I/O thread above SPLIT_BYTES each); reads span
+# gaps of up to READ_GAP_BYTES (read and not used)
+RUN_BYTES = 8 << 20
+SPLIT_BYTES = 512 << 10
 READ_GAP_BYTES = 64 << 10
 
 
@@ -312,6 +313,74 @@ class DiskTier(SlabFiles, Recovery, Tier):
         return self.write_block(slot, meta.ns_id, meta.key, meta.parent, src, meta.block_bytes,
                                 meta.dtype_bytes, lossy=meta.lossy, kv_dtype=meta.kv_dtype)
 
+    def write_many(self, jobs: Sequence[tuple[int, np.ndarray, BlockMeta]]) -> list:
+        """Write blocks (slot, source, meta) on the I/O threads: for each, its DiskEntry or the
+        exception that failed it. Slots that follow one another in a file are written in one
+        call of up to about SPLIT_BYTES, each slot whole: header page, payload, and zeros to the
+        slot's end where a codec made the payload shorter. Not durable until `flush()`."""
+        out: list = [None] * len(jobs)
+        if not jobs:
+            return out
+        locs = []
+        for i, (slot, _, meta) in enumerate(jobs):
+            fd, off = self._slot_loc(slot)
+            locs.append((fd, off, self.slot_bytes_for(meta.block_bytes), i))
+        # writes of a MiB or more go out one slot per call, on every thread: larger writes
+        # did not make this disk write faster, only fewer of them in flight
+        runs = self._cut_runs(locs, gap=0, cap=min(RUN_BYTES, SPLIT_BYTES))
+
+        def one(run: list[tuple[int, int, int, int]]) -> None:
+            if len(run) == 1:
+                i = run[0][0]
+                slot, src, meta = jobs[i]
+                try:
+                    out[i] = self.write(slot, src, meta)
+                except Exception as ex:  # noqa: BLE001 - reported per block
+                    out[i] = ex
+                return
+            fd, start = run[0][1], run[0][2]
+            end = run[-1][2] + run[-1][3]
+            stg = self._staging(end - start)
+            try:
+                entries = [(i, self._pack_slot(jobs[i], stg[off - start:off - start + size]))
+                           for i, _, off, size in run]
+                with self._io("write"):
+                    if self.faults:
+                        self.faults.check("write")
+                    n = os.pwrite(fd, memoryview(stg)[:end - start], start)
+                if n != end - start:
+                    raise OSError(errno.EIO, f"short write to disk tier ({n} of {end - start} bytes)")
+            except Exception as ex:  # noqa: BLE001 - every block of the run failed
+                for i, *_ in run:
+                    out[i] = ex
+                return
+            for i, entry in entries:
+                out[i] = entry
+
+        if len(runs) == 1:
+            one(runs[0])
+        else:
+            list(self.pool.map(one, runs))
+        return out
+
+    def _pack_slot(self, job: tuple[int, np.ndarray, BlockMeta], dst: np.ndarray) -> DiskEntry:
+        """Lay one block's slot out in `dst` (the slot's whole extent): header page, payload
+        (with its codec), zeros after it."""
+        slot, src, meta = job
+        seq = self.next_seq()
+        raw = src[:meta.block_bytes]
+        codec, payload = encode_block(self.codec_name, self.zstd_level, raw, meta.dtype_bytes, meta.lossy,
+                                      meta.kv_dtype)
+        payload_len = meta.block_bytes if codec == _codec.CODEC_NONE else len(payload)
+        body = dst[PAGE:PAGE + payload_len]
+        csum = copy_hashed(body, payload if codec == _codec.CODEC_NONE else np.frombuffer(payload, dtype=np.uint8))
+        header = pack_slot_header(codec, meta.dtype_bytes, meta.ns_id, meta.key, meta.parent or b"", payload_len,
+                                  meta.block_bytes, seq, self.slab_gen[SlabAllocator.slab_of(slot)], csum)
+        dst[:PAGE] = 0
+        dst[:len(header)] = np.frombuffer(header, dtype=np.uint8)
+        dst[PAGE + payload_len:] = 0
+        return DiskEntry(slot, meta.ns_id, meta.key, seq, payload_len, meta.block_bytes, codec, meta.parent or b"")
+
     def read(self, where: DiskEntry, dst: np.ndarray) -> None:
         self.read_block(where, dst)
 
@@ -328,7 +397,7 @@ class DiskTier(SlabFiles, Recovery, Tier):
         """Read and verify blocks into their buffers on the I/O threads: {index in `items`:
         the error} for those that failed (each block is checked on its own, as `read_block`
         does). Slots that lie one after another in a file are read in one call (up to
-        READ_RUN_BYTES, and split so that every thread gets a share): this disk reads large
+        RUN_BYTES, and split so that every thread gets a share): this disk reads large
         requests several times faster than small ones (benchmarks/tiers.py)."""
         errors: dict[int, BaseException] = {}
         if not items:
@@ -366,19 +435,27 @@ class DiskTier(SlabFiles, Recovery, Tier):
         for i, (e, _) in enumerate(items):
             fd, off = self._slot_loc(e.slot)
             locs.append((fd, off, PAGE + align_up(e.payload_len), i))
-        locs.sort()
+        return self._cut_runs(locs, gap=READ_GAP_BYTES)
+
+    def _cut_runs(self, locs: list[tuple[int, int, int, int]], gap: int,
+                  cap: int | None = None) -> list[list[tuple[int, int, int, int]]]:
+        """(fd, offset, bytes, index) of each slot into runs of (index, fd, offset, bytes), in
+        file order, each run's slots one after another in one file (at most `gap` bytes apart),
+        a run taking slots while it is under `cap` bytes."""
+        locs = sorted(locs)
         total = sum(w for _, _, w, _ in locs)
-        # a run takes slots while it is under READ_RUN_BYTES, and under an even share of the
-        # I/O threads where that share is over READ_SPLIT_BYTES (both larger calls and more
-        # threads make this disk faster; benchmarks/tiers.py prints both)
-        cap = min(READ_RUN_BYTES, max(READ_SPLIT_BYTES, -(-total // self.io_threads)))
+        if cap is None:
+            # reads: under RUN_BYTES, and under an even share of the I/O threads where that
+            # share is over SPLIT_BYTES (both larger calls and more threads make this disk
+            # read faster: benchmarks/tiers.py)
+            cap = min(RUN_BYTES, max(SPLIT_BYTES, -(-total // self.io_threads)))
         runs: list[list[tuple[int, int, int, int]]] = []
         for fd, off, want, i in locs:
             if runs:
                 last = runs[-1]
                 lfd, lstart = last[0][1], last[0][2]
                 _, _, loff, lwant = last[-1]
-                if lfd == fd and 0 <= off - (loff + lwant) <= READ_GAP_BYTES and loff + lwant - lstart < cap:
+                if lfd == fd and 0 <= off - (loff + lwant) <= gap and loff + lwant - lstart < cap:
                     last.append((i, fd, off, want))
                     continue
             runs.append([(i, fd, off, want)])
