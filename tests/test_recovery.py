@@ -55,6 +55,22 @@ def find_slots(d: Path) -> dict[bytes, tuple[Path, int]]:
     return slots
 
 
+def synced(cfg, ns, keys, blocks=None) -> None:
+    """Store `keys` (their `block_for` content unless `blocks`), sync them to disk, close."""
+    with TieredStore(cfg) as s:
+        s.put(ns, keys, blocks if blocks is not None else [block_for(ns, k) for k in keys])
+        assert s.sync() == len(keys)
+
+
+def flip(f: Path, off: int, mask: int) -> None:
+    """XOR the byte at `off` of file `f` with `mask`."""
+    with open(f, "r+b") as fh:
+        fh.seek(off)
+        b = fh.read(1)
+        fh.seek(off)
+        fh.write(bytes([b[0] ^ mask]))
+
+
 @pytest.mark.parametrize("mode", ["sync-close", "sync-kill"])
 def test_synced_blocks_survive_reopen_in_a_new_process(tmp_path, mode):
     ns = make_ns()
@@ -147,17 +163,11 @@ def test_a_flipped_byte_in_any_piece_of_a_large_payload_is_never_served(tmp_path
     cfg = small_config(tmp_path, host_bytes="32MiB", host_slab_bytes="8MiB", disk_bytes="64MiB",
                        disk_slab_bytes="8MiB", disk_file_bytes="32MiB")
     keys = chain(ns, 3, 4)
-    with TieredStore(cfg) as s:
-        s.put(ns, keys, [block_for(ns, k) for k in keys])
-        s.sync()
+    synced(cfg, ns, keys)
     slots = find_slots(tmp_path / "disk")
     for key, where in ((keys[0], 100), (keys[1], FUSE_PIECE + 7), (keys[2], ns.block_bytes - 1)):
         f, off = slots[key]
-        with open(f, "r+b") as fh:
-            fh.seek(off + 4096 + where)
-            b = fh.read(1)
-            fh.seek(off + 4096 + where)
-            fh.write(bytes([b[0] ^ 0x01]))
+        flip(f, off + 4096 + where, 0x01)
     with TieredStore(cfg) as s:
         assert [served_exact(s, ns, k) for k in keys] == [None, None, None, True]
         assert s.stats()["tiers"]["disk"]["corrupt_dropped"] == 3
@@ -177,18 +187,13 @@ def test_blocks_read_together_are_each_checked_alone(tmp_path):
     cfg = small_config(tmp_path, host_bytes="8MiB", host_slab_bytes="2MiB", disk_bytes="16MiB",
                        disk_slab_bytes="4MiB", disk_file_bytes="16MiB")
     keys = chain(ns, 5, 12)
-    with TieredStore(cfg) as s:
-        s.put(ns, keys, [block_for(ns, k) for k in keys])
-        s.sync()
+    synced(cfg, ns, keys)
     slots = find_slots(tmp_path / "disk")
     f, first = slots[keys[0]]
     stride = 4096 + ns.block_bytes
     assert [slots[k] for k in keys] == [(f, first + i * stride) for i in range(12)]   # one run on disk
+    flip(f, first + 5 * stride + 4096 + 1000, 0x40)        # block 5: a payload byte
     with open(f, "r+b") as fh:
-        fh.seek(first + 5 * stride + 4096 + 1000)          # block 5: a payload byte
-        b = fh.read(1)
-        fh.seek(first + 5 * stride + 4096 + 1000)
-        fh.write(bytes([b[0] ^ 0x40]))
         fh.seek(first + 8 * stride + 32)                   # block 8: its header names another key
         fh.write(keys[0])
     with TieredStore(cfg) as s:
@@ -240,11 +245,7 @@ def test_blocks_synced_together_are_each_a_whole_slot_on_disk(tmp_path, codec):
         data = f.read_bytes()
         tail = data[first + 3 * stride - 512:first + 3 * stride]
         assert tail == bytes(512)
-    with open(f, "r+b") as fh:                             # block 6: a payload byte
-        fh.seek(first + 6 * stride + 4096 + 10)
-        b = fh.read(1)
-        fh.seek(first + 6 * stride + 4096 + 10)
-        fh.write(bytes([b[0] ^ 0x21]))
+    flip(f, first + 6 * stride + 4096 + 10, 0x21)          # block 6: a payload byte
     (d / CHECKPOINT_NAME).unlink()
     with TieredStore(cfg) as s:
         assert s.stats()["tiers"]["disk"]["recovered_from"] == "scan"

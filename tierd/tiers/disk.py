@@ -357,11 +357,15 @@ class DiskTier(SlabFiles, Recovery, Tier):
             for i, entry in entries:
                 out[i] = entry
 
-        if len(runs) == 1:
-            one(runs[0])
-        else:
-            list(self.pool.map(one, runs))
+        self._each_run(one, runs)
         return out
+
+    def _each_run(self, fn, runs: list) -> None:
+        """`fn(run)` for every run: on the I/O threads, or here for one run."""
+        if len(runs) == 1:
+            fn(runs[0])
+        else:
+            list(self.pool.map(fn, runs))
 
     def _pack_slot(self, job: tuple[int, np.ndarray, BlockMeta], dst: np.ndarray) -> DiskEntry:
         """Lay one block's slot out in `dst` (the slot's whole extent): header page, payload
@@ -422,10 +426,7 @@ class DiskTier(SlabFiles, Recovery, Tier):
                 except (CorruptBlockError, OSError) as ex:
                     errors[i] = ex
 
-        if len(runs) == 1:
-            one(runs[0])
-        else:
-            list(self.pool.map(one, runs))
+        self._each_run(one, runs)
         return errors
 
     def _plan_runs(self, items: Sequence[tuple[DiskEntry, np.ndarray]]) -> list[list[tuple[int, int, int, int]]]:
