@@ -6,8 +6,9 @@ For blocks of 64 KiB, 1 MiB and 16 MiB:
                              filesystem: one aligned request per block of tierd's size (header
                              page + block) at tierd's slot offsets, writes ending in one
                              fdatasync, reads 8 blocks per call as the tierd side asks for them,
-                             on a pool of io_threads threads (the same threads and requests in
-                             flight as tierd: the floor, goal >= 0.8 for blocks of 1 MiB and
+                             on a pool of io_threads threads (the same threads as tierd, which
+                             joins slots next to each other on disk into larger requests: the
+                             floor, goal >= 0.8 for blocks of 1 MiB and
                              more); also beside the best of 1, io_threads and 2 x io_threads
                              threads, and beside fio at its best setting (io_uring and libaio,
                              1 or 4 jobs, queue depth 1 to 32, same request size and
@@ -254,14 +255,16 @@ def bench_disk(ns: Namespace, n_blocks: int, repeats: int, where: str, io_thread
     goal = "goal >= 0.8; " if bb >= MiB else ""
     out = [Result("disk write (sync)", {**params, "floor_threads": io_threads}, gbps(total, t_w), "GB/s",
                   "raw O_DIRECT pwrite GB/s, same threads", gbps(total, r_w[io_threads]),
-                  note=note + goal + "write = sync(): checksum, header page and payload in one aligned write "
-                  f"per block on {io_threads} I/O threads, then fdatasync; raw = the same writes "
-                  f"and fdatasync on {io_threads} threads"),
+                  note=note + goal + "write = sync(): checksum, header page and payload per block, slots "
+                  "next to each other in one aligned write of up to 512 KiB (one per block from 1 MiB), "
+                  f"on {io_threads} I/O threads, then fdatasync; raw = one write per block and "
+                  f"fdatasync on {io_threads} threads"),
            Result("disk read (promote)", {**params, "floor_threads": io_threads}, gbps(total, t_r), "GB/s",
                   "raw O_DIRECT pread GB/s, same threads", gbps(total, r_r[io_threads]),
                   note=note + goal + f"read = acquire of blocks on disk only ({READ_BATCH} per call): "
-                  f"pread on {io_threads} I/O threads into a bounce buffer, verify header and checksum, "
-                  f"copy into host slots; raw = the same preads on {io_threads} threads"),
+                  f"pread of slots next to each other in one call (up to 8 MiB, an even share per thread) "
+                  f"on {io_threads} I/O threads into a bounce buffer, verify each block's header and "
+                  f"checksum, copy into host slots; raw = one pread per block on {io_threads} threads"),
            Result("disk write (sync) vs the best raw setting", {**params, "floor_threads": best_w},
                   gbps(total, t_w), "GB/s", "raw O_DIRECT pwrite GB/s, best threads", gbps(total, r_w[best_w]),
                   note=f"raw GB/s by threads {{{by_threads(r_w)}}}"),
