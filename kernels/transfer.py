@@ -80,8 +80,13 @@ def _clear_cuda_error() -> None:
         pass
 
 
+def _code(rc) -> int:
+    """A runtime call's result as the error code (the binding may return a tuple)."""
+    return int(rc[0] if isinstance(rc, tuple) else rc)
+
+
 def _cuda_error_name(rc) -> str:
-    code = int(rc[0] if isinstance(rc, tuple) else rc)
+    code = _code(rc)
     try:
         return f"{torch.cuda.cudart().cudaGetErrorString(rc)} ({code})"
     except Exception:  # noqa: BLE001 - only the message is at stake
@@ -109,11 +114,11 @@ class CudaHostPinning:
                 return True
             if held is not None:
                 # what was registered here is another mapping's: its pages are gone from this range
-                cudart.cudaHostUnregister(ptr)
-                _clear_cuda_error()
+                if _code(cudart.cudaHostUnregister(ptr)):
+                    _clear_cuda_error()
                 del _PINS[ptr]
             rc = cudart.cudaHostRegister(ptr, size, 0)
-            if int(rc[0] if isinstance(rc, tuple) else rc) != 0:
+            if _code(rc):
                 _clear_cuda_error()
                 log.warning("cudaHostRegister of %d bytes failed: %s; host copies will not overlap",
                             size, _cuda_error_name(rc))
@@ -129,8 +134,8 @@ class CudaHostPinning:
             held[2] -= 1
             if held[2] == 0:
                 del _PINS[ptr]
-                torch.cuda.cudart().cudaHostUnregister(ptr)
-                _clear_cuda_error()
+                if _code(torch.cuda.cudart().cudaHostUnregister(ptr)):
+                    _clear_cuda_error()
 
 
 class CudaStreams:

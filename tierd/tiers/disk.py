@@ -3,8 +3,8 @@
 Owns the files under one directory: their layout (docs/on-disk-format.md), aligned I/O,
 checksums, and rebuilding the index at open. It never serves a slot whose header or payload
 checksum fails; it never decides what to evict (the store does). All methods that touch the
-allocator run under the store's lock; `write_block`/`read_block` run outside it, on slots the
-store has pinned.
+allocator run under the store's lock; `write`, `write_many`, `read_block` and `read_many` run
+outside it, on slots the store has pinned.
 
 File layout: `slab-NNNN.tds` = superblock (4 KiB) + slabs; slab = slab header (4 KiB) + slots;
 slot = slot header (4 KiB page, first bytes used) + payload (4 KiB-aligned).
@@ -281,37 +281,15 @@ class DiskTier(SlabFiles, Recovery, Tier):
             s = self._local.staging = np.frombuffer(_aligned(nbytes), dtype=np.uint8)
         return s
 
-    def write_block(self, slot: int, ns_id: bytes, key: bytes, parent: bytes | None,
-                    src: np.ndarray, block_bytes: int, dtype_bytes: int, *, lossy: str = "",
-                    kv_dtype: str = "") -> DiskEntry:
+    def write(self, slot: int, src: np.ndarray, meta: BlockMeta) -> DiskEntry:
         """Write one block from `src` (block_bytes,) uint8 as header page + payload in one
         aligned write (with the namespace's lossy codec where it has one). Not durable until
         `flush()`."""
-        seq = self.next_seq()
-        raw = src[:block_bytes]
-        codec, payload = encode_block(self.codec_name, self.zstd_level, raw, dtype_bytes, lossy, kv_dtype)
-        payload_len = block_bytes if codec == _codec.CODEC_NONE else len(payload)
-        length = PAGE + align_up(payload_len)
-        stg = self._staging(length)
-        body = stg[PAGE:PAGE + payload_len]
-        # the checksum of what is written: of the buffer, each piece hashed as it is copied in
-        csum = copy_hashed(body, payload if codec == _codec.CODEC_NONE else np.frombuffer(payload, dtype=np.uint8))
-        header = pack_slot_header(codec, dtype_bytes, ns_id, key, parent or b"", payload_len,
-                                  block_bytes, seq, self.slab_gen[SlabAllocator.slab_of(slot)], csum)
-        stg[:PAGE] = 0
-        stg[:len(header)] = np.frombuffer(header, dtype=np.uint8)
+        stg = self._staging(self.slot_bytes_for(meta.block_bytes))
+        entry = self._pack_slot((slot, src, meta), stg)
         fd, off = self._slot_loc(slot)
-        with self._io("write"):
-            if self.faults:
-                self.faults.check("write")
-            n = os.pwrite(fd, memoryview(stg)[:length], off)
-        if n != length:
-            raise OSError(errno.EIO, f"short write to disk tier ({n} of {length} bytes)")
-        return DiskEntry(slot, ns_id, key, seq, payload_len, block_bytes, codec, parent or b"")
-
-    def write(self, slot: int, src: np.ndarray, meta: BlockMeta) -> DiskEntry:
-        return self.write_block(slot, meta.ns_id, meta.key, meta.parent, src, meta.block_bytes,
-                                meta.dtype_bytes, lossy=meta.lossy, kv_dtype=meta.kv_dtype)
+        self._pwrite(fd, stg, PAGE + align_up(entry.payload_len), off)
+        return entry
 
     def write_many(self, jobs: Sequence[tuple[int, np.ndarray, BlockMeta]]) -> list:
         """Write blocks (slot, source, meta) on the I/O threads: for each, its DiskEntry or the
@@ -342,14 +320,13 @@ class DiskTier(SlabFiles, Recovery, Tier):
             end = run[-1][2] + run[-1][3]
             stg = self._staging(end - start)
             try:
-                entries = [(i, self._pack_slot(jobs[i], stg[off - start:off - start + size]))
-                           for i, _, off, size in run]
-                with self._io("write"):
-                    if self.faults:
-                        self.faults.check("write")
-                    n = os.pwrite(fd, memoryview(stg)[:end - start], start)
-                if n != end - start:
-                    raise OSError(errno.EIO, f"short write to disk tier ({n} of {end - start} bytes)")
+                entries = []
+                for i, _, off, size in run:
+                    dst = stg[off - start:off - start + size]
+                    entry = self._pack_slot(jobs[i], dst)
+                    dst[PAGE + entry.payload_len:] = 0     # the slot whole: nothing stale after a short payload
+                    entries.append((i, entry))
+                self._pwrite(fd, stg, end - start, start)
             except Exception as ex:  # noqa: BLE001 - every block of the run failed
                 for i, *_ in run:
                     out[i] = ex
@@ -368,8 +345,8 @@ class DiskTier(SlabFiles, Recovery, Tier):
             list(self.pool.map(fn, runs))
 
     def _pack_slot(self, job: tuple[int, np.ndarray, BlockMeta], dst: np.ndarray) -> DiskEntry:
-        """Lay one block's slot out in `dst` (the slot's whole extent): header page, payload
-        (with its codec), zeros after it."""
+        """Lay one block's slot out at the start of `dst` (at least the slot's extent): header
+        page, then the payload (with its codec), checksummed as it is copied in."""
         slot, src, meta = job
         seq = self.next_seq()
         raw = src[:meta.block_bytes]
@@ -382,8 +359,15 @@ class DiskTier(SlabFiles, Recovery, Tier):
                                   meta.block_bytes, seq, self.slab_gen[SlabAllocator.slab_of(slot)], csum)
         dst[:PAGE] = 0
         dst[:len(header)] = np.frombuffer(header, dtype=np.uint8)
-        dst[PAGE + payload_len:] = 0
         return DiskEntry(slot, meta.ns_id, meta.key, seq, payload_len, meta.block_bytes, codec, meta.parent or b"")
+
+    def _pwrite(self, fd: int, stg: np.ndarray, length: int, off: int) -> None:
+        with self._io("write"):
+            if self.faults:
+                self.faults.check("write")
+            n = os.pwrite(fd, memoryview(stg)[:length], off)
+        if n != length:
+            raise OSError(errno.EIO, f"short write to disk tier ({n} of {length} bytes)")
 
     def read(self, where: DiskEntry, dst: np.ndarray) -> None:
         self.read_block(where, dst)
