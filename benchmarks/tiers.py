@@ -257,7 +257,8 @@ def bench_disk(ns: Namespace, n_blocks: int, repeats: int, where: str, io_thread
                   "raw O_DIRECT pwrite GB/s, same threads", gbps(total, r_w[io_threads]),
                   note=note + goal + "write = sync(): checksum, header page and payload per block, slots "
                   "next to each other in one aligned write of up to 512 KiB (one per block from 1 MiB), "
-                  f"on {io_threads} I/O threads, then fdatasync; raw = one write per block and "
+                  "laid out on 2 pack threads while "
+                  f"{io_threads} I/O threads write, then fdatasync; raw = one write per block and "
                   f"fdatasync on {io_threads} threads"),
            Result("disk read (promote)", {**params, "floor_threads": io_threads}, gbps(total, t_r), "GB/s",
                   "raw O_DIRECT pread GB/s, same threads", gbps(total, r_r[io_threads]),

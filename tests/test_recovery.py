@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tierd import TieredStore
+from tierd.errors import DiskDegradedError
 from tierd.tiers.disk import CHECKPOINT_NAME
 
 from .helpers import block_for, chain, make_ns, small_config
@@ -213,16 +214,19 @@ def _write_calls() -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts write calls through /proc/self/io")
+@pytest.mark.parametrize("n, io_threads", [(12, 4), (120, 1)], ids=["one-run", "more-runs-than-threads"])
 @pytest.mark.parametrize("codec", ["none", "zstd"])
-def test_blocks_synced_together_are_each_a_whole_slot_on_disk(tmp_path, codec):
+def test_blocks_synced_together_are_each_a_whole_slot_on_disk(tmp_path, codec, n, io_threads):
     """A sync writes slots that follow one another in a file in one call; each is still a whole
     slot of its own (header, payload, zeros after a compressed payload): after a restart that
     scans the headers (no checkpoint), every block is served exact, and a block damaged on
-    disk is dropped alone."""
+    disk is dropped alone. With more such calls than I/O threads, the runs are laid out on
+    the pack threads while the I/O threads write (the same slots on disk)."""
     ns = make_ns(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16)   # 16 KiB blocks
     cfg = small_config(tmp_path, host_bytes="8MiB", host_slab_bytes="2MiB", disk_bytes="16MiB",
-                       disk_slab_bytes="4MiB", disk_file_bytes="16MiB", disk_codec=codec)
-    keys = chain(ns, 9, 12)
+                       disk_slab_bytes="4MiB", disk_file_bytes="16MiB", disk_codec=codec,
+                       disk_io_threads=io_threads)
+    keys = chain(ns, 9, n)
     want = {k: block_for(ns, k) & 0x03 for k in keys}     # compressible
 
     def served(s, k):
@@ -234,13 +238,15 @@ def test_blocks_synced_together_are_each_a_whole_slot_on_disk(tmp_path, codec):
     with TieredStore(cfg) as s:
         s.put(ns, keys, [want[k] for k in keys])
         before = _write_calls()
-        assert s.sync() == 12
-        assert _write_calls() - before < 12                # fewer calls than blocks
+        assert s.sync() == n
+        calls = _write_calls() - before
+        assert calls < n // 8 + 4                          # a call per 512 KiB, not per block
+        assert calls > io_threads or n == 12               # more runs than threads
     d = tmp_path / "disk"
     slots = find_slots(d)
     f, first = slots[keys[0]]
     stride = 4096 + ns.block_bytes
-    assert [slots[k] for k in keys] == [(f, first + i * stride) for i in range(12)]
+    assert [slots[k] for k in keys] == [(f, first + i * stride) for i in range(n)]
     if codec == "zstd":                                    # compressed: zeros up to the next slot
         data = f.read_bytes()
         tail = data[first + 3 * stride - 512:first + 3 * stride]
@@ -249,4 +255,31 @@ def test_blocks_synced_together_are_each_a_whole_slot_on_disk(tmp_path, codec):
     (d / CHECKPOINT_NAME).unlink()
     with TieredStore(cfg) as s:
         assert s.stats()["tiers"]["disk"]["recovered_from"] == "scan"
-        assert [served(s, k) for k in keys] == [True] * 6 + [None] + [True] * 5
+        assert [served(s, k) for k in keys] == [True] * 6 + [None] + [True] * (n - 7)
+
+
+@pytest.mark.timeout(60, method="thread")   # a bounce buffer lost would hang the next sync
+def test_a_sync_that_fails_while_runs_are_packed_loses_nothing_and_the_next_one_writes_all(tmp_path):
+    """Writes failing while the pack threads lay out the next runs (more runs than I/O threads):
+    the sync reports the disk degraded, no block is counted on disk, every bounce buffer comes
+    back (the next sync would wait on one forever), and once the disk takes writes again the
+    next sync writes every block, served exact after a restart."""
+    faults = tmp_path / "faults"
+    ns = make_ns(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=64)   # 64 KiB blocks
+    cfg = dict(host_bytes="16MiB", host_slab_bytes="2MiB", disk_bytes="16MiB", disk_slab_bytes="4MiB",
+               disk_file_bytes="16MiB", disk_io_threads=1)
+    (warm,) = chain(ns, 12, 1)
+    keys = chain(ns, 11, 120)
+    with TieredStore(small_config(tmp_path, disk_fault_file=str(faults), **cfg)) as s:
+        s.put(ns, [warm], [block_for(ns, warm)])
+        assert s.sync() == 1        # its slab header and namespace record first: the blocks' writes fail
+        s.put(ns, keys, [block_for(ns, k) for k in keys])
+        faults.write_text("write=EIO")
+        with pytest.raises(DiskDegradedError):
+            s.sync()
+        assert "disk" not in "".join(s.where(ns, keys))
+        faults.write_text("")
+        assert s.sync() == 120
+    with TieredStore(small_config(tmp_path, **cfg)) as s:
+        assert all(served_exact(s, ns, k) for k in keys)
+        assert s.stats()["tiers"]["disk"]["corrupt_dropped"] == 0
