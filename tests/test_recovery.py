@@ -159,7 +159,7 @@ def test_a_flipped_byte_in_any_piece_of_a_large_payload_is_never_served(tmp_path
     flipped in the first, a middle or the last (partial) piece of a payload drops that block
     and never serves it; the untouched block is exact."""
     from tierd.tiers.slot_header import FUSE_PIECE
-    ns = make_ns(num_layers=4, num_kv_heads=8, head_dim=128, block_tokens=80)
+    ns = make_ns(num_layers=4, num_kv_heads=8, head_dim=128, block_tokens=72)   # 1.125 MiB
     assert ns.block_bytes > 2 * FUSE_PIECE and ns.block_bytes % FUSE_PIECE
     cfg = small_config(tmp_path, host_bytes="32MiB", host_slab_bytes="8MiB", disk_bytes="64MiB",
                        disk_slab_bytes="8MiB", disk_file_bytes="32MiB")

@@ -40,7 +40,7 @@ def _csum(data) -> int:
 # each piece while the copy has just left it in the CPU's caches, so the block's bytes come
 # from memory once instead of twice (a disk read or write of large blocks competes with the
 # device's own transfers for memory bandwidth).
-FUSE_PIECE = 512 << 10
+FUSE_PIECE = 256 << 10
 
 
 def copy_hashed(dst: np.ndarray, src: np.ndarray) -> int:
