@@ -256,7 +256,7 @@ def bench_disk(ns: Namespace, n_blocks: int, repeats: int, where: str, io_thread
     out = [Result("disk write (sync)", {**params, "floor_threads": io_threads}, gbps(total, t_w), "GB/s",
                   "raw O_DIRECT pwrite GB/s, same threads", gbps(total, r_w[io_threads]),
                   note=note + goal + "write = sync(): checksum, header page and payload per block, slots "
-                  "next to each other in one aligned write of up to 512 KiB (one per block from 1 MiB), "
+                  "next to each other in one aligned write of up to 1 MiB (one per block from 1 MiB), "
                   "laid out on 2 pack threads while "
                   f"{io_threads} I/O threads write, then fdatasync; raw = one write per block and "
                   f"fdatasync on {io_threads} threads"),

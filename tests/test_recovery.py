@@ -214,15 +214,16 @@ def _write_calls() -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts write calls through /proc/self/io")
-@pytest.mark.parametrize("n, io_threads", [(12, 4), (120, 1)], ids=["one-run", "more-runs-than-threads"])
+@pytest.mark.parametrize("n, block_tokens, io_threads", [(12, 16, 4), (56, 64, 1)],
+                         ids=["one-run", "more-runs-than-threads"])   # 16 and 64 KiB blocks
 @pytest.mark.parametrize("codec", ["none", "zstd"])
-def test_blocks_synced_together_are_each_a_whole_slot_on_disk(tmp_path, codec, n, io_threads):
+def test_blocks_synced_together_are_each_a_whole_slot_on_disk(tmp_path, codec, n, block_tokens, io_threads):
     """A sync writes slots that follow one another in a file in one call; each is still a whole
     slot of its own (header, payload, zeros after a compressed payload): after a restart that
     scans the headers (no checkpoint), every block is served exact, and a block damaged on
     disk is dropped alone. With more such calls than I/O threads, the runs are laid out on
     the pack threads while the I/O threads write (the same slots on disk)."""
-    ns = make_ns(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16)   # 16 KiB blocks
+    ns = make_ns(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=block_tokens)
     cfg = small_config(tmp_path, host_bytes="8MiB", host_slab_bytes="2MiB", disk_bytes="16MiB",
                        disk_slab_bytes="4MiB", disk_file_bytes="16MiB", disk_codec=codec,
                        disk_io_threads=io_threads)
@@ -240,7 +241,7 @@ def test_blocks_synced_together_are_each_a_whole_slot_on_disk(tmp_path, codec, n
         before = _write_calls()
         assert s.sync() == n
         calls = _write_calls() - before
-        assert calls < n // 8 + 4                          # a call per 512 KiB, not per block
+        assert calls < n // 8 + 4                          # a call per MiB, not per block
         assert calls > io_threads or n == 12               # more runs than threads
     d = tmp_path / "disk"
     slots = find_slots(d)
@@ -265,11 +266,11 @@ def test_a_sync_that_fails_while_runs_are_packed_loses_nothing_and_the_next_one_
     back (the next sync would wait on one forever), and once the disk takes writes again the
     next sync writes every block, served exact after a restart."""
     faults = tmp_path / "faults"
-    ns = make_ns(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=64)   # 64 KiB blocks
-    cfg = dict(host_bytes="16MiB", host_slab_bytes="2MiB", disk_bytes="16MiB", disk_slab_bytes="4MiB",
-               disk_file_bytes="16MiB", disk_io_threads=1)
+    ns = make_ns(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=128)   # 128 KiB blocks
+    cfg = dict(host_bytes="16MiB", host_slab_bytes="4MiB", disk_bytes="32MiB", disk_slab_bytes="16MiB",
+               disk_file_bytes="32MiB", disk_io_threads=1)   # one slab: every write batch is 4 runs
     (warm,) = chain(ns, 12, 1)
-    keys = chain(ns, 11, 120)
+    keys = chain(ns, 11, 60)
     with TieredStore(small_config(tmp_path, disk_fault_file=str(faults), **cfg)) as s:
         s.put(ns, [warm], [block_for(ns, warm)])
         assert s.sync() == 1        # its slab header and namespace record first: the blocks' writes fail
@@ -279,7 +280,7 @@ def test_a_sync_that_fails_while_runs_are_packed_loses_nothing_and_the_next_one_
             s.sync()
         assert "disk" not in "".join(s.where(ns, keys))
         faults.write_text("")
-        assert s.sync() == 120
+        assert s.sync() == 60
     with TieredStore(small_config(tmp_path, **cfg)) as s:
         assert all(served_exact(s, ns, k) for k in keys)
         assert s.stats()["tiers"]["disk"]["corrupt_dropped"] == 0

@@ -40,12 +40,14 @@ from .slot_header import (_CSUM, FORMAT_VERSION, PAGE, CorruptBlockError, _csum,
 
 log = logging.getLogger("tierd.disk")
 
-# Promotions read, and syncs write, slots that lie one after another in a file in one call of
-# up to RUN_BYTES (cut into an even share per I/O thread above SPLIT_BYTES each); reads span
-# gaps of up to READ_GAP_BYTES (read and not used)
+# Promotions read slots that lie one after another in a file in one call of up to RUN_BYTES
+# (cut into an even share per I/O thread above SPLIT_BYTES each), across gaps of up to
+# READ_GAP_BYTES (read and not used); syncs write such slots in one call while it is under
+# WRITE_RUN_BYTES (benchmarks/tiers.py: 1 MiB beat 512 KiB and 2 MiB for 64-512 KiB blocks)
 RUN_BYTES = 8 << 20
 SPLIT_BYTES = 512 << 10
 READ_GAP_BYTES = 64 << 10
+WRITE_RUN_BYTES = 1 << 20
 # A sync of more runs than I/O threads packs runs (payload copied and checksummed, header laid
 # out) on PACK_THREADS threads while the I/O threads keep writing: the copy no longer leaves the
 # disk with fewer writes in flight (benchmarks/tiers.py)
@@ -316,7 +318,7 @@ class DiskTier(SlabFiles, Recovery, Tier):
     def write_many(self, jobs: Sequence[tuple[int, np.ndarray, BlockMeta]]) -> list:
         """Write blocks (slot, source, meta) on the I/O threads: for each, its DiskEntry or the
         exception that failed it. Slots that follow one another in a file are written in one
-        call of up to about SPLIT_BYTES, each slot whole: header page, payload, and zeros to the
+        call of up to about WRITE_RUN_BYTES, each slot whole: header page, payload, and zeros to the
         slot's end where a codec made the payload shorter. With more such runs than I/O
         threads, the pack threads lay runs out while the I/O threads write the ones before.
         Not durable until `flush()`."""
@@ -329,7 +331,7 @@ class DiskTier(SlabFiles, Recovery, Tier):
             locs.append((fd, off, self.slot_bytes_for(meta.block_bytes), i))
         # writes of a MiB or more go out one slot per call, on every thread: larger writes
         # did not make this disk write faster, only fewer of them in flight
-        runs = self._cut_runs(locs, gap=0, cap=min(RUN_BYTES, SPLIT_BYTES))
+        runs = self._cut_runs(locs, gap=0, cap=WRITE_RUN_BYTES)
         if len(runs) > self.io_threads:
             self._write_pipelined(jobs, runs, out)
             return out
