@@ -55,8 +55,11 @@ def run(model_dir, store, prompt=PROMPT, **kw):
 
 
 def assert_same(a, b):
+    """Same tokens, and logprobs within 1e-3. A hit computes only the prompt's tail (other
+    matmul shapes than a cold prefill of the whole prompt), which moves fp32 logprobs by up to
+    about 1e-4 (1.08e-4 seen in CI with exact KV); a wrong KV block moves them by far more."""
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    assert max(abs(x - y) for x, y in zip(lps(a), lps(b))) < 1e-4
+    assert max(abs(x - y) for x, y in zip(lps(a), lps(b))) < 1e-3
 
 
 def test_embedded_hits_from_host_and_from_disk_match_the_cold_run(model_dir, cold, tmp_path):
