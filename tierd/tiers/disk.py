@@ -337,25 +337,14 @@ class DiskTier(SlabFiles, Recovery, Tier):
             return out
 
         def one(run: list[tuple[int, int, int, int]]) -> None:
-            if len(run) == 1:
-                i = run[0][0]
-                slot, src, meta = jobs[i]
-                try:
-                    out[i] = self.write(slot, src, meta)
-                except Exception as ex:  # noqa: BLE001 - reported per block
-                    out[i] = ex
-                return
-            fd, start = run[0][1], run[0][2]
-            stg = self._staging(run[-1][2] + run[-1][3] - start)
+            stg = self._staging(run[-1][2] + run[-1][3] - run[0][2])
             try:
                 entries = self._pack_run(jobs, run, stg)
-                self._pwrite(fd, stg, self._run_len(run, entries), start)
             except Exception as ex:  # noqa: BLE001 - every block of the run failed
                 for i, *_ in run:
                     out[i] = ex
                 return
-            for i, entry in entries:
-                out[i] = entry
+            self._write_run(run, stg, entries, out)
 
         self._each_run(one, runs)
         return out
@@ -366,17 +355,10 @@ class DiskTier(SlabFiles, Recovery, Tier):
         flight while the next runs are packed. Only pack threads wait for a buffer; the I/O
         threads never wait on anything but the disk."""
         def write(run: list, stg: np.ndarray, entries: list) -> None:
-            fd, start = run[0][1], run[0][2]
             try:
-                self._pwrite(fd, stg, self._run_len(run, entries), start)
-            except Exception as ex:  # noqa: BLE001 - every block of the run failed
-                for i, *_ in run:
-                    out[i] = ex
-                return
+                self._write_run(run, stg, entries, out)
             finally:
                 self._bounce.give(stg)
-            for i, entry in entries:
-                out[i] = entry
 
         def pack(run: list):
             stg = self._bounce.take(run[-1][2] + run[-1][3] - run[0][2])
@@ -395,10 +377,18 @@ class DiskTier(SlabFiles, Recovery, Tier):
             if w is not None:
                 w.result()
 
-    @staticmethod
-    def _run_len(run: list, entries: list[tuple[int, DiskEntry]]) -> int:
-        """Bytes to write for a packed run: up to the end of its last slot's payload."""
-        return run[-1][2] - run[0][2] + PAGE + align_up(entries[-1][1].payload_len)
+    def _write_run(self, run: list, stg: np.ndarray, entries: list[tuple[int, DiskEntry]], out: list) -> None:
+        """Write a packed run in one call, up to the end of its last slot's payload: each
+        block's entry into `out`, or the error that failed them all."""
+        start = run[0][2]
+        try:
+            self._pwrite(run[0][1], stg, run[-1][2] - start + PAGE + align_up(entries[-1][1].payload_len), start)
+        except Exception as ex:  # noqa: BLE001 - every block of the run failed
+            for i, *_ in run:
+                out[i] = ex
+            return
+        for i, entry in entries:
+            out[i] = entry
 
     def _pack_run(self, jobs: Sequence[tuple[int, np.ndarray, BlockMeta]], run: list,
                   stg: np.ndarray) -> list[tuple[int, DiskEntry]]:
