@@ -15,7 +15,7 @@ from tierd import TieredStore
 from tierd.errors import DiskDegradedError
 from tierd.tiers.disk import CHECKPOINT_NAME
 
-from .helpers import block_for, chain, make_ns, small_config
+from .helpers import block_for, chain, make_ns, small_config, wait_for
 from .writer_proc import config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -284,3 +284,36 @@ def test_a_sync_that_fails_while_runs_are_packed_loses_nothing_and_the_next_one_
     with TieredStore(small_config(tmp_path, **cfg)) as s:
         assert all(served_exact(s, ns, k) for k in keys)
         assert s.stats()["tiers"]["disk"]["corrupt_dropped"] == 0
+
+
+def test_disk_io_buffers_are_given_back_once_unused_and_taken_again_when_io_resumes(tmp_path):
+    """The disk tier's bounce buffers (a pipelined sync's, a promotion's reads) stay while I/O
+    keeps coming and go back to the system once unused for `disk_buffer_idle_s`: the stats say
+    so and the process's resident memory drops by them. The next promotion takes new ones and
+    serves every block exact."""
+    psutil = pytest.importorskip("psutil")
+    ns = make_ns(num_layers=4, num_kv_heads=4, head_dim=128, block_tokens=256)   # 2 MiB blocks
+    cfg = dict(host_bytes="64MiB", host_slab_bytes="16MiB", disk_bytes="128MiB", disk_slab_bytes="16MiB",
+               disk_file_bytes="64MiB", disk_io_threads=2, disk_buffer_idle_s=1.0)
+    keys = chain(ns, 21, 24)
+    me = psutil.Process()
+
+    def held(s) -> int:
+        return s.stats()["tiers"]["disk"]["io_buffer_bytes"]
+
+    def given_back(s) -> None:
+        rss = me.memory_info().rss
+        before = held(s)
+        assert before >= ns.block_bytes
+        wait_for(lambda: held(s) == 0, 15, "the idle I/O buffers given back")
+        assert rss - me.memory_info().rss >= before // 2, "the buffers' memory stayed with the process"
+
+    with TieredStore(small_config(tmp_path, **cfg)) as s:
+        s.put(ns, keys, [block_for(ns, k) for k in keys])
+        assert s.sync() == 24               # 24 runs on 2 I/O threads: the pipelined sync
+        given_back(s)
+    with TieredStore(small_config(tmp_path, **cfg)) as s:
+        assert all(served_exact(s, ns, k) for k in keys)   # promoted from disk: read buffers
+        given_back(s)
+        s.put(ns, keys[:1], [block_for(ns, keys[0])])
+        assert all(served_exact(s, ns, k) for k in keys)

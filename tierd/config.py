@@ -95,6 +95,7 @@ class StoreConfig:
     disk_direct_io: bool = True          # O_DIRECT where the filesystem allows it
     disk_admit_min_hits: int = 0         # SSD admission: demote to disk only blocks hit >= N times
     disk_io_threads: int = 4
+    disk_buffer_idle_s: float = 30.0     # I/O bounce buffers unused this long go back to the system
     disk_fault_file: str = ""            # failpoints for fault tests (see tiers/disk.py); off
     disk_stall_s: float = 2.0            # a disk call running longer than this: disk tier degraded
     gpu_bytes: int | str = 0             # HBM tier (0: none): bytes, or % of the device's memory
@@ -161,6 +162,8 @@ class StoreConfig:
             raise ConfigError("disk_admit_min_hits must be >= 0")
         if c.disk_io_threads < 1:
             raise ConfigError("disk_io_threads must be >= 1")
+        if not c.disk_buffer_idle_s >= 0:
+            raise ConfigError("disk_buffer_idle_s must be >= 0")
         if not c.disk_stall_s > 0:
             raise ConfigError("disk_stall_s must be > 0")
         if c.remote_codec not in ("none", "zstd"):
@@ -249,6 +252,7 @@ SERVE_KEYS: dict[str, tuple[str, str, Any]] = {
     "disk.direct_io": ("store", "disk_direct_io", _bool),
     "disk.admit_min_hits": ("store", "disk_admit_min_hits", int),
     "disk.io_threads": ("store", "disk_io_threads", int),
+    "disk.buffer_idle_s": ("store", "disk_buffer_idle_s", float),
     "disk.fault_file": ("store", "disk_fault_file", str),
     "disk.stall_s": ("store", "disk_stall_s", float),
     "remote.url": ("store", "remote_url", str),

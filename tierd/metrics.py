@@ -85,6 +85,8 @@ class _StoreCollector:
                     [([], 1 if disk["degraded"] else 0)] if disk else [])
         yield counter("tierd_disk_degraded_episodes", "Times the disk tier became degraded.", [],
                       [([], disk["degraded_episodes"])] if disk else [])
+        yield gauge("tierd_disk_io_buffer_bytes", "Memory the disk tier holds in I/O buffers (kept for reuse, "
+                    "given back after a while unused).", [], [([], disk["io_buffer_bytes"])] if disk else [])
         host = tiers.get("host", {})
         if "adopted_blocks" in host:   # the host tier keeps its blocks across restarts
             yield gauge("tierd_host_adopted_blocks", "Host blocks re-adopted (re-verified) at the last start.", [],

@@ -48,7 +48,8 @@ def format_stats(stats: dict) -> str:
                      f"{host['adopt_dropped']} dropped), {host['keep_pending']} not yet recorded")
     if disk:
         extra += [f"disk {disk['path']} ({'O_DIRECT' if disk['direct_io'] else 'buffered'}, "
-                  f"codec {disk['codec']}, index from {disk['recovered_from']})",
+                  f"codec {disk['codec']}, index from {disk['recovered_from']}, "
+                  f"{format_size(disk.get('io_buffer_bytes', 0))} of I/O buffers)",
                   f"ssd admission rejected {disk['admission_rejected']}, io errors {disk['io_errors']}"]
         if disk.get("degraded"):
             extra.append(f"DISK TIER DEGRADED for {disk['degraded_seconds']:.0f}s: {disk['degraded']} "

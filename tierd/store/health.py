@@ -51,7 +51,8 @@ class DiskHealth:
         cfg = self.config
         return DiskTier(cfg.disk_path, cfg.disk_bytes, cfg.disk_slab_bytes, cfg.disk_file_bytes,
                         direct_io=cfg.disk_direct_io, codec=cfg.disk_codec, zstd_level=cfg.disk_zstd_level,
-                        io_threads=cfg.disk_io_threads, fault_file=cfg.disk_fault_file)
+                        io_threads=cfg.disk_io_threads, fault_file=cfg.disk_fault_file,
+                        buffer_idle_s=cfg.disk_buffer_idle_s)
 
     DISK_RETRY_S = 1.0      # while degraded, one write batch per interval probes the disk
 
@@ -118,6 +119,7 @@ class DiskHealth:
                 return
             if probe:
                 self._probe_disk(disk)
+            disk.trim_buffers()       # I/O buffers idle for a while go back to the system
             return
         if reopen and os.path.isdir(self.config.disk_path):
             try:

@@ -54,36 +54,62 @@ WRITE_RUN_BYTES = 1 << 20
 PACK_THREADS = 2
 
 
-class _Bounce:
-    """Page-aligned bounce buffers handed from the pack threads to the I/O threads: at most
-    `count` taken at once (`take` waits for one to come back), kept for reuse (a fresh buffer
-    costs a page fault per 4 KiB on first use)."""
+class _Buffers:
+    """Page-aligned I/O buffers kept for reuse (a fresh one costs a page fault per 4 KiB on first
+    use): `take` hands out the smallest free buffer that is large enough (else the smallest makes
+    way for a new one), `give` takes it back. With a `limit`, at most that many are out at once
+    and `take` waits for one to come back (the pipelined sync's buffers, handed from the pack
+    threads to the I/O threads). `trim` drops the buffers not taken for a while."""
 
-    def __init__(self, count: int):
-        self._slots = threading.Semaphore(count)
+    def __init__(self, limit: int | None = None):
+        self._slots = threading.Semaphore(limit) if limit else None
         self._lock = threading.Lock()
-        self._free: list[np.ndarray] = []
+        self._free: list[tuple[float, np.ndarray]] = []     # (when given back, buffer)
+        self.nbytes = 0                                      # all buffers, free and out
 
     def take(self, nbytes: int) -> np.ndarray:
-        self._slots.acquire()
+        if self._slots is not None:
+            self._slots.acquire()
         try:
             with self._lock:
-                # the smallest that is large enough; else the smallest makes way for a new one
-                free = sorted(range(len(self._free)), key=lambda j: self._free[j].nbytes)
-                fits = [j for j in free if self._free[j].nbytes >= nbytes]
+                order = sorted(range(len(self._free)), key=lambda j: self._free[j][1].nbytes)
+                fits = [j for j in order if self._free[j][1].nbytes >= nbytes]
                 if fits:
-                    return self._free.pop(fits[0])
-                if free:
-                    self._free.pop(free[0])
-            return np.frombuffer(_aligned(nbytes), dtype=np.uint8)
+                    return self._free.pop(fits[0])[1]
+                if order:
+                    self.nbytes -= self._free.pop(order[0])[1].nbytes
+                buf = np.frombuffer(_aligned(nbytes), dtype=np.uint8)
+                self.nbytes += buf.nbytes
+                return buf
         except BaseException:
-            self._slots.release()
+            if self._slots is not None:
+                self._slots.release()
             raise
 
     def give(self, buf: np.ndarray) -> None:
         with self._lock:
-            self._free.append(buf)
-        self._slots.release()
+            self._free.append((time.monotonic(), buf))
+        if self._slots is not None:
+            self._slots.release()
+
+    @contextlib.contextmanager
+    def held(self, nbytes: int):
+        buf = self.take(nbytes)
+        try:
+            yield buf
+        finally:
+            self.give(buf)
+
+    def trim(self, idle_s: float) -> int:
+        """Drop the free buffers given back over `idle_s` ago (their memory goes back to the
+        system once nothing refers to them); the bytes dropped."""
+        cut = time.monotonic() - idle_s
+        with self._lock:
+            keep = [(t, b) for t, b in self._free if t > cut]
+            dropped = sum(b.nbytes for t, b in self._free if t <= cut)
+            self._free = keep
+            self.nbytes -= dropped
+        return dropped
 
 
 class FaultInjector:
@@ -158,7 +184,7 @@ class DiskTier(SlabFiles, Recovery, Tier):
 
     def __init__(self, path: str, capacity_bytes: int, slab_bytes: int, file_bytes: int, *,
                  direct_io: bool = True, codec: str = "none", zstd_level: int = 1,
-                 io_threads: int = 4, fault_file: str = ""):
+                 io_threads: int = 4, fault_file: str = "", buffer_idle_s: float = 30.0):
         self.path = Path(path)
         self.faults = FaultInjector(fault_file) if fault_file else None
         self._inflight: dict[int, tuple[str, float]] = {}   # I/O under way: token -> (op, start)
@@ -194,7 +220,12 @@ class DiskTier(SlabFiles, Recovery, Tier):
             self.io_threads = io_threads
             self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tierd-disk")
             self._packers = ThreadPoolExecutor(PACK_THREADS, thread_name_prefix="tierd-disk-pack")
-            self._bounce = _Bounce(io_threads + PACK_THREADS)
+            self._bounce = _Buffers(io_threads + PACK_THREADS)   # the pipelined sync's
+            self._spare = _Buffers()                  # every other read and write's
+            # buffers unused this long go back to the system (`trim_buffers`, which the store's
+            # maintainer calls): a sync of 16 MiB blocks keeps io_threads + PACK_THREADS of a
+            # run each, a promotion one per read in flight of up to RUN_BYTES
+            self.buffer_idle_s = buffer_idle_s
         except BaseException:
             self._release_fds()
             raise
@@ -293,26 +324,27 @@ class DiskTier(SlabFiles, Recovery, Tier):
             p = self._local.page = _aligned(PAGE)
         return p
 
-    def _staging(self, nbytes: int) -> np.ndarray:
-        """This thread's page-aligned bounce buffer of at least `nbytes`.
+    def _staging(self, nbytes: int):
+        """A page-aligned bounce buffer of at least `nbytes`, held for a `with` block.
 
-        Every slot goes through it (or, in a pipelined sync, through a `_Bounce` buffer, the
-        same kind of memory): O_DIRECT to and from shared-memory (shmem) pages runs at
-        less than half the speed of anonymous memory here (benchmarks/tiers.py), and a
-        bounce through anonymous memory costs one memcpy, which is cheaper."""
-        s = getattr(self._local, "staging", None)
-        if s is None or s.nbytes < nbytes:
-            s = self._local.staging = np.frombuffer(_aligned(nbytes), dtype=np.uint8)
-        return s
+        Every slot goes through one (a pipelined sync's through a `_bounce` buffer, the same
+        kind of memory): O_DIRECT to and from shared-memory (shmem) pages runs at less than
+        half the speed of anonymous memory here (benchmarks/tiers.py), and a bounce through
+        anonymous memory costs one memcpy, which is cheaper."""
+        return self._spare.held(nbytes)
+
+    def trim_buffers(self) -> int:
+        """Give back the I/O buffers unused for `buffer_idle_s`; the bytes given back."""
+        return self._spare.trim(self.buffer_idle_s) + self._bounce.trim(self.buffer_idle_s)
 
     def write(self, slot: int, src: np.ndarray, meta: BlockMeta) -> DiskEntry:
         """Write one block from `src` (block_bytes,) uint8 as header page + payload in one
         aligned write (with the namespace's lossy codec where it has one). Not durable until
         `flush()`."""
-        stg = self._staging(self.slot_bytes_for(meta.block_bytes))
-        entry = self._pack_slot((slot, src, meta), stg)
-        fd, off = self._slot_loc(slot)
-        self._pwrite(fd, stg, PAGE + align_up(entry.payload_len), off)
+        with self._staging(self.slot_bytes_for(meta.block_bytes)) as stg:
+            entry = self._pack_slot((slot, src, meta), stg)
+            fd, off = self._slot_loc(slot)
+            self._pwrite(fd, stg, PAGE + align_up(entry.payload_len), off)
         return entry
 
     def write_many(self, jobs: Sequence[tuple[int, np.ndarray, BlockMeta]]) -> list:
@@ -337,14 +369,14 @@ class DiskTier(SlabFiles, Recovery, Tier):
             return out
 
         def one(run: list[tuple[int, int, int, int]]) -> None:
-            stg = self._staging(run[-1][2] + run[-1][3] - run[0][2])
-            try:
-                entries = self._pack_run(jobs, run, stg)
-            except Exception as ex:  # noqa: BLE001 - every block of the run failed
-                for i, *_ in run:
-                    out[i] = ex
-                return
-            self._write_run(run, stg, entries, out)
+            with self._staging(run[-1][2] + run[-1][3] - run[0][2]) as stg:
+                try:
+                    entries = self._pack_run(jobs, run, stg)
+                except Exception as ex:  # noqa: BLE001 - every block of the run failed
+                    for i, *_ in run:
+                        out[i] = ex
+                    return
+                self._write_run(run, stg, entries, out)
 
         self._each_run(one, runs)
         return out
@@ -444,9 +476,9 @@ class DiskTier(SlabFiles, Recovery, Tier):
         Raises CorruptBlockError if anything does not match the index entry."""
         fd, off = self._slot_loc(e.slot)
         want = PAGE + align_up(e.payload_len)
-        stg = self._staging(want)
-        n = self._pread(fd, stg, want, off)
-        self._check_slot(e, stg, n, dst)
+        with self._staging(want) as stg:
+            n = self._pread(fd, stg, want, off)
+            self._check_slot(e, stg, n, dst)
 
     def read_many(self, items: Sequence[tuple[DiskEntry, np.ndarray]]) -> dict[int, BaseException]:
         """Read and verify blocks into their buffers on the I/O threads: {index in `items`:
@@ -462,20 +494,20 @@ class DiskTier(SlabFiles, Recovery, Tier):
         def one(run: list[tuple[int, int, int, int]]) -> None:
             fd, start = run[0][1], run[0][2]
             end = max(off + want for _, _, off, want in run)
-            stg = self._staging(end - start)
-            try:
-                n = self._pread(fd, stg, end - start, start)
-            except OSError as ex:
-                for i, *_ in run:
-                    errors[i] = ex
-                return
-            for i, _, off, _ in run:
-                e, dst = items[i]
-                rel = off - start
+            with self._staging(end - start) as stg:
                 try:
-                    self._check_slot(e, stg[rel:], max(0, n - rel), dst)
-                except (CorruptBlockError, OSError) as ex:
-                    errors[i] = ex
+                    n = self._pread(fd, stg, end - start, start)
+                except OSError as ex:
+                    for i, *_ in run:
+                        errors[i] = ex
+                    return
+                for i, _, off, _ in run:
+                    e, dst = items[i]
+                    rel = off - start
+                    try:
+                        self._check_slot(e, stg[rel:], max(0, n - rel), dst)
+                    except (CorruptBlockError, OSError) as ex:
+                        errors[i] = ex
 
         self._each_run(one, runs)
         return errors
@@ -671,4 +703,5 @@ class DiskTier(SlabFiles, Recovery, Tier):
 
     def usage(self) -> dict:
         return {**super().usage(), "path": str(self.path), "direct_io": self.direct_io,
-                "codec": self.codec_name, "recovered_from": self.recovered_from}
+                "codec": self.codec_name, "recovered_from": self.recovered_from,
+                "io_buffer_bytes": self._spare.nbytes + self._bounce.nbytes}
