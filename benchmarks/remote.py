@@ -28,7 +28,7 @@ import numpy as np
 from tierd import TieredStore
 from tierd.client import Client
 from tierd.config import MiB, format_size
-from tierd.tiers.remote import RemoteTier, connection_options
+from tierd.tiers.remote import RemoteTier, WriteBehind, connection_options
 
 from .common import DaemonUnderTest, Result, parse_args, report, start_redis
 from .tiers import kv_like, namespace_for
@@ -41,7 +41,7 @@ def bench(url: str, block_bytes: int, n_blocks: int, repeats: int) -> list[Resul
     ns = namespace_for(block_bytes)
     src = [kv_like(block_bytes, seed=i) for i in range(4)]
     raw = redis.Redis.from_url(url, **connection_options())   # sends and parses as the tier does
-    batch = TieredStore.REMOTE_BATCH
+    batch = WriteBehind.BATCH          # the write-behind's blocks per round trip
     total = n_blocks * block_bytes
     host = total + 64 * MiB
     best = dict.fromkeys(("w", "p", "rw", "r", "rr"), float("inf"))
