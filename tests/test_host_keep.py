@@ -351,3 +351,28 @@ def test_an_embedded_store_records_the_checksums_its_put_computed(tmp_path):
         for p in (shm, shm + ".rec", shm + ".rec.ns"):
             if os.path.exists(p):
                 os.unlink(p)
+
+
+def test_a_put_is_recorded_by_its_commit_and_survives_a_kill_right_after_it(tmp_path):
+    """Blocks put with their writer's checksums are recorded by the commit itself once their
+    namespace is on file (the records' pages are reserved as slots are handed out): none waits
+    for the keeper, and a kill -9 right after the put loses none of them."""
+    ns = make_ns()
+    d = DaemonProc(tmp_path, args=NO_DISK).start()
+    c = Client(d.socket)
+    try:
+        first, keys = chain(ns, 31, 1), chain(ns, 32, 12)
+        put_chain(c, ns, first)               # the namespace's first block: its description goes on file
+        recorded(c)
+        written = c.stats()["tiers"]["host"]["records_written"]
+        assert put_chain(c, ns, keys) == 12
+        host = c.stats()["tiers"]["host"]     # served after the put's commit (one connection, in order)
+        assert host["keep_pending"] == 0 and host["records_written"] == written + 12
+        d.kill()
+        d.start()
+        host = c.stats()["tiers"]["host"]
+        assert host["adopted_blocks"] == 13 and host["adopt_dropped"] == 0
+        assert_exact(c, ns, first + keys)
+    finally:
+        c.close()
+        assert d.stop() == 0

@@ -41,6 +41,12 @@ class HostTier(Tier):
                 self.arena.close()
                 raise
 
+    def alloc_slot(self, slot_bytes: int) -> int | None:
+        slot = self.alloc.alloc(slot_bytes)
+        if slot is not None and self.records is not None:
+            self.records.prepare(self.alloc.offset(slot))   # its block can be recorded at commit
+        return slot
+
     def free_slot(self, slot: int) -> None:
         if self.records is not None:
             self.records.clear(self.alloc.offset(slot))

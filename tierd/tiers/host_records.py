@@ -141,6 +141,19 @@ class HostRecords:
             os.posix_fallocate(self.fd, p * ALIGN, ALIGN)
             self._ready.add(p)
 
+    def prepare(self, offset: int) -> None:
+        """Reserve the page the record of a block at `offset` goes in, as its slot is handed
+        out, so that the block is recorded as soon as it is committed (a page once reserved
+        stays so: this is one call per page of the file, ever). Best effort: on a full tmpfs the
+        block is left to the keeper, which tries again and reports it."""
+        page = self._at(offset) // ALIGN
+        if page not in self._ready:
+            try:
+                os.posix_fallocate(self.fd, page * ALIGN, ALIGN)
+            except OSError:
+                return
+            self._ready.add(page)
+
     def pages_for(self, offsets) -> list[int]:
         """The file pages that records of blocks at these arena offsets go in."""
         return [self._at(o) // ALIGN for o in offsets]
