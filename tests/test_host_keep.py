@@ -376,3 +376,32 @@ def test_a_put_is_recorded_by_its_commit_and_survives_a_kill_right_after_it(tmp_
     finally:
         c.close()
         assert d.stop() == 0
+
+
+def test_a_block_promoted_from_disk_is_recorded_with_the_checksum_its_read_verified(tmp_path):
+    """A block read up from disk (stored raw) enters host RAM with the checksum the read
+    verified over the bytes now in its slot: recorded at once, never hashed again, and
+    re-adopted byte-exact after a kill -9."""
+    ns = make_ns()
+    keys = chain(ns, 41, 6)
+    d = DaemonProc(tmp_path).start()
+    c = Client(d.socket)
+    try:
+        put_chain(c, ns, keys)
+        assert c.sync() == 6
+        assert c.flush(tier="host") == 6          # only the disk copies are left
+        recorded(c)
+        before = c.stats()["tiers"]["host"]
+        assert_exact(c, ns, keys)                  # promoted from disk
+        host = c.stats()["tiers"]["host"]
+        assert host["keep_pending"] == 0
+        assert host["records_hashed"] == before["records_hashed"]
+        assert host["records_written"] == before["records_written"] + 6
+        d.kill()
+        d.start()
+        host = c.stats()["tiers"]["host"]
+        assert host["adopted_blocks"] == 6 and host["adopt_dropped"] == 0
+        assert_exact(c, ns, keys)
+    finally:
+        c.close()
+        assert d.stop() == 0

@@ -2,19 +2,19 @@
 blocks at open. Part of `TieredStore` (its one lock guards the queue and the blocks; the records
 file is the host tier's, `tiers/host_records.py`).
 
-**Recording.** A block that becomes READY in host RAM with the checksum its writer gave (`put`
-hashes each block as it copies it, where the bytes are still in the CPU's caches; `Block.csum`)
-is recorded there and then, under the lock: a record is a memory write into the records file, a
-few microseconds, where handing the block to a thread cost a wake-up, a pin, a second hold of
-the lock and that thread's turns with the GIL, taken from the requests being served (a daemon
-under load did about a tenth fewer operations). Any other block (promoted from disk, fetched from
-the remote tier, re-adopted before its namespace or its record's page is on file) is queued: the
-keeper thread pins a batch, makes what needs file work (the namespace file, the record's page),
-checksums the blocks outside the lock (xxh3, which lets go of the GIL), and writes each record
-under the lock only if the block is still READY in the same slot and not flushed. A record is
-cleared before its slot is freed (`HostTier.free_slot`) and when a flush dooms the block. A block
-that was not yet recorded when the daemon died is simply not re-adopted; a clean close records the
-backlog first (bounded by `KEEP_CLOSE_S`).
+**Recording.** A block that becomes READY in host RAM with a known checksum (`put` hashes each
+block as it copies it, where the bytes are still in the CPU's caches; a disk read verifies a raw
+block's checksum as it copies it into the slot; `Block.csum`) is recorded there and then, under
+the lock: a record is a memory write into the records file, a few microseconds, where handing
+the block to a thread cost a wake-up, a pin, a second hold of the lock and that thread's turns
+with the GIL, taken from the requests being served. Any other block (decoded from a disk codec,
+fetched from the remote tier, or one whose namespace or record page is not on file yet) is
+queued: the keeper thread pins a batch, makes what needs file work (the namespace file, the
+record's page), checksums the blocks outside the lock (xxh3, which lets go of the GIL), and
+writes each record under the lock only if the block is still READY in the same slot and not
+flushed. A record is cleared before its slot is freed (`HostTier.free_slot`) and when a flush
+dooms the block. A block that was not yet recorded when the daemon died is simply not
+re-adopted; a clean close records the backlog first (bounded by `KEEP_CLOSE_S`).
 
 **Re-adoption.** The earlier arena and its records are moved aside, and a fresh arena is made
 (a new file: a client of the dead daemon still copying through its old mapping can never touch

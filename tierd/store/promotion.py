@@ -89,8 +89,9 @@ class Promotion:
             except BaseException:
                 self._settle_failed(st, plan)
                 raise
+        sums: dict[int, int] = {}
         try:
-            errors = self._load_from_disk([(b, e) for b, e in plan if e is not None and e is not REMOTE])
+            errors = self._load_from_disk([(b, e) for b, e in plan if e is not None and e is not REMOTE], sums)
             errors.update(self._load_from_remote([b for b, e in plan if e is REMOTE]))
         except BaseException:
             with self._cond:
@@ -121,7 +122,9 @@ class Promotion:
                     self._reap(b)
                     continue
                 if err is None:
-                    b.host_state, b.csum = READY, -1
+                    # the checksum the disk read verified over the bytes now in the slot (a raw
+                    # payload): the block is recorded for restarts at once, not hashed again
+                    b.host_state, b.csum = READY, sums.get(id(b), -1)
                     b.decoded = e.codec in _codec.LOSSY
                     self._rh.policy.insert(b.ikey)
                     self._enter(b, "host")
@@ -311,8 +314,9 @@ class Promotion:
                 self._leases[lease.id] = lease
             self._cond.notify_all()
 
-    def _load_from_disk(self, loads: list[tuple[Block, DiskEntry]]) -> dict[int, Exception]:
-        """Read pinned disk copies into their LOADING host slots in parallel (no lock)."""
+    def _load_from_disk(self, loads: list[tuple[Block, DiskEntry]], sums: dict[int, int]) -> dict[int, Exception]:
+        """Read pinned disk copies into their LOADING host slots in parallel (no lock); `sums`
+        gets each block's verified checksum where the read knows it (by `id` of the block)."""
         errors: dict[int, Exception] = {}
         if not loads:
             return errors
@@ -323,9 +327,13 @@ class Promotion:
             else:
                 reads.append((b, e))
         # slots next to each other on disk are read in one call (each block still checked alone)
-        failed = self.disk.read_many([(e, self.host.view(b.host_slot, b.st.host_slot_bytes)) for b, e in reads])
+        got = [-1] * len(reads)
+        failed = self.disk.read_many([(e, self.host.view(b.host_slot, b.st.host_slot_bytes)) for b, e in reads], got)
         for i, ex in failed.items():
             errors[id(reads[i][0])] = ex
+        for (b, _), csum in zip(reads, got):
+            if csum >= 0:
+                sums[id(b)] = csum
         return errors
 
     def _tombstone(self, disk: DiskTier, slots: list[int], *, durable: bool = False) -> OSError | None:

@@ -480,10 +480,11 @@ class DiskTier(SlabFiles, Recovery, Tier):
             n = self._pread(fd, stg, want, off)
             self._check_slot(e, stg, n, dst)
 
-    def read_many(self, items: Sequence[tuple[DiskEntry, np.ndarray]]) -> dict[int, BaseException]:
+    def read_many(self, items: Sequence[tuple[DiskEntry, np.ndarray]],
+                  sums: list[int] | None = None) -> dict[int, BaseException]:
         """Read and verify blocks into their buffers on the I/O threads: {index in `items`:
         the error} for those that failed (each block is checked on its own, as `read_block`
-        does). Slots that lie one after another in a file are read in one call (up to
+        does); `sums[i]`, where given, gets what `_check_slot` returns for item i (-1 if it failed). Slots that lie one after another in a file are read in one call (up to
         RUN_BYTES, and split so that every thread gets a share): this disk reads large
         requests several times faster than small ones (benchmarks/tiers.py)."""
         errors: dict[int, BaseException] = {}
@@ -505,9 +506,12 @@ class DiskTier(SlabFiles, Recovery, Tier):
                     e, dst = items[i]
                     rel = off - start
                     try:
-                        self._check_slot(e, stg[rel:], max(0, n - rel), dst)
+                        csum = self._check_slot(e, stg[rel:], max(0, n - rel), dst)
                     except (CorruptBlockError, OSError) as ex:
                         errors[i] = ex
+                    else:
+                        if sums is not None:
+                            sums[i] = csum
 
         self._each_run(one, runs)
         return errors
@@ -551,9 +555,11 @@ class DiskTier(SlabFiles, Recovery, Tier):
                 self.faults.check("read")
             return os.preadv(fd, [memoryview(stg)[:want]], off)
 
-    def _check_slot(self, e: DiskEntry, stg: np.ndarray, n: int, dst: np.ndarray) -> None:
+    def _check_slot(self, e: DiskEntry, stg: np.ndarray, n: int, dst: np.ndarray) -> int:
         """Verify the slot read into `stg` (`n` bytes of it read) against the index entry `e`
-        and copy its payload into `dst`; CorruptBlockError where anything does not match."""
+        and copy its payload into `dst`; CorruptBlockError where anything does not match.
+        Returns the checksum (`_csum`) of the block's bytes as they now are in `dst` where the
+        read verified it (a payload stored raw), else -1 (decoded from a codec)."""
         want = PAGE + align_up(e.payload_len)
         if n < PAGE + e.payload_len:
             raise CorruptBlockError(f"slot truncated ({n} of {want} bytes readable)")
@@ -572,13 +578,14 @@ class DiskTier(SlabFiles, Recovery, Tier):
             # slot): bytes that fail the check are never served
             if copy_hashed(dst[:e.raw_len], payload) != pcsum:
                 raise CorruptBlockError("payload checksum mismatch")
-            return
+            return pcsum
         if _csum(payload) != pcsum:
             raise CorruptBlockError("payload checksum mismatch")
         try:
             _codec.decode(e.codec, payload, dst[:e.raw_len])
         except Exception as ex:  # zstd errors are not one class
             raise CorruptBlockError(f"payload does not decode: {ex}") from None
+        return -1
 
     def tombstone(self, slot: int) -> None:
         """Zero a slot's header so a restart does not bring its block back (after flush)."""
