@@ -81,7 +81,7 @@ def test_a_failure_between_plan_and_settle_leaves_no_block_loading(tmp_path, mon
         disk_only(store, ns, keys)
         real = store.disk.read_many
 
-        def broken(items):   # a fault injected at the disk tier's boundary
+        def broken(items, sums=None):   # a fault injected at the disk tier's boundary
             raise RuntimeError("injected: not an OSError")
         monkeypatch.setattr(store.disk, "read_many", broken)
         with pytest.raises(RuntimeError, match="injected"):
