@@ -137,13 +137,16 @@ class HostKeeping:
         if b.st.ns_id not in rec.namespaces:
             return False
         off = self.host.alloc.offset(b.host_slot)
-        data = pack_record(HostRecord(off, b.st.ns_id, b.key, b.parent[len(b.st.ns_id):] if b.parent else None,
-                                      b.st.block_bytes, next(self._keep_seqs), b.csum,
-                                      FLAG_DECODED if b.decoded else 0))
-        if not rec.write_packed(off, data):
+        if not rec.write_packed(off, self._record_of(b, b.host_slot, b.csum)):
             return False
         self._keep_stats["records_written"] += 1
         return True
+
+    def _record_of(self, b: Block, slot: int, csum: int) -> bytes:
+        """`b`'s record, packed, for its copy in `slot` with checksum `csum` (a new sequence number)."""
+        return pack_record(HostRecord(self.host.alloc.offset(slot), b.st.ns_id, b.key,
+                                      b.parent[len(b.st.ns_id):] if b.parent else None, b.st.block_bytes,
+                                      next(self._keep_seqs), csum, FLAG_DECODED if b.decoded else 0))
 
     def _keep_forget(self, b: Block) -> None:
         """(Lock held.) A flush doomed `b`'s host copy: its record goes now, before its pins do."""
@@ -220,9 +223,7 @@ class HostKeeping:
             if csum < 0:
                 csum = checksum(self.host.view(slot, b.st.block_bytes))
                 self._keep_stats["records_hashed"] += 1
-            recs.append(pack_record(HostRecord(
-                self.host.alloc.offset(slot), b.st.ns_id, b.key, b.parent[len(b.st.ns_id):] if b.parent else None,
-                b.st.block_bytes, next(self._keep_seqs), csum, FLAG_DECODED if b.decoded else 0)))
+            recs.append(self._record_of(b, slot, csum))
         for i in range(0, len(batch), self.KEEP_SETTLE_BLOCKS):
             if i:
                 time.sleep(0)   # let the GIL and the lock go to requests between chunks

@@ -149,10 +149,9 @@ class HostRecords:
         page = self._at(offset) // ALIGN
         if page not in self._ready:
             try:
-                os.posix_fallocate(self.fd, page * ALIGN, ALIGN)
+                self.reserve_pages((page,))
             except OSError:
-                return
-            self._ready.add(page)
+                pass
 
     def pages_for(self, offsets) -> list[int]:
         """The file pages that records of blocks at these arena offsets go in."""
