@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tierd import TieredStore
+from tierd.store import READY
 from tierd.errors import DiskDegradedError, KeyFormatError
 
 from .helpers import block_for, chain, make_ns, small_config
@@ -195,6 +196,22 @@ class StoreModel(RuleBasedStateMachine):
                 got = self.store.get(SPACES[n], [k])
                 assert len(got) == 1, "a synced block is not served"
                 self._check_served(n, [k], got)
+
+    @invariant()
+    def clean_and_dirty_host_blocks_are_accounted_exactly(self):
+        # what the demoter writes down and an allocation drops without I/O: every READY host
+        # block is clean (it has a disk copy) or dirty (in the demoter's queue), once
+        s = self.store
+        with s._cond:
+            dirty, clean_bytes = {}, 0
+            for b in s._blocks.values():
+                want = (1 if b.disk is not None else 0) if b.host_state == READY else -1
+                assert b.clean == want, f"block clean={b.clean}, expected {want}"
+                if want == 0:
+                    dirty[b.ikey] = b
+                clean_bytes += b.st.host_slot_bytes if want == 1 else 0
+            assert s._dirty == dirty and s._clean_bytes == clean_bytes
+            assert s._dirty_bytes == sum(b.st.host_slot_bytes for b in dirty.values())
 
     @invariant()
     def no_pin_is_left_behind(self):

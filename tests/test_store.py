@@ -16,7 +16,7 @@ from tierd.errors import (BlockError, CapacityError, ConfigError, DirectoryLocke
                           DiskTierError, KeyFormatError, LeaseError, NotASlabFileError,
                           StoreClosedError, UnknownNamespaceError)
 
-from .helpers import assert_exact, block_for, chain, make_ns, put_chain, small_config
+from .helpers import assert_exact, block_for, chain, make_ns, put_chain, small_config, wait_for
 
 
 
@@ -173,19 +173,64 @@ def test_pressure_demotes_to_disk_then_evicts_in_lru_order(tmp_path, ns):
         st = s.stats()["tiers"]
         assert st["host"]["used_bytes"] <= st["host"]["capacity_bytes"]
         assert st["disk"]["demotions"] > 0 and st["disk"]["evictions"] > 0
-        # the background demoter brings the host down to its low watermark, then rests
+        # the demoter writes the oldest blocks down until those with no disk copy are at half
+        # of host_dirty_ratio, then rests; host RAM stays full of clean blocks
         deadline = time.monotonic() + 10
-        while s.stats()["tiers"]["host"]["used_bytes"] > 0.8 * (1 << 20) and time.monotonic() < deadline:
+        while s.stats()["tiers"]["host"]["dirty_bytes"] > 0.1 * (1 << 20) and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.2)
+        host = s.stats()["tiers"]["host"]
+        assert host["dirty_bytes"] <= 0.1 * (1 << 20) and host["used_bytes"] > 0.9 * (1 << 20)
         where = s.where(ns, singles)
         order = {"": 0, "disk": 1, "host+disk": 2, "host": 2}
         ranks = [order[w] for w in where]
-        assert ranks == sorted(ranks), "older blocks must be demoted/evicted before newer ones"
+        # Older blocks go first. Host RAM is written down ahead of eviction (it stays full of
+        # clean blocks), so a block whose write was in flight when its turn came is skipped
+        # for a newer one, never more than one write batch of them.
+        late = [i for i, r in enumerate(ranks) if r > min(ranks[i:])]
+        assert len(late) <= s.WRITE_BATCH, f"older blocks must be demoted/evicted before newer ones: {late}"
         assert ranks[0] == 0 and ranks[-1] == 2
         on_disk = [k for k, w in zip(singles, where) if w == "disk"]
         in_host = [k for k, w in zip(singles, where) if "host" in w]
         for k in in_host[-5:] + on_disk[-3:]:
+            assert_exact(s, ns, [k])
+
+
+def test_host_ram_stays_full_of_clean_blocks_and_neither_a_put_nor_a_promotion_waits_for_a_write(tmp_path, ns):
+    """Past the high watermark the demoter writes blocks down ahead of eviction instead of
+    emptying host RAM: the host tier stays full of cached blocks, and the room a promotion or
+    a put needs is taken from clean blocks (their disk copies stay), with no write on the way."""
+    cap = 1 << 20
+    with TieredStore(small_config(tmp_path)) as s:
+        keys = [chain(ns, 3000 + i, 1)[0] for i in range(200)]     # 3 MiB through a 1 MiB host
+        for k in keys:
+            put_chain(s, ns, [k])
+        wait_for(lambda: s.stats()["tiers"]["host"]["dirty_bytes"] <= 0.1 * cap, what="the demoter to rest")
+        host, disk = s.stats()["tiers"]["host"], s.stats()["tiers"]["disk"]
+        assert host["used_bytes"] >= 0.95 * cap, "host RAM was emptied instead of kept full of clean blocks"
+        assert host["clean_bytes"] + host["dirty_bytes"] == host["used_bytes"]
+        where = s.where(ns, keys)
+        on_disk = [k for k, w in zip(keys, where) if w == "disk"]
+        in_host = [k for k, w in zip(keys, where) if "host" in w]
+        assert len(on_disk) > 60 and len(in_host) > 40
+        writes = disk["demotions"]
+        # promotions: every slot they take is a clean block's (no free slot is left)
+        for k in on_disk[-40:]:
+            assert_exact(s, ns, [k])
+        after = s.stats()["tiers"]
+        assert after["disk"]["promotions"] >= 40 and after["host"]["evictions"] > host["evictions"]
+        assert after["disk"]["demotions"] == writes, "a promotion waited for a block to be written down"
+        # a put on the daemon's event loop (inline) finds room the same way: no WouldBlock
+        fresh = [chain(ns, 9000 + i, 1)[0] for i in range(4)]
+        res = s.reserve(ns, fresh, inline=True)
+        assert res.status == ["reserved"] * 4
+        for k, v in zip(fresh, res.buffers):
+            v[:] = block_for(ns, k)
+        s.commit(res)
+        assert_exact(s, ns, fresh)
+        assert s.stats()["tiers"]["disk"]["demotions"] == writes
+        # whatever left host RAM is still served exact, from disk
+        for k in in_host[:10] + on_disk[:10]:
             assert_exact(s, ns, [k])
 
 

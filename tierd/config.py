@@ -84,6 +84,9 @@ class StoreConfig:
     host_slab_bytes: int | str = "64MiB"
     host_high_watermark: float = 0.90
     host_low_watermark: float = 0.80
+    # past the high watermark, with a disk tier: the share of the host tier that may hold
+    # blocks with no disk copy yet before the oldest are written down (to half of it)
+    host_dirty_ratio: float = 0.20
     disk_path: str | None = None
     disk_bytes: int | str = "16GiB"
     disk_slab_bytes: int | str = "256MiB"
@@ -154,6 +157,8 @@ class StoreConfig:
             if not (0.0 < lo <= hi <= 1.0):
                 raise ConfigError(
                     f"{tier} watermarks: need 0 < low ({lo}) <= high ({hi}) <= 1")
+        if not 0.0 < c.host_dirty_ratio <= 1.0:
+            raise ConfigError(f"host_dirty_ratio: {c.host_dirty_ratio} must be in (0, 1]")
         if c.disk_codec not in ("none", "zstd"):
             raise ConfigError(f"disk_codec: {c.disk_codec!r} is not one of 'none', 'zstd'")
         if c.eviction_policy not in ("lru", "s3fifo"):
@@ -240,6 +245,7 @@ SERVE_KEYS: dict[str, tuple[str, str, Any]] = {
     "host.slab_bytes": ("store", "host_slab_bytes", str),
     "host.high_watermark": ("store", "host_high_watermark", float),
     "host.low_watermark": ("store", "host_low_watermark", float),
+    "host.dirty_ratio": ("store", "host_dirty_ratio", float),
     "host.keep": ("store", "host_keep", _bool),
     "disk.path": ("store", "disk_path", str),
     "disk.bytes": ("store", "disk_bytes", str),
@@ -275,7 +281,7 @@ SERVE_KEYS: dict[str, tuple[str, str, Any]] = {
     "limits.max_namespaces_per_uid": ("serve", "max_namespaces_per_uid", int),
 }
 # settings SIGHUP may change in a running daemon
-RELOADABLE = {"host.high_watermark", "host.low_watermark", "disk.high_watermark",
+RELOADABLE = {"host.high_watermark", "host.low_watermark", "host.dirty_ratio", "disk.high_watermark",
               "disk.low_watermark", "disk.admit_min_hits"}
 
 

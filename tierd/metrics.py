@@ -88,6 +88,11 @@ class _StoreCollector:
         yield gauge("tierd_disk_io_buffer_bytes", "Memory the disk tier holds in I/O buffers (kept for reuse, "
                     "given back after a while unused).", [], [([], disk["io_buffer_bytes"])] if disk else [])
         host = tiers.get("host", {})
+        if "dirty_bytes" in host:
+            yield gauge("tierd_host_dirty_bytes", "Host RAM holding blocks with no disk copy yet (evicting "
+                        "them needs a write first).", [], [([], host["dirty_bytes"])])
+            yield gauge("tierd_host_clean_bytes", "Host RAM holding blocks that also have a disk copy "
+                        "(dropped with no I/O when the room is needed).", [], [([], host["clean_bytes"])])
         if "adopted_blocks" in host:   # the host tier keeps its blocks across restarts
             yield gauge("tierd_host_adopted_blocks", "Host blocks re-adopted (re-verified) at the last start.", [],
                         [([], host["adopted_blocks"])])

@@ -94,6 +94,11 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
                                  reserve=False if old else None)
         self._keep_init()
         self._pad_bytes = 0  # slot padding of host blocks (slot size - block size), for waste
+        # READY host blocks without a disk copy, oldest first, and the host bytes of those with
+        # one (index.py `_mark_clean`): what the demoter writes down, and what an allocation
+        # can drop with no I/O
+        self._dirty: dict[bytes, Block] = {}
+        self._clean_bytes = self._dirty_bytes = 0
         self._admission = AdmissionFilter(cfg.disk_admit_min_hits)
         self._index = None   # the daemon's shared lookup index (tierd.index), if attached
         self._events = None  # the daemon's KV-event publisher (tierd.events), if attached
@@ -172,17 +177,28 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
         """Host slots to write `keys` into (zero-copy put). Commit or abort the result.
         `token_ids` (optional, `block_tokens` per key): the blocks' tokens, for KV events only
         (an indexer computes its own keys from them); never stored. `inline`: raise WouldBlock,
-        changing nothing, unless free slots take every key at once (no eviction, no wait)."""
+        changing nothing but clean host copies dropped (`_host_room_inline`), unless free slots
+        take every key at once with no I/O and no wait."""
         keys = check_keys(keys)
         with self._cond:
             self._check_open()
             st = self._ns(ns)
-            if inline and self.host.alloc.free_slot_count(st.host_slot_bytes) < len(keys):
+            if inline and not self._host_room_inline(st, self._slots_needed(st, keys)):
                 raise WouldBlock()
             res = self._reserve_locked(st, keys, parent, owner, token_ids)
             if res.id:
                 self._reservations[res.id] = res
             return res
+
+    def _slots_needed(self, st: NsState, keys: Sequence[bytes]) -> int:
+        """(Lock held.) How many host slots reserving `keys` may take: one per key that is
+        absent (or doomed by a flush), never fewer."""
+        pid, blocks = st.ns_id, self._blocks
+        n = 0
+        for k in keys:
+            b = blocks.get(pid + k)
+            n += b is None or b.doomed != 0 or (b.host_state == ABSENT and b.disk is None and not b.disk_writing)
+        return n
 
     def _reserve_locked(self, st: NsState, keys: list[bytes], parent: bytes | None, owner,
                         token_ids, slots: list[int] | None = None) -> Reservation:
@@ -438,7 +454,7 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
         """Apply the settings that can change while running: watermarks and SSD admission."""
         new = new.resolved()
         with self._cond:
-            for name in ("host_high_watermark", "host_low_watermark", "disk_high_watermark",
+            for name in ("host_high_watermark", "host_low_watermark", "host_dirty_ratio", "disk_high_watermark",
                          "disk_low_watermark", "disk_admit_min_hits"):
                 setattr(self.config, name, getattr(new, name))
             self._admission = AdmissionFilter(new.disk_admit_min_hits)
@@ -449,6 +465,10 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
         with self._cond:
             self._note_stall()
             tiers = {"host": self._rh.stats(extra_waste=self._pad_bytes)}
+            # clean: READY with a disk copy (dropped with no I/O when the room is needed);
+            # dirty: READY with none yet (the demoter writes the oldest down past the watermark)
+            tiers["host"].update(clean_bytes=self._clean_bytes,
+                                 dirty_bytes=self._dirty_bytes)
             if self._keep_queue is not None:
                 tiers["host"].update(self._keep_stats, keep_pending=len(self._keep_queue) + self._keep_busy)
             if self.gpu is not None:

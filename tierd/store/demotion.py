@@ -9,7 +9,7 @@ import time
 
 from ..errors import DiskDegradedError
 from ..tiers.disk import DiskEntry
-from .records import READY, Block, NsState
+from .records import DOOM_DISK, READY, Block, NsState
 
 log = logging.getLogger("tierd.store")
 
@@ -196,10 +196,41 @@ class Demotion:
             raise DiskDegradedError(f"sync: disk tier degraded (fdatasync: {e})") from None
         return written
 
+    def _cleaning(self) -> bool:
+        """(Lock held.) Whether host RAM is kept clean ahead of eviction: with a disk tier and
+        no SSD admission filter (the filter judges a block as it leaves host RAM, by the hits
+        it had by then; writing it ahead would judge it too early)."""
+        return self.disk is not None and self._admission.min_hits == 0
+
     def _wake_demoter(self) -> None:
-        if self.host.alloc.used_bytes > self.config.host_high_watermark * self.host.capacity_bytes:
+        cap = self.host.capacity_bytes
+        if self.host.alloc.used_bytes > self.config.host_high_watermark * cap and (
+                not self._cleaning() or self._dirty_bytes > self.config.host_dirty_ratio * cap):
             self._demote_wanted = True
             self._cond.notify_all()
+
+    def _host_room_inline(self, st: NsState, n: int) -> bool:
+        """(Lock held; the event loop's thread.) At least `n` free host slots of `st`'s size,
+        dropping the coldest blocks only while each needs no write: clean (its disk copy
+        stays), or refused by SSD admission. No I/O, no wait. False when the next victim would
+        need a write first, or there is none."""
+        alloc, r, blocks = self.host.alloc, self._rh, self._blocks
+        sb = st.host_slot_bytes
+        while alloc.free_slot_count(sb) < n:
+            if self.disk is None or sb not in alloc.classes:
+                return False
+            key = r.policy.victim(
+                lambda k: r.evictable(blocks[k]) and r.children_of(blocks[k]) == 0
+                and alloc.slot_bytes_of(r.slot_of(blocks[k])) == sb)
+            b = blocks[key] if key is not None else None
+            if b is None:
+                return False
+            if b.clean != 1 or b.doomed & DOOM_DISK:
+                if self._admission.admit(b.hits) or b.disk is not None or b.disk_writing:
+                    return False         # it would be written down first
+                self._rd.counters["admission_rejected"] += 1
+            self._drop_host(b, evicted=True)
+        return True
 
     WRITE_BATCH = 32  # blocks per parallel disk write batch (bounded by the I/O pool)
 
@@ -230,45 +261,59 @@ class Demotion:
                         self._disk_error("fdatasync", e)
 
     def _demote_pass(self) -> int:
-        """Host above its high watermark: demote coldest blocks until the low watermark;
-        disk above its high watermark: evict until its low watermark. Lock held."""
+        """Host use above its high watermark. With a disk tier (and no SSD admission filter):
+        once blocks with no disk copy (dirty) pass `host_dirty_ratio` of the host, write the
+        oldest down until they are at half of it. They stay in host RAM, clean, and an
+        allocation that needs room drops the coldest clean block at once: host RAM stays full
+        of cached blocks, and neither a put nor a promotion waits for a write. Otherwise (no
+        disk tier, SSD admission, writes that failed): evict coldest first, written down if
+        admitted, until host use is at the low watermark. Disk above its high watermark: evict
+        until its low watermark. Lock held."""
         cfg, moved = self.config, 0
         host_cap = self.host.capacity_bytes
-        if self.host.alloc.used_bytes > cfg.host_high_watermark * host_cap:
-            while self.host.alloc.used_bytes > cfg.host_low_watermark * host_cap and not self._closed:
-                # Pick a batch of distinct victims: each picked one is pinned while picking so
-                # the policy moves on (and its parent keeps a resident child: not picked).
-                batch: list[Block] = []
-                excess = self.host.alloc.used_bytes - cfg.host_low_watermark * host_cap
-                while len(batch) < self.WRITE_BATCH and excess > 0:
-                    key = self._rh.policy.victim(
-                        lambda k: self._host_evictable(self._blocks[k]) and self._blocks[k].host_children == 0)
-                    if key is None:
-                        break
-                    b = self._blocks[key]
-                    b.host_pins += 1
-                    batch.append(b)
-                    excess -= b.st.host_slot_bytes
-                if not batch:
+        over = self.host.alloc.used_bytes > cfg.host_high_watermark * host_cap
+        dirty_limit = cfg.host_dirty_ratio * host_cap
+        if over and self._cleaning():
+            if self._dirty_bytes > dirty_limit:
+                moved += self._clean_pass(dirty_limit / 2)
+            over = self._dirty_bytes > dirty_limit     # what cleaning could not relieve
+        while over and not self._closed:
+            low = cfg.host_low_watermark * host_cap
+            if self.host.alloc.used_bytes <= low or (self._cleaning() and self._dirty_bytes <= dirty_limit / 2):
+                break
+            # Pick a batch of distinct victims: each picked one is pinned while picking so
+            # the policy moves on (and its parent keeps a resident child: not picked).
+            batch: list[Block] = []
+            excess = self.host.alloc.used_bytes - cfg.host_low_watermark * host_cap
+            while len(batch) < self.WRITE_BATCH and excess > 0:
+                key = self._rh.policy.victim(
+                    lambda k: self._host_evictable(self._blocks[k]) and self._blocks[k].host_children == 0)
+                if key is None:
                     break
-                for b in batch:
-                    b.host_pins -= 1
-                need = []
-                for b in batch:
-                    if self.disk is not None and b.disk is None and not b.disk_writing:
-                        if self._admission.admit(b.hits):
-                            need.append(b)
-                        else:
-                            self._rd.counters["admission_rejected"] += 1
-                if need:
-                    moved += self._write_down_batch(need)
-                freed = 0
-                for b in batch:
-                    if self._host_evictable(b):
-                        self._drop_host(b, evicted=True)
-                        freed += 1
-                if not freed:
-                    break
+                b = self._blocks[key]
+                b.host_pins += 1
+                batch.append(b)
+                excess -= b.st.host_slot_bytes
+            if not batch:
+                break
+            for b in batch:
+                b.host_pins -= 1
+            need = []
+            for b in batch:
+                if self.disk is not None and b.disk is None and not b.disk_writing:
+                    if self._admission.admit(b.hits):
+                        need.append(b)
+                    else:
+                        self._rd.counters["admission_rejected"] += 1
+            if need:
+                moved += self._write_down_batch(need)
+            freed = 0
+            for b in batch:
+                if self._host_evictable(b):
+                    self._drop_host(b, evicted=True)
+                    freed += 1
+            if not freed:
+                break
         if self.disk is not None:
             disk_cap = self.disk.capacity_bytes
             if self.disk.alloc.used_bytes > cfg.disk_high_watermark * disk_cap:
@@ -278,4 +323,29 @@ class Demotion:
                     if key is None:
                         break
                     self._drop_disk(self._blocks[key], evicted=True)
+        return moved
+
+    def _clean_pass(self, target: float) -> int:
+        """(Lock held; let go during the writes.) Write dirty host blocks down to disk, oldest
+        first (a chain's blocks in order, so each batch is one sequential run), until the dirty
+        bytes are at `target`. Returns the blocks written."""
+        if self._disk_waiting():
+            return 0
+        moved = 0
+        todo = iter(list(self._dirty.values()))   # each block looked at once per pass
+        while not self._closed and self._dirty_bytes > target:
+            excess = self._dirty_bytes - target
+            batch: list[Block] = []
+            for b in todo:
+                if self._unsynced(b) and b.clean == 0:
+                    batch.append(b)
+                    excess -= b.st.host_slot_bytes
+                    if len(batch) >= self.WRITE_BATCH or excess <= 0:
+                        break
+            if not batch:
+                break
+            wrote = self._write_down_batch(batch)
+            moved += wrote
+            if not wrote:
+                break        # the disk is full of pinned blocks, failing or stalled
         return moved

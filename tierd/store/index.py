@@ -159,11 +159,14 @@ class BlockIndex:
         p = self._blocks.get(b.parent) if b.parent else None
         if tier == "host":
             self._keep_note(b)
+            self._mark_clean(b, 1 if b.disk is not None else 0)
             b.st.counters["host_blocks"] += 1
             self._pad_bytes += b.st.host_slot_bytes - b.st.block_bytes
             if p is not None:
                 p.host_children += 1
         else:
+            if b.clean == 0:
+                self._mark_clean(b, 1)
             b.st.counters["disk_blocks"] += 1
             if p is not None:
                 p.disk_children += 1
@@ -175,14 +178,39 @@ class BlockIndex:
             self._event(b, tier, False)
         p = self._blocks.get(b.parent) if b.parent else None
         if tier == "host":
+            self._mark_clean(b, -1)
             b.st.counters["host_blocks"] -= 1
             self._pad_bytes -= b.st.host_slot_bytes - b.st.block_bytes
             if p is not None and p.host_children > 0:
                 p.host_children -= 1
         else:
+            if b.clean == 1:
+                self._mark_clean(b, 0)
             b.st.counters["disk_blocks"] -= 1
             if p is not None and p.disk_children > 0:
                 p.disk_children -= 1
+
+    def _mark_clean(self, b: Block, clean: int) -> None:
+        """(Lock held.) `b.clean` becomes `clean` (1: READY in host RAM with a disk copy,
+        0: without one, -1: not READY in host RAM); `_dirty` and the byte counts follow.
+        Invariants: `_dirty` holds exactly the blocks whose `clean` is 0, in the order they
+        became so, and `_dirty_bytes` sums their host slots; `_clean_bytes` sums the host
+        slots of those whose `clean` is 1."""
+        old = b.clean
+        if old == clean:
+            return
+        if old == 1:
+            self._clean_bytes -= b.st.host_slot_bytes
+        elif old == 0:
+            self._dirty_bytes -= b.st.host_slot_bytes
+            if self._dirty.get(b.ikey) is b:
+                del self._dirty[b.ikey]
+        if clean == 1:
+            self._clean_bytes += b.st.host_slot_bytes
+        elif clean == 0:
+            self._dirty_bytes += b.st.host_slot_bytes
+            self._dirty[b.ikey] = b
+        b.clean = clean
 
     def _new_block(self, ikey: bytes, st: NsState, key: bytes) -> Block:
         """(Lock held.) Index a new block record. Invariant: `st.records` counts the records

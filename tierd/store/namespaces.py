@@ -83,6 +83,8 @@ class NamespaceTable:
             self._publish(b)
             self._rd.owner[e.slot] = b
             self._rd.policy.insert(b.ikey)
+            if b.clean == 0:
+                self._mark_clean(b, 1)          # a host block that has a disk copy again
             b.st.counters["disk_blocks"] += 1
         for b in adopted:
             p = self._blocks.get(b.parent) if b.parent else None

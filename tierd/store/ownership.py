@@ -187,8 +187,8 @@ class Ownership:
               limit_bytes: int | None = None) -> list[int]:
         """Up to `n` free host slots of `ns`'s slot size for `owner` to write blocks into before
         it names their keys (`put_staged`): their byte offsets in the arena. Fewer when there
-        is no room, or past `limit_bytes` staged by `owner` in all; `inline`: free slots only
-        (no eviction, no wait)."""
+        is no room, or past `limit_bytes` staged by `owner` in all; `inline`: free slots, or clean
+        blocks' slots (their disk copies stay): no I/O, no wait."""
         with self._cond:
             self._check_open()
             st = self._ns(ns)
@@ -199,7 +199,10 @@ class Ownership:
                 n = min(n, max(0, (limit_bytes - held) // sb))
             offsets = []
             for _ in range(max(0, n)):
-                slot = self.host.alloc_slot(sb) if inline else self._host_alloc(st)   # may let go of the lock
+                if inline:        # free slots, or clean blocks dropped: no I/O, no wait
+                    slot = self.host.alloc_slot(sb) if self._host_room_inline(st, 1) else None
+                else:
+                    slot = self._host_alloc(st)   # may let go of the lock
                 if slot is None:
                     break
                 if self._staged.get(owner) is not mine:   # dropped (drop_owner) while the lock was let go

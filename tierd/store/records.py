@@ -96,6 +96,8 @@ class Block:
     #                              keeper computes it (`keeping.py`)
     doomed: int = 0              # copies a flush dropped while pinned (DOOM_HOST | DOOM_DISK):
     #                              never served again, dropped when their pins go (`_reap`)
+    clean: int = -1              # READY in host RAM: 1 with a disk copy (evicting it needs no
+    #                              I/O), 0 without (`_dirty`); -1 not READY in host RAM
     orphan: bool = False         # a doomed block whose key was written again meanwhile: out of
     #                              `_blocks`, the index and the policy; its pinned slot is freed
     #                              when its pins go, nothing else (`_retire_doomed`)
