@@ -233,6 +233,7 @@ class Demotion:
         return True
 
     WRITE_BATCH = 32  # blocks per parallel disk write batch (bounded by the I/O pool)
+    CLEAN_DISK_SHARE = 0.5   # most of the disk tier that copies of host blocks written ahead may fill
 
     ALLOC_WAIT_S = 5.0  # longest a put waits for in-flight disk writes to free host room
 
@@ -274,9 +275,11 @@ class Demotion:
         over = self.host.alloc.used_bytes > cfg.host_high_watermark * host_cap
         dirty_limit = cfg.host_dirty_ratio * host_cap
         if over and self._cleaning():
+            blocked = False
             if self._dirty_bytes > dirty_limit:
-                moved += self._clean_pass(dirty_limit / 2)
-            over = self._dirty_bytes > dirty_limit     # what cleaning could not relieve
+                wrote, blocked = self._clean_pass(dirty_limit / 2)
+                moved += wrote
+            over = blocked and self._dirty_bytes > dirty_limit     # what cleaning cannot relieve
         while over and not self._closed:
             low = cfg.host_low_watermark * host_cap
             if self.host.alloc.used_bytes <= low or (self._cleaning() and self._dirty_bytes <= dirty_limit / 2):
@@ -325,27 +328,41 @@ class Demotion:
                     self._drop_disk(self._blocks[key], evicted=True)
         return moved
 
-    def _clean_pass(self, target: float) -> int:
+    def _clean_pass(self, target: float) -> tuple[int, bool]:
         """(Lock held; let go during the writes.) Write dirty host blocks down to disk, oldest
         first (a chain's blocks in order, so each batch is one sequential run), until the dirty
-        bytes are at `target`. Returns the blocks written."""
+        bytes are at `target`. Returns the blocks written, and whether cleaning is blocked: the
+        disk is failing or stalled, has no slot to give, or copies of host blocks fill
+        `CLEAN_DISK_SHARE` of it (a disk smaller than about twice the host: past that share,
+        writing host blocks down ahead would make the disk evict other host blocks' copies,
+        which would then be written again). Blocked, the demoter evicts as it did before."""
         if self._disk_waiting():
-            return 0
+            return 0, True
         moved = 0
         todo = iter(list(self._dirty.values()))   # each block looked at once per pass
+        share = self.CLEAN_DISK_SHARE * self.disk.capacity_bytes
         while not self._closed and self._dirty_bytes > target:
             excess = self._dirty_bytes - target
+            room = share - self._clean_bytes
             batch: list[Block] = []
+            full = False
             for b in todo:
                 if self._unsynced(b) and b.clean == 0:
+                    if room < b.st.host_slot_bytes:
+                        full = True
+                        break
                     batch.append(b)
                     excess -= b.st.host_slot_bytes
+                    room -= b.st.host_slot_bytes
                     if len(batch) >= self.WRITE_BATCH or excess <= 0:
                         break
+            if batch:
+                wrote = self._write_down_batch(batch)
+                moved += wrote
+                if not wrote and any(self._unsynced(b) for b in batch):
+                    return moved, True       # no disk slot, a failed write, or a stall
+            if full:
+                return moved, True
             if not batch:
                 break
-            wrote = self._write_down_batch(batch)
-            moved += wrote
-            if not wrote:
-                break        # the disk is full of pinned blocks, failing or stalled
-        return moved
+        return moved, False
