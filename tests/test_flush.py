@@ -101,6 +101,41 @@ def test_a_write_in_flight_during_a_flush_is_not_kept_on_disk(tmp_path):
         again.close()
 
 
+def test_a_host_flush_during_a_write_down_leaves_the_block_on_disk_and_the_store_whole(tmp_path):
+    """A flush of the host tier while blocks are being written down drops their host copies
+    once the writes land, and keeps the blocks: served exact from disk, and the disk tier's
+    eviction (which walks every indexed disk copy) still works after."""
+    faults = tmp_path / "faults"
+    store = TieredStore(small_config(tmp_path, disk_fault_file=str(faults)))
+    try:
+        ns = make_ns()
+        (warm,) = chain(ns, 5, 1)   # its slab header and namespace record are on disk first
+        store.put(ns, [warm], [block_for(ns, warm)])
+        store.sync()
+        keys = chain(ns, 6, 4)
+        store.put(ns, keys, [block_for(ns, k) for k in keys])
+        import threading
+        faults.write_text("write=hang:5")
+        t = threading.Thread(target=store.sync)
+        t.start()
+        time.sleep(0.3)                       # the writes hang, host copies pinned
+        store.flush(tier="host", namespace=ns)
+        faults.write_text("")
+        t.join(10)
+        assert store.where(ns, keys) == ["disk"] * 4
+        got = store.get(ns, keys)
+        assert [g.tobytes() for g in got] == [block_for(ns, k).tobytes() for k in keys]
+        more = [k for i in range(30) for k in chain(ns, 100 + i, 20)]   # 9 MiB through an 8 MiB disk
+        for i in range(0, len(more), 20):
+            store.put(ns, more[i:i + 20], [block_for(ns, k) for k in more[i:i + 20]])
+            store.sync()
+        assert store.stats()["tiers"]["disk"]["evictions"] > 0
+        tail = more[-20:]
+        assert [g.tobytes() for g in store.get(ns, tail)] == [block_for(ns, k).tobytes() for k in tail]
+    finally:
+        store.close()
+
+
 def test_a_damaged_flush_record_drops_every_disk_block(tmp_path):
     store = TieredStore(small_config(tmp_path))
     ns = make_ns()

@@ -234,6 +234,29 @@ def test_host_ram_stays_full_of_clean_blocks_and_neither_a_put_nor_a_promotion_w
             assert_exact(s, ns, [k])
 
 
+def test_an_inline_reserve_that_would_need_a_write_changes_nothing_and_says_so(tmp_path, ns):
+    """On the daemon's event loop a reserve may only drop clean blocks: when the coldest block
+    has no disk copy (here the SSD admission filter kept it from being written ahead), it
+    raises WouldBlock having written nothing, and the worker's reserve then does the rest."""
+    from tierd.store import WouldBlock
+    cfg = small_config(tmp_path, disk_admit_min_hits=1, host_high_watermark=1.0, host_low_watermark=1.0)
+    with TieredStore(cfg) as s:
+        keys = [chain(ns, 5000 + i, 1)[0] for i in range(100)]   # 1.6 MiB through a 1 MiB host
+        for k in keys:
+            put_chain(s, ns, [k])
+        assert s.host.alloc.free_slot_count(16384) == 0
+        coldest = next(k for k, w in zip(keys, s.where(ns, keys)) if w == "host")
+        before = s.stats()["tiers"]
+        with pytest.raises(WouldBlock):
+            s.reserve(ns, [coldest, chain(ns, 9999, 1)[0]], inline=True)
+        after = s.stats()["tiers"]
+        assert after["disk"]["demotions"] == before["disk"]["demotions"]
+        assert s.stats()["reservations"] == 0
+        res = s.reserve(ns, [coldest, chain(ns, 9999, 1)[0]])      # the worker's way
+        assert res.status[1] == "reserved"
+        s.abort(res)
+
+
 def test_a_disk_smaller_than_host_ram_is_not_rewritten_over_and_over(tmp_path, ns):
     """Writing host blocks down ahead of eviction stops once their copies fill half the disk:
     past that, each write would evict another host block's copy, to be written again later."""

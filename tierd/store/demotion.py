@@ -123,8 +123,10 @@ class Demotion:
             b.disk_writing = False
             b.host_pins -= 1
             self._writes_in_flight -= 1
-            self._reap(b)
+            # (a flush of the host tier during the write doomed the host copy: `_reap` drops it
+            # only once the new disk copy is indexed below, so the block stays, on disk)
             if not isinstance(entry, DiskEntry):
+                self._reap(b)
                 disk.free_slot(slot)
                 if not failed:
                     self._disk_error("write", entry)  # the block stays in host RAM only
@@ -134,6 +136,7 @@ class Demotion:
                 # a flush came while it was written: that copy is dead (an orphan's key is
                 # another block's now; only a flush that dropped its disk copy, and so fenced
                 # it, makes one while its write is in flight)
+                self._reap(b)
                 disk.free_slot(slot)
                 continue
             b.disk = entry
@@ -211,24 +214,22 @@ class Demotion:
 
     def _host_room_inline(self, st: NsState, n: int) -> bool:
         """(Lock held; the event loop's thread.) At least `n` free host slots of `st`'s size,
-        dropping the coldest blocks only while each needs no write: clean (its disk copy
-        stays), or refused by SSD admission. No I/O, no wait. False when the next victim would
-        need a write first, or there is none."""
+        dropping the coldest blocks only while each is clean (its disk copy stays, on a disk
+        that is not failing). No I/O, no wait. False when the next victim would need a write
+        first, or there is none."""
         alloc, r, blocks = self.host.alloc, self._rh, self._blocks
         sb = st.host_slot_bytes
         while alloc.free_slot_count(sb) < n:
-            if self.disk is None or sb not in alloc.classes:
-                return False
+            if self.disk is None or sb not in alloc.classes or self._disk_waiting():
+                return False             # (a failing disk: its copies may not be readable)
             key = r.policy.victim(
                 lambda k: r.evictable(blocks[k]) and r.children_of(blocks[k]) == 0
                 and alloc.slot_bytes_of(r.slot_of(blocks[k])) == sb)
             b = blocks[key] if key is not None else None
-            if b is None:
-                return False
-            if b.clean != 1 or b.doomed & DOOM_DISK:
-                if self._admission.admit(b.hits) or b.disk is not None or b.disk_writing:
-                    return False         # it would be written down first
-                self._rd.counters["admission_rejected"] += 1
+            if b is None or b.clean != 1 or b.doomed & DOOM_DISK:
+                return False             # it would be written down (or lost) first
+            # (the block stays, on disk: a key of the same request it is, it is still present
+            # and needs no slot, so `_slots_needed` never under-counts)
             self._drop_host(b, evicted=True)
         return True
 
