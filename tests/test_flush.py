@@ -136,6 +136,49 @@ def test_a_host_flush_during_a_write_down_leaves_the_block_on_disk_and_the_store
         store.close()
 
 
+def test_a_copy_read_while_flushed_rewritten_and_its_disk_lost_is_let_go_cleanly(tmp_path):
+    """A block flushed while a read of its disk copy is in flight, then written again (the old
+    record becomes an orphan), then its disk directory lost: when the read ends, the orphan's
+    copy is let go with the lost tier, and the block written again is served exact."""
+    import shutil
+    import threading
+    faults = tmp_path / "faults"
+    store = TieredStore(small_config(tmp_path, disk_fault_file=str(faults), disk_stall_s=30.0))
+    try:
+        ns = make_ns()
+        (key,) = chain(ns, 7, 1)
+        store.put(ns, [key], [block_for(ns, key)])
+        store.sync()
+        store.flush(tier="host", namespace=ns)                # on disk only
+        faults.write_text("read=hang:10")
+        errors, got = [], []
+
+        def read():
+            try:
+                got.append(store.get(ns, [key]))
+            except Exception as e:  # noqa: BLE001 -- reported below
+                errors.append(e)
+        t = threading.Thread(target=read)
+        t.start()
+        time.sleep(0.3)                                       # its promotion read hangs
+        store.flush(tier="all", namespace=ns)                 # both copies doomed, pinned
+        store.put(ns, [key], [block_for(ns, key)])            # written again: the old one an orphan
+        shutil.rmtree(tmp_path / "disk")                      # the disk directory is lost
+        deadline = time.monotonic() + 10
+        while "directory" not in store.stats()["tiers"]["disk"]["degraded"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "directory" in store.stats()["tiers"]["disk"]["degraded"]
+        faults.write_text("")
+        t.join(15)
+        assert not t.is_alive() and not errors, errors
+        assert got and len(got[0]) == 0 or got[0][0].tobytes() == block_for(ns, key).tobytes()
+        assert store.get(ns, [key])[0].tobytes() == block_for(ns, key).tobytes()
+        assert store.stats()["leases"] == 0
+    finally:
+        faults.write_text("")
+        store.close()
+
+
 def test_a_damaged_flush_record_drops_every_disk_block(tmp_path):
     store = TieredStore(small_config(tmp_path))
     ns = make_ns()
