@@ -25,6 +25,26 @@ def fill_disk_past_capacity(c, ns, n_prompts):
     return keys
 
 
+def flush_during_a_sync(store, faults, ns, tier: str) -> list[bytes]:
+    """Put 4 blocks, sync them with every disk write hanging, flush `tier` of `ns` while the
+    writes are in flight (host copies pinned, sequence numbers taken), then let the writes
+    land. Returns the 4 keys."""
+    import threading
+    (warm,) = chain(ns, 4, 1)   # its slab header and namespace record are on disk first
+    store.put(ns, [warm], [block_for(ns, warm)])
+    store.sync()
+    keys = chain(ns, 3, 4)
+    store.put(ns, keys, [block_for(ns, k) for k in keys])
+    faults.write_text("write=hang:5")
+    t = threading.Thread(target=store.sync)
+    t.start()
+    time.sleep(0.3)                       # the writes have their sequence numbers and hang
+    store.flush(tier=tier, namespace=ns)
+    faults.write_text("")
+    t.join(10)
+    return keys
+
+
 def served(c, ns, keys):
     return sum(c.lookup(ns, [k]) for k in keys)
 
@@ -75,23 +95,9 @@ def test_flushed_blocks_never_come_back_after_kill_9(tmp_path, how):
 def test_a_write_in_flight_during_a_flush_is_not_kept_on_disk(tmp_path):
     """A copy whose write began before a flush of its namespace is dead: it never enters the
     index, and a restart does not bring it back."""
-    faults = tmp_path / "faults"
-    store = TieredStore(small_config(tmp_path, disk_fault_file=str(faults)))
+    store = TieredStore(small_config(tmp_path, disk_fault_file=str(tmp_path / "faults")))
     ns = make_ns()
-    (warm,) = chain(ns, 4, 1)   # its slab header and namespace record are on disk first
-    store.put(ns, [warm], [block_for(ns, warm)])
-    store.sync()
-    keys = chain(ns, 3, 4)
-    store.put(ns, keys, [block_for(ns, k) for k in keys])
-    import threading
-    faults.write_text("write=hang:5")
-    t = threading.Thread(target=store.sync)
-    t.start()
-    import time
-    time.sleep(0.3)                       # the writes have their sequence numbers and hang
-    store.flush(tier="disk", namespace=ns)
-    faults.write_text("")
-    t.join(10)
+    keys = flush_during_a_sync(store, tmp_path / "faults", ns, "disk")
     assert "disk" not in "".join(store.where(ns, keys))
     store.close()
     again = TieredStore(small_config(tmp_path))
@@ -105,23 +111,10 @@ def test_a_host_flush_during_a_write_down_leaves_the_block_on_disk_and_the_store
     """A flush of the host tier while blocks are being written down drops their host copies
     once the writes land, and keeps the blocks: served exact from disk, and the disk tier's
     eviction (which walks every indexed disk copy) still works after."""
-    faults = tmp_path / "faults"
-    store = TieredStore(small_config(tmp_path, disk_fault_file=str(faults)))
+    store = TieredStore(small_config(tmp_path, disk_fault_file=str(tmp_path / "faults")))
     try:
         ns = make_ns()
-        (warm,) = chain(ns, 5, 1)   # its slab header and namespace record are on disk first
-        store.put(ns, [warm], [block_for(ns, warm)])
-        store.sync()
-        keys = chain(ns, 6, 4)
-        store.put(ns, keys, [block_for(ns, k) for k in keys])
-        import threading
-        faults.write_text("write=hang:5")
-        t = threading.Thread(target=store.sync)
-        t.start()
-        time.sleep(0.3)                       # the writes hang, host copies pinned
-        store.flush(tier="host", namespace=ns)
-        faults.write_text("")
-        t.join(10)
+        keys = flush_during_a_sync(store, tmp_path / "faults", ns, "host")
         assert store.where(ns, keys) == ["disk"] * 4
         got = store.get(ns, keys)
         assert [g.tobytes() for g in got] == [block_for(ns, k).tobytes() for k in keys]
