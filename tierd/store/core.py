@@ -50,7 +50,7 @@ from .keeping import HostKeeping, set_aside
 from .namespaces import NamespaceTable
 from .ownership import Lease, Ownership, Reservation
 from .promotion import Promotion
-from .records import ABSENT, DOOM_DISK, DOOM_HOST, LOADING, READY, RESERVED, Block, NsState, WouldBlock
+from .records import DOOM_DISK, DOOM_HOST, LOADING, READY, RESERVED, Block, NsState, WouldBlock
 from .remote import RemoteLink
 from .residency import Residency, Resident
 
@@ -197,7 +197,7 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
         n = 0
         for k in keys:
             b = blocks.get(pid + k)
-            n += b is None or b.doomed != 0 or (b.host_state == ABSENT and b.disk is None and not b.disk_writing)
+            n += b is None or b.doomed != 0 or not self._has_copy(b)
         return n
 
     def _reserve_locked(self, st: NsState, keys: list[bytes], parent: bytes | None, owner,
@@ -217,7 +217,7 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
             if b is not None and self._retire_doomed(b):   # flushed while pinned: written anew
                 b = None
             given = slots[i] if slots is not None else None
-            if given == -1 or not (b is None or (b.host_state == ABSENT and b.disk is None and not b.disk_writing)):
+            if given == -1 or (b is not None and self._has_copy(b)):
                 if given is not None and given >= 0:
                     self.host.free_slot(given)
                 status.append("present"); blocks.append(None)
@@ -226,7 +226,7 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
             b = self._blocks.get(ikey)  # the lock may have been released
             if b is not None and self._retire_doomed(b):
                 b = None
-            if b is not None and (b.host_state != ABSENT or b.disk is not None or b.disk_writing):
+            if b is not None and self._has_copy(b):
                 if slot is not None:
                     self.host.free_slot(slot)
                 status.append("present"); blocks.append(None)

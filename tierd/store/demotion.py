@@ -9,7 +9,7 @@ import time
 
 from ..errors import DiskDegradedError
 from ..tiers.disk import DiskEntry
-from .records import DOOM_DISK, READY, Block, NsState
+from .records import DOOM_DISK, Block, NsState
 
 log = logging.getLogger("tierd.store")
 
@@ -217,15 +217,11 @@ class Demotion:
         dropping the coldest blocks only while each is clean (its disk copy stays, on a disk
         that is not failing). No I/O, no wait. False when the next victim would need a write
         first, or there is none."""
-        alloc, r, blocks = self.host.alloc, self._rh, self._blocks
         sb = st.host_slot_bytes
-        while alloc.free_slot_count(sb) < n:
-            if self.disk is None or sb not in alloc.classes or self._disk_waiting():
+        while self.host.alloc.free_slot_count(sb) < n:
+            if self.disk is None or self._disk_waiting():
                 return False             # (a failing disk: its copies may not be readable)
-            key = r.policy.victim(
-                lambda k: r.evictable(blocks[k]) and r.children_of(blocks[k]) == 0
-                and alloc.slot_bytes_of(r.slot_of(blocks[k])) == sb)
-            b = blocks[key] if key is not None else None
+            b = self._victim(self._rh, sb)
             if b is None or b.clean != 1 or b.doomed & DOOM_DISK:
                 return False             # it would be written down (or lost) first
             # (the block stays, on disk: a key of the same request it is, it is still present
@@ -288,7 +284,7 @@ class Demotion:
             # Pick a batch of distinct victims: each picked one is pinned while picking so
             # the policy moves on (and its parent keeps a resident child: not picked).
             batch: list[Block] = []
-            excess = self.host.alloc.used_bytes - cfg.host_low_watermark * host_cap
+            excess = self.host.alloc.used_bytes - low
             while len(batch) < self.WRITE_BATCH and excess > 0:
                 key = self._rh.policy.victim(
                     lambda k: self._host_evictable(self._blocks[k]) and self._blocks[k].host_children == 0)

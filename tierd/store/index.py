@@ -224,8 +224,13 @@ class BlockIndex:
                 self._by_name[st.name] = st
         return b
 
+    @staticmethod
+    def _has_copy(b: Block) -> bool:
+        """`b` holds a host slot (any state), a disk copy, or a disk write in flight."""
+        return b.host_state != ABSENT or b.disk is not None or b.disk_writing
+
     def _forget_if_gone(self, b: Block) -> None:
-        if b.host_state == ABSENT and b.disk is None and not b.disk_writing:
+        if not self._has_copy(b):
             if self._blocks.get(b.ikey) is b:
                 del self._blocks[b.ikey]
                 b.st.records -= 1

@@ -55,13 +55,7 @@ class Residency:
             if slab is not None:
                 tier.release_slab(slab)
                 continue
-            victim = None
-            cls = alloc.classes.get(slot_bytes)
-            if cls is not None and cls.slabs:
-                key = r.policy.victim(
-                    lambda k: r.evictable(blocks[k]) and r.children_of(blocks[k]) == 0
-                    and alloc.slot_bytes_of(r.slot_of(blocks[k])) == slot_bytes)
-                victim = blocks[key] if key is not None else None
+            victim = self._victim(r, slot_bytes)
             if victim is not None:
                 evict(victim)
                 continue
@@ -70,6 +64,18 @@ class Residency:
             if wait is None or not wait():
                 return None
         return None
+
+    def _victim(self, r: Resident, slot_bytes: int) -> Block | None:
+        """(Lock held.) The policy's coldest evictable block in `r`'s tier with no resident
+        descendants whose slot is `slot_bytes` (its eviction frees a slot of that size), or None."""
+        alloc, blocks = r.tier.alloc, self._blocks
+        cls = alloc.classes.get(slot_bytes)
+        if cls is None or not cls.slabs:
+            return None
+        key = r.policy.victim(
+            lambda k: r.evictable(blocks[k]) and r.children_of(blocks[k]) == 0
+            and alloc.slot_bytes_of(r.slot_of(blocks[k])) == slot_bytes)
+        return blocks[key] if key is not None else None
 
     def _evict_slab(self, r: Resident, slot_bytes: int, evict) -> bool:
         """(Lock held.) Empty the slab of another size class that is cheapest to empty (every

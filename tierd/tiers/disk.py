@@ -484,9 +484,10 @@ class DiskTier(SlabFiles, Recovery, Tier):
                   sums: list[int] | None = None) -> dict[int, BaseException]:
         """Read and verify blocks into their buffers on the I/O threads: {index in `items`:
         the error} for those that failed (each block is checked on its own, as `read_block`
-        does); `sums[i]`, where given, gets what `_check_slot` returns for item i (-1 if it failed). Slots that lie one after another in a file are read in one call (up to
-        RUN_BYTES, and split so that every thread gets a share): this disk reads large
-        requests several times faster than small ones (benchmarks/tiers.py)."""
+        does); `sums[i]`, where given, gets what `_check_slot` returns for item i (left as it
+        was if the read failed). Slots that lie one after another in a file are read in one
+        call (up to RUN_BYTES, and split so that every thread gets a share): this disk reads
+        large requests several times faster than small ones (benchmarks/tiers.py)."""
         errors: dict[int, BaseException] = {}
         if not items:
             return errors
