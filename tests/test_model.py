@@ -1,8 +1,10 @@
 """The store against a model of what may be served (hypothesis' rule-based state machine).
 
 Random sequences of real operations and faults drive a real embedded store on a real
-directory: put, reserve/commit/abort, acquire/release (leases held across steps), lookup, get,
-flush of every tier and namespace, sync, restart, repeated keys, failing and recovering disks,
+directory: put, reserve/commit/abort, staged slots (stage, put_staged, a writer dropped),
+acquire/release (leases held across steps, HBM readers of an HBM tier kept in host memory),
+lookup, get, flush of every tier and namespace (also while a sync writes on another thread),
+forgetting unused namespaces, sync, restart, repeated keys, failing and recovering disks,
 memory pressure (a host tier of a few dozen blocks). After every step the store is checked
 against a plain model:
 
@@ -10,7 +12,9 @@ against a plain model:
 - a block flushed from every tier is never served again until it is put again, also after a
   restart;
 - a block synced (and not flushed since) survives a restart, when the disk was healthy;
-- no operation leaves a pin behind: with no lease held, everything can be flushed.
+- no operation leaves a pin behind: with no lease held, everything can be flushed;
+- the staged slots the store counts are the writer's, and a namespace with staged slots or
+  blocks is never forgotten.
 
 `TEST_MODEL_EXAMPLES` (default 60 sequences of up to 40 steps: a few thousand steps per run)
 sets the length; `python -m pytest tests/test_model.py` with a larger value is the soak.
@@ -49,11 +53,14 @@ class StoreModel(RuleBasedStateMachine):
         self.leases = []
         self.shadowed: set[tuple[int, bytes]] = set()   # host copy flushed while leased: a miss until released
         self.disk_ok = True
+        self.staged: dict[int, list[int]] = {0: [], 1: []}  # the writer's staged slots per namespace
 
     def _open(self):
         return TieredStore(small_config(None, host_bytes="512KiB", host_slab_bytes="128KiB",
                                         disk_path=os.path.join(self.dir, "disk"), disk_bytes="8MiB",
-                                        disk_fault_file=self.faults, disk_stall_s=5.0))
+                                        disk_fault_file=self.faults, disk_stall_s=5.0,
+                                        gpu_bytes="128KiB", gpu_slab_bytes="64KiB", gpu_device="cpu",
+                                        gpu_admit_hits=1))
 
     def teardown(self):
         for lease in self.leases:
@@ -101,11 +108,14 @@ class StoreModel(RuleBasedStateMachine):
         self._check_served(n, keys, self.store.get(SPACES[n], keys))
 
     @precondition(lambda self: len(self.leases) < 3)
-    @rule(n=st.integers(0, 1), c=st.integers(0, 3))
-    def acquire_and_hold(self, n, c):
+    @rule(n=st.integers(0, 1), c=st.integers(0, 3), hbm=st.booleans())
+    def acquire_and_hold(self, n, c, hbm):
         keys = CHAINS[(n, c)]
-        lease = self.store.acquire(SPACES[n], keys)
+        lease = self.store.acquire(SPACES[n], keys, gpu=hbm)
         self._check_served(n, keys, lease.buffers)
+        if hbm:   # an HBM reader reads the HBM copies where the lease has them
+            self._check_served(n, [k for k, b in zip(lease.keys, lease.gpu_buffers) if b is not None],
+                               [b.numpy() for b in lease.gpu_buffers if b is not None])
         if not len(lease):
             self.store.release(lease)     # a lease of nothing holds nothing
             return
@@ -128,7 +138,57 @@ class StoreModel(RuleBasedStateMachine):
         with pytest.raises(KeyFormatError):
             self.store.acquire(SPACES[n], keys[:i] + [keys[i]] + keys[i:])
 
-    @rule(tier=st.sampled_from(["all", "disk", "host"]), n=st.sampled_from([None, 0, 1]))
+    @rule(n=st.integers(0, 1), k=st.integers(1, 4))
+    def stage(self, n, k):
+        self.staged[n] += self.store.stage(SPACES[n], k, owner="w")
+
+    @precondition(lambda self: self.staged[0] or self.staged[1])
+    @rule(n=st.integers(0, 1), c=st.integers(0, 3))
+    def put_staged(self, n, c):
+        ns, offs = SPACES[n], self.staged[n]
+        keys = CHAINS[(n, c)][:len(offs)]
+        if not keys:
+            return
+        mine = [offs.pop() for _ in keys]
+        for k, off in zip(keys, mine):
+            self.store.host.arena.view(off, ns.block_bytes)[:] = block_for(ns, k)
+        self.store.put_staged(ns, keys, mine, owner="w")
+        for k, there in zip(keys, self.store.where(ns, keys)):
+            if there:
+                self.state.setdefault((n, k), "live")
+                self.flushed.discard((n, k))
+
+    @rule()
+    def writer_goes_away(self):
+        self.store.drop_owner("w")
+        self.staged = {0: [], 1: []}
+
+    @rule()
+    def forget_unused_namespaces(self):
+        gone = self.store.forget_unused([ns.name for ns in SPACES])
+        for n, ns in enumerate(SPACES):
+            if ns.name in gone:
+                assert not self.staged[n], "a namespace with staged slots was forgotten"
+                for c in range(4):
+                    assert not any(self.store.where(ns, CHAINS[(n, c)])), "a namespace with blocks was forgotten"
+
+    @rule(tier=st.sampled_from(["all", "disk"]), pause_ms=st.integers(0, 20))
+    def flush_while_a_sync_writes(self, tier, pause_ms):
+        import threading
+        import time
+
+        def sync():
+            try:
+                self.store.sync()
+            except DiskDegradedError:
+                pass
+        t = threading.Thread(target=sync)
+        t.start()
+        time.sleep(pause_ms / 1000)
+        self.flush(tier, None)
+        t.join(60)
+
+    @rule(tier=st.sampled_from(["all", "disk", "host", "gpu"]), n=st.sampled_from([None, 0, 1]))
     def flush(self, tier, n):
         held = {(l.model_ns, k) for l in self.leases for k in l.keys}
         recorded = True
@@ -137,6 +197,8 @@ class StoreModel(RuleBasedStateMachine):
         except DiskDegradedError:
             assert not self.disk_ok
             recorded = False      # dropped now, but they may come back after a restart
+        if tier == "gpu":
+            return                 # the HBM tier holds copies of host blocks only
         if tier == "host":
             # a leased host copy is dropped when released; until then the block is a miss even
             # where its disk copy is valid (one host copy per block): a miss, never a wrong byte
@@ -171,6 +233,7 @@ class StoreModel(RuleBasedStateMachine):
     def restart(self):
         self.store.close()
         self.store = self._open()
+        self.staged = {0: [], 1: []}     # staged slots are the store's, gone with it
         for key, s in list(self.state.items()):
             if s != "synced":
                 del self.state[key]      # RAM only: may be gone (not flushed: may not be served?)
@@ -212,6 +275,11 @@ class StoreModel(RuleBasedStateMachine):
                 clean_bytes += b.st.host_slot_bytes if want == 1 else 0
             assert s._dirty == dirty and s._clean_bytes == clean_bytes
             assert s._dirty_bytes == sum(b.st.host_slot_bytes for b in dirty.values())
+
+    @invariant()
+    def staged_slots_are_the_writers(self):
+        assert self.store.staged_slots("w") == len(self.staged[0]) + len(self.staged[1])
+        assert self.store.staged_slots() == self.store.staged_slots("w")
 
     @invariant()
     def no_pin_is_left_behind(self):

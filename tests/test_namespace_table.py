@@ -10,7 +10,7 @@ from tierd.client import Client
 from tierd.errors import NamespaceLimitError
 
 from .daemon import SMALL_TOML, DaemonProc
-from .helpers import block_for, chain, make_ns
+from .helpers import block_for, chain, make_ns, wait_for
 
 
 def salted(i):
@@ -67,15 +67,20 @@ def test_unused_namespaces_are_forgotten_and_come_back_when_used(small_table):
 def test_a_full_table_refuses_new_namespaces_of_that_uid_only_as_a_miss(small_table):
     c = Client(small_table.socket)
     full = [salted(i) for i in range(8)]
-    for i, ns in enumerate(full):
-        keys = chain(ns, i, 1)
-        c.put(ns, keys, [block_for(ns, keys[0])])
-    extra = salted(99)
-    with pytest.raises(NamespaceLimitError, match="limit"):
-        c.lookup(extra, chain(extra, 99, 1))
-    keys = chain(full[0], 0, 1)
-    assert c.lookup(full[0], keys) == 1      # every known namespace is served as before
-    c.flush(tier="all", namespace=full[1])   # an operator frees one: the new one fits
+    with Client(small_table.socket) as writer:
+        for i, ns in enumerate(full):
+            keys = chain(ns, i, 1)
+            writer.put(ns, keys, [block_for(ns, keys[0])])
+        extra = salted(99)
+        with pytest.raises(NamespaceLimitError, match="limit"):
+            c.lookup(extra, chain(extra, 99, 1))
+        keys = chain(full[0], 0, 1)
+        assert c.lookup(full[0], keys) == 1      # every known namespace is served as before
+        c.flush(tier="all", namespace=full[1])   # an operator frees one, but the writer still
+        with pytest.raises(NamespaceLimitError):  # holds slots staged for it: still in use
+            c.lookup(extra, chain(extra, 99, 1))
+    # the writer is gone with its staged slots: the flushed namespace is unused, the new one fits
+    wait_for(lambda: c.stats()["staged_slots"] == 0, what="the writer's staged slots to go")
     assert c.lookup(extra, chain(extra, 99, 1)) == 0
     c.close()
 

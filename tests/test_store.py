@@ -206,6 +206,13 @@ def test_host_ram_stays_full_of_clean_blocks_and_neither_a_put_nor_a_promotion_w
         for k in keys:
             put_chain(s, ns, [k])
         wait_for(lambda: s.stats()["tiers"]["host"]["dirty_bytes"] <= 0.2 * cap, what="the demoter to rest")
+        settled = [-1]
+
+        def resting() -> bool:   # its last write batch has landed: no write for a while
+            time.sleep(0.2)
+            n, settled[0] = settled[0], s.stats()["tiers"]["disk"]["demotions"]
+            return n == settled[0]
+        wait_for(resting, what="the demoter's writes to end")
         host, disk = s.stats()["tiers"]["host"], s.stats()["tiers"]["disk"]
         assert host["used_bytes"] >= 0.95 * cap, "host RAM was emptied instead of kept full of clean blocks"
         assert host["clean_bytes"] + host["dirty_bytes"] == host["used_bytes"]

@@ -66,14 +66,17 @@ def all_cleared() -> dict:
 
 
 def check_bind_address(addr: str, allow_remote: bool) -> None:
-    """Refuse a TCP address other hosts could reach unless the operator allowed it: events name
-    every block a node holds (and, when enabled, prompt tokens)."""
+    """Refuse an address other hosts could reach unless the operator allowed it: events name
+    every block a node holds (and, when enabled, prompt tokens). Only ipc:// paths, inproc://
+    and TCP on loopback stay on this host; every other transport (a TCP address of an
+    interface, epgm://, pgm://, norm://, udp://, ws://, ...) needs events_allow_remote."""
     from .errors import ConfigError
-    if not addr.startswith("tcp://") or allow_remote:
+    if allow_remote or addr.startswith(("ipc://", "inproc://")):
         return
-    host = addr[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-    if host in ("localhost", "::1") or host.startswith("127."):
-        return
+    if addr.startswith("tcp://"):
+        host = addr[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+        if host in ("localhost", "::1") or host.startswith("127."):
+            return
     raise ConfigError(f"events_addr {addr!r} is reachable from other hosts; bind it to loopback "
                       "(tcp://127.0.0.1:PORT) or an ipc:// path, or set events_allow_remote = true")
 

@@ -441,10 +441,12 @@ class Daemon(Ops):
     def stats(self) -> dict:
         st = self.store.stats()
         st["daemon"] = {"version": __version__, "pid": os.getpid(), "uptime_s": time.time() - self.started,
-                        "socket": self.cfg.socket, "clients": len(self.conns), **self.counters,
+                        "socket": self.cfg.socket, "clients": len(self.conns), "requests_running": self._inflight,
+                        **self.counters,
                         **(self.events.counters if self.events is not None else {}),
                         "settings": {k: setting_value(self.cfg, k) for k in sorted(RELOADABLE)},
-                        "client_list": [{"id": c.id, "pid": c.pid, "uid": c.uid, "name": c.name, "ops": c.ops}
+                        "client_list": [{"id": c.id, "pid": c.pid, "uid": c.uid, "name": c.name, "ops": c.ops,
+                                         "staged_slots": self.store.staged_slots(c.id)}
                                         for c in self.conns.values()]}
         return st
 
@@ -686,7 +688,10 @@ class Daemon(Ops):
     def _undo_late(self, reply: dict, conn: "_Conn") -> None:
         """A request of `conn` answered with a timeout finished later: give back what it took."""
         if reply.get("_staged"):
-            self.store.unstage(conn.id)   # the connection is gone: so are its staged slots
+            # Only the slots this request took, which its client never saw: the connection may
+            # still be open, and the slots already in the client's pool stay its own (it writes
+            # through them with no request). A connection that is gone lost them all already.
+            self.store.unstage(conn.id, reply.get("slots", ()))
         obj = reply.get("_obj")
         conn.held.discard(("lease" if isinstance(obj, Lease) else "res", getattr(obj, "id", 0)))
         try:

@@ -144,8 +144,10 @@ class Ops:
 
     def _op_put(self, conn, msg: dict) -> dict:
         """Blocks written into this connection's staged slots, stored under their keys; the
-        reply hands out up to `refill` new staged slots (free ones only: a put never waits)."""
-        ns = self._ns(conn, msg)
+        reply hands out up to `refill` new staged slots (free ones only: a put never waits).
+        A request malformed in its shape changes nothing; once its slots are known, whatever
+        fails gives them back to the free pool (an unknown namespace included): the client gave
+        them up when it sent the put, and its pool no longer holds them."""
         keys = P.keys_field(msg, self.cfg.max_keys_per_request)
         offsets = P.field(msg, "slots", list, what="a list of arena offsets (-1: not written)")
         if len(offsets) != len(keys) or not all(isinstance(o, int) and not isinstance(o, bool) and o >= -1
@@ -153,11 +155,11 @@ class Ops:
             raise P.ProtocolError("slots must hold one arena offset (or -1) per key")
         refill = self._count_field(msg, "refill")
         try:
+            ns = self._ns(conn, msg)
             parent, tokens = self._write_fields(msg, ns, keys)
             n = self.store.put_staged(ns, keys, offsets, owner=conn.id, parent=parent, token_ids=tokens,
                                       checksums=P.checksums_field(msg, len(keys)))
         except Exception:
-            # the client gave these slots up when it sent them: back to the free pool
             self.store.unstage(conn.id, [o for o in offsets if o >= 0])
             raise
         refilled = self.store.stage(ns, refill, owner=conn.id, inline=True,

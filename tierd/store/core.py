@@ -77,8 +77,14 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
         self._staged: dict[object, dict[int, int]] = {}   # owner -> {arena offset: slot} (ownership.py)
         self._ids = itertools.count(1)
         self._closed = False
-        self._writes_in_flight = 0
+        self._writes_in_flight = 0    # disk writes of the current disk tier under way
         self._batch_writing = False   # one disk write batch at a time (see _write_down_batch)
+        # Changes when the disk tier's copies are forgotten (its directory vanished,
+        # `_forget_disk`): writes begun before settle as the dead tier's, whenever they return
+        self._disk_epoch = 0
+        # Namespaces (None: all) whose disk copies a flush is dropping right now (see `flush`):
+        # no write-down of their blocks starts until it is done
+        self._flushing: list[bytes | None] = []
         self._demote_wanted = False   # set past the host high watermark: wakes the demoter
         # One residency record per tier (see _Resident): the tiers themselves are storage only.
         self._rh = Resident("host", make_policy(cfg.eviction_policy), slot_of=lambda b: b.host_slot,
@@ -402,9 +408,15 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
             disk = self.disk
             fence = tier in ("disk", "all") and disk is not None and not disk.closed
             if fence:
-                # every copy written before now is dead, indexed or not (copies evicted earlier
-                # left valid headers behind): recovery and write settles check the fence
+                # Every copy written before now is dead, indexed or not (copies evicted earlier
+                # left valid headers behind): recovery and write settles check the fence. A
+                # write's number is taken when its slot is chosen, under this lock, so one
+                # chosen before now is below the fence wherever it lands. The walk below lets
+                # go of the lock between chunks: until it is done no write-down of this scope
+                # starts (`_write_down_batch`), else a block not yet walked could be written
+                # with a number above the fence and then dropped from memory only.
                 disk.set_fence(ns_id)
+                self._flushing.append(ns_id)
 
         def one(b: Block) -> None:
             nonlocal dropped
@@ -425,7 +437,12 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
                     self._doom(b, DOOM_DISK)
                 hit = True
             dropped += hit
-        self._each_block(one, ns_id)
+        try:
+            self._each_block(one, ns_id)
+        finally:
+            if fence:
+                with self._cond:
+                    self._flushing.remove(ns_id)
         # Gone from the index now; the fence is made durable outside the lock.
         if fence:
             try:

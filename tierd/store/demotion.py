@@ -75,9 +75,12 @@ class Demotion:
             return 0
         jobs = []
         remember: dict[bytes, dict] = {}
+        flushing = self._flushing
         for b in blocks:
             if not self._unsynced(b):      # written meanwhile, or flushed while it waited
                 continue
+            if flushing and (None in flushing or b.st.ns_id in flushing):
+                continue                   # a flush is dropping this scope's disk copies (see `flush`)
             st = b.st
             slot = self._disk_alloc(st)   # no I/O: slab headers are queued
             if slot is None:
@@ -87,18 +90,22 @@ class Demotion:
             b.disk_writing = True
             b.host_pins += 1
             self._writes_in_flight += 1
+            # The copy's sequence number is taken now, under the lock, not when the write runs:
+            # a flush that comes while it is written fences it (its number is below the fence),
+            # on disk as in memory, so a kill -9 can never bring it back.
             jobs.append((b, slot, b.parent[16:] if b.parent else None,
-                         self.host.view(b.host_slot, st.host_slot_bytes)))
+                         self.host.view(b.host_slot, st.host_slot_bytes), disk.next_seq()))
         if not jobs:
             return 0
         headers = disk.take_pending_headers()
         self._batch_writing = True
+        epoch = self._disk_epoch
 
         def write_all():
             # slots next to each other on disk go out in one call (each block its own slot)
             try:
-                return disk.write_many([(slot, src, b.st.meta(b.key, parent_key, exact=b.decoded))
-                                        for b, slot, parent_key, src in jobs])
+                return disk.write_many([(slot, src, b.st.meta(b.key, parent_key, exact=b.decoded, seq=seq))
+                                        for b, slot, parent_key, src, seq in jobs])
             except Exception as e:  # noqa: BLE001 - any failure must still unpin below
                 return [e] * len(jobs)
 
@@ -117,9 +124,18 @@ class Demotion:
                 results = write_all()
         finally:
             self._cond.acquire()
-            self._batch_writing = False
+        if epoch != self._disk_epoch:
+            # the tier's directory vanished while these were written (`_forget_disk`, which
+            # did not wait for them): their copies went with it
+            for b, *_ in jobs:
+                b.disk_writing = False
+                b.host_pins -= 1
+                self._reap(b)
+            self._cond.notify_all()
+            return 0
+        self._batch_writing = False
         written = failed = 0
-        for (b, slot, _, _), entry in zip(jobs, results):
+        for (b, slot, *_), entry in zip(jobs, results):
             b.disk_writing = False
             b.host_pins -= 1
             self._writes_in_flight -= 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 from ..errors import TierdError
@@ -112,10 +113,9 @@ class DiskHealth:
                         return
                     self._disk_error("directory check", e)
                     self._forget_disk()
-                try:
-                    disk.abandon()
-                except OSError:
-                    pass
+                # its I/O threads may be stuck in a call that never returns: let go of the tier
+                # on a thread of its own, so this one (the demoter) goes on
+                threading.Thread(target=_abandon, args=(disk,), name="tierd-disk-abandon", daemon=True).start()
                 return
             if probe:
                 self._probe_disk(disk)
@@ -148,9 +148,12 @@ class DiskHealth:
 
     def _forget_disk(self) -> None:
         """(Lock held.) Forget every disk copy (their files are gone); the caller then
-        abandons the old tier outside the lock."""
-        while self._writes_in_flight or self._batch_writing:
-            self._cond.wait(0.1)
+        abandons the old tier outside the lock. Writes still under way are not waited for (one
+        may hang for ever on a vanished directory): they settle as the dead tier's when they
+        return (`_disk_epoch`), and nothing waits for them meanwhile."""
+        self._disk_epoch += 1
+        self._writes_in_flight = 0
+        self._batch_writing = False
         for b in [b for b in self._blocks.values() if b.disk is not None]:
             self._drop_disk(b, evicted=False)
         for b in self._rd.owner.values():
@@ -161,3 +164,10 @@ class DiskHealth:
         self._rd.owner.clear()
         self._rd.policy = make_policy(self.config.eviction_policy)
         self.disk.mark_closed()   # no new I/O goes to it
+
+
+def _abandon(disk: DiskTier) -> None:
+    try:
+        disk.abandon()
+    except OSError:
+        pass

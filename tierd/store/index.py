@@ -214,14 +214,10 @@ class BlockIndex:
 
     def _new_block(self, ikey: bytes, st: NsState, key: bytes) -> Block:
         """(Lock held.) Index a new block record. Invariant: `st.records` counts the records
-        of `st` in `_blocks`; a namespace forgotten while it had none is known again."""
+        of `st` in `_blocks`, and `st` is the table's state of its namespace (`_live_ns`)."""
+        st = self._live_ns(st)
         b = self._blocks[ikey] = Block(ikey, st, key)
         st.records += 1
-        if st.forgotten:
-            st.forgotten = False
-            self._namespaces[st.ns_id] = st
-            if st.ns is not None:
-                self._by_name[st.name] = st
         return b
 
     @staticmethod

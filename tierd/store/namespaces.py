@@ -52,6 +52,21 @@ class NamespaceTable:
                 "or the name of a registered one (see stats)")
         raise TypeError(f"expected a tierd.Namespace, got {type(ns).__name__}")
 
+    def _live_ns(self, st: NsState) -> NsState:
+        """(Lock held.) The table's state of `st`'s namespace. An operation that let go of the
+        lock may hold a state forgotten meanwhile (`forget_unused`): its blocks go to the state
+        registered since, or it is entered again, so one namespace never has two states."""
+        if not st.forgotten:
+            return st
+        live = self._namespaces.get(st.ns_id)
+        if live is not None:
+            return live
+        st.forgotten = False
+        self._namespaces[st.ns_id] = st
+        if st.ns is not None:
+            self._by_name[st.name] = st
+        return st
+
     def namespace_count(self) -> int:
         with self._cond:
             return len(self._namespaces)
@@ -108,9 +123,11 @@ class NamespaceTable:
         return st
 
     def forget_unused(self, names) -> list[str]:
-        """Forget the namespaces among `names` that hold no block in any local tier (and so no
-        lease or reservation): the daemon's table of namespaces stays bounded. A forgotten one
-        is registered again by its next user. Returns the names forgotten."""
+        """Forget the namespaces among `names` that nothing refers to: no block in any local
+        tier (and so no lease or reservation) and no staged slot, which a client's next put
+        names with no request first. The daemon's table of namespaces stays bounded. A
+        forgotten one is registered again by its next user (a client does it by itself on
+        `unknown_namespace`). Returns the names forgotten."""
         gone = []
         with self._cond:
             for name in names:
@@ -118,7 +135,7 @@ class NamespaceTable:
                 if st is None:
                     gone.append(name)    # forgotten already (another uid's request)
                     continue
-                if st.records or st.forgotten:
+                if st.records or st.staged or st.forgotten:
                     continue
                 st.forgotten = True
                 del self._by_name[name]

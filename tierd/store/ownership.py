@@ -9,7 +9,14 @@ Staged slots (`stage`, `put_staged`) are free host slots handed to a daemon conn
 it knows which keys it will write: no block owns them (`_rh.owner` has no entry, so neither
 eviction nor a slab's reassignment can take them), only that connection may name them, and
 each goes back to the free pool or becomes a block's slot exactly once — at `put_staged`,
-`unstage` or `drop_owner`."""
+`unstage` or `drop_owner`. A staged slot belongs to one namespace (`st.staged` counts them), so
+a namespace with staged slots is in use and never forgotten: the put that names them finds it.
+
+The client writes into its staged slots with no request at all, so the daemon must never give
+one back while the client may still write through it: only a `put` that names it (the client
+gave it up when it sent the put), `unstage` of slots the client never saw (a `stage` whose
+reply came too late: `Daemon._undo_late`), or the connection's end (`drop_owner`; the client's
+pool is that connection's and dies with it) hand a staged slot on."""
 
 from __future__ import annotations
 
@@ -195,7 +202,7 @@ class Ownership:
             sb = st.host_slot_bytes
             mine = self._staged.setdefault(owner, {})
             if limit_bytes is not None:
-                held = sum(self.host.alloc.slot_bytes_of(s) for s in mine.values())
+                held = sum(self.host.alloc.slot_bytes_of(s) for s, _ in mine.values())
                 n = min(n, max(0, (limit_bytes - held) // sb))
             offsets = []
             for _ in range(max(0, n)):
@@ -208,8 +215,10 @@ class Ownership:
                 if self._staged.get(owner) is not mine:   # dropped (drop_owner) while the lock was let go
                     self.host.free_slot(slot)
                     return []
+                st = self._live_ns(st)   # (forgotten while the lock was let go: the table's own)
                 off = self.host.alloc.offset(slot)
-                mine[off] = slot
+                mine[off] = (slot, st)
+                st.staged += 1
                 offsets.append(off)
             if not mine and self._staged.get(owner) is mine:
                 del self._staged[owner]
@@ -222,7 +231,7 @@ class Ownership:
         `offsets[i]` (-1: not written, the writer found it present). All at once, as `commit`:
         each slot becomes its block's, or goes back to the free pool where the key is present
         (or repeated). LeaseError, changing nothing, if any offset is not one of `owner`'s
-        staged slots of this namespace's slot size. `checksums`: per key, the writer's checksum
+        staged slots of this namespace. `checksums`: per key, the writer's checksum
         of what it wrote (see `Reservation.checksums`). Returns how many blocks were newly stored."""
         keys = check_keys(keys)
         if len(offsets) != len(keys):
@@ -244,14 +253,15 @@ class Ownership:
                 if off == -1:
                     slots.append(-1)
                     continue
-                slot = mine.get(off)
-                if slot is None or off in seen or self.host.alloc.slot_bytes_of(slot) != st.host_slot_bytes:
+                held = mine.get(off)
+                if held is None or off in seen or held[1] is not st:
                     raise LeaseError(f"offset {off} is not a staged slot of this client for namespace "
                                      f"{st.name} (or is named twice)")
                 seen.add(off)
-                slots.append(slot)
+                slots.append(held[0])
             for off in seen:
                 del mine[off]
+            st.staged -= len(seen)
             if not mine:
                 self._staged.pop(owner, None)
             res = self._reserve_locked(st, keys, parent, owner, token_ids, slots=slots)   # never lets go of the lock
@@ -270,9 +280,12 @@ class Ownership:
         mine = self._staged.get(owner)
         if not mine:
             return 0
-        gone = list(mine) if offsets is None else [o for o in dict.fromkeys(offsets) if o in mine]
+        gone = list(mine) if offsets is None else [o for o in dict.fromkeys(offsets)
+                                                   if isinstance(o, int) and o in mine]
         for off in gone:
-            self.host.free_slot(mine.pop(off))
+            slot, st = mine.pop(off)
+            st.staged -= 1
+            self.host.free_slot(slot)
         if not mine:
             del self._staged[owner]
         if gone:

@@ -82,7 +82,9 @@ class Promotion:
             self._check_open()
             st = self._ns(ns)
             try:
-                self._plan_acquire(st, keys, plan, inline=inline and not (gpu and self.gpu is not None))
+                # (inline for an HBM reader too: a block that left host RAM since `is_quick`
+                # must not be read from disk on the daemon's event loop)
+                self._plan_acquire(st, keys, plan, inline=inline)
                 if inline and gpu and self.gpu is not None:
                     if any(b.gpu_slot < 0 and b.hits >= self.config.gpu_admit_hits for b, _ in plan):
                         raise WouldBlock()   # this serve would copy into HBM

@@ -45,8 +45,9 @@ class NsState:
     host_slot_bytes: int
     disk_slot_bytes: int
     desc: dict
-    records: int = 0          # its blocks in the store's index (any state): 0 = it may be forgotten
-    forgotten: bool = False   # dropped from the table while unused; revived by its next block
+    records: int = 0          # its blocks in the store's index (any state)
+    staged: int = 0           # host slots staged for it (ownership.py): a put will name them
+    forgotten: bool = False   # dropped from the table while unused (namespaces.py)
     counters: dict = field(default_factory=lambda: dict.fromkeys(
         ("puts", "put_bytes", "put_dropped", "hits", "hit_bytes", "misses", "lookups",
          "host_blocks", "disk_blocks"), 0))
@@ -60,12 +61,12 @@ class NsState:
         """The namespace's lossy tier codec ("" = exact everywhere)."""
         return self.desc.get("tier_codec", "")
 
-    def meta(self, key: bytes, parent: bytes | None, *, exact: bool = False) -> BlockMeta:
+    def meta(self, key: bytes, parent: bytes | None, *, exact: bool = False, seq: int = 0) -> BlockMeta:
         """How a block of this namespace is written to a tier; `exact`: never with the lossy
         codec (its bytes were decoded from a lossy copy already: a second quantisation would
-        compound the error past the codec's bound)."""
+        compound the error past the codec's bound); `seq`: the disk copy's sequence number."""
         return BlockMeta(self.ns_id, key, parent, self.block_bytes, self.dtype_bytes,
-                         "" if exact else self.lossy, self.desc.get("kv_dtype", ""))
+                         "" if exact else self.lossy, self.desc.get("kv_dtype", ""), seq)
 
 
 @dataclass(slots=True, eq=False)

@@ -37,6 +37,10 @@ class BlockMeta:
     dtype_bytes: int
     lossy: str = ""          # the namespace's lossy codec (disk and remote), "" = exact
     kv_dtype: str = ""       # the block's element type (lossy codecs need it)
+    # The copy's write sequence number (disk), taken by the store under its lock when it chose
+    # the slot (0: the tier takes one as it writes). A flush's fence is taken under the same
+    # lock, so a copy chosen before a flush is always below its fence, however late it lands.
+    seq: int = 0
 
 
 class Tier:

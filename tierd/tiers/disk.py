@@ -447,7 +447,7 @@ class DiskTier(SlabFiles, Recovery, Tier):
         """Lay one block's slot out at the start of `dst` (at least the slot's extent): header
         page, then the payload (with its codec), checksummed as it is copied in."""
         slot, src, meta = job
-        seq = self.next_seq()
+        seq = meta.seq or self.next_seq()
         raw = src[:meta.block_bytes]
         codec, payload = encode_block(self.codec_name, self.zstd_level, raw, meta.dtype_bytes, meta.lossy,
                                       meta.kv_dtype)
