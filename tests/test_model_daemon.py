@@ -13,7 +13,7 @@ forgets unused namespaces). After every step:
 - a synced block survives kill -9 (when the disk was healthy);
 - the staged slots the daemon counts for the shared client are exactly those in its pool.
 
-`TEST_MODEL_EXAMPLES` scales it (default: 12 sequences of up to 25 steps here; a soak is the
+`TEST_MODEL_EXAMPLES` scales it (default: 20 sequences of up to 25 steps here; a soak is the
 same test with a larger value).
 """
 
@@ -40,7 +40,7 @@ from .helpers import block_for, chain, make_ns
 NS = make_ns(model="daemon-model")
 CHAINS = {c: chain(NS, 500 + c, 5) for c in range(4)}
 FILL = make_ns(model="daemon-model", cache_salt="filler")   # another client's blocks
-EXAMPLES = max(1, int(os.environ.get("TEST_MODEL_EXAMPLES", "60")) // 5)
+EXAMPLES = max(1, int(os.environ.get("TEST_MODEL_EXAMPLES", "100")) // 5)
 TRANSIENT = (DaemonUnavailableError, LeaseError, TimeoutError, NamespaceLimitError)
 
 

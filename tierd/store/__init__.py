@@ -3,8 +3,9 @@
     records.py     block and namespace records, block states, pins (the invariants)
     index.py       the block index, chain links, residency bookkeeping, the shared lookup index
     residency.py   each tier's slot owners and eviction order; allocation with eviction
-    namespaces.py  the table of namespaces
-    ownership.py   reservations and leases, their owners, how they end
+    namespaces.py  the table of namespaces (an object: `NamespaceTable`) and registration
+    ownership.py   who holds which slots (an object: `Holdings`): reservations, leases, staged
+                   slots, their owners, how they end
     promotion.py   leases and reads up the tiers (plan, execute, settle)
     demotion.py    writes down the tiers, the background demoter, sync
     health.py      tier fault episodes and the disk tier's watch

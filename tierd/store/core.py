@@ -8,7 +8,9 @@ in policy order, descendants of a prefix chain before their ancestors. The tiers
 per tier (slot owners, eviction order, counters) and moves blocks through that interface.
 
 The parts (listed in `tierd/store/__init__.py`) are mixins of this one class: they share its
-state and its lock, each file one job. Their invariants are written beside the code that keeps
+state and its lock, each file one job. Two keep their state in objects of their own, with a
+narrow interface and their invariants beside it: the namespace table (`NamespaceTable`) and
+who holds which slots (`Holdings`: reservations, leases, staged slots). Their invariants are written beside the code that keeps
 them (records.py: pins, states, what is served; ownership.py; index.py).
 
 **The lock.** One lock (`_cond`) guards every field of the store and of its `Block`s, the tiers'
@@ -47,8 +49,8 @@ from .feed import EventFeed
 from .health import DiskHealth, TierHealth
 from .index import BlockIndex
 from .keeping import HostKeeping, set_aside
-from .namespaces import NamespaceTable
-from .ownership import Lease, Ownership, Reservation
+from .namespaces import NamespaceTable, Registration
+from .ownership import Holdings, Lease, Ownership, Reservation
 from .promotion import Promotion
 from .records import DOOM_DISK, DOOM_HOST, LOADING, READY, RESERVED, Block, NsState, WouldBlock
 from .remote import RemoteLink
@@ -57,7 +59,7 @@ from .residency import Residency, Resident
 log = logging.getLogger("tierd.store")
 
 
-class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, DiskHealth, RemoteLink,
+class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, DiskHealth, RemoteLink,
                   Promotion, Demotion, HostKeeping):
     """Embedded tiered block store (host RAM + optional disk, HBM and remote tiers). Thread-safe."""
 
@@ -70,11 +72,8 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
         self.config = cfg = cfg.resolved()
         self._cond = threading.Condition(threading.Lock())
         self._blocks: dict[bytes, Block] = {}
-        self._namespaces: dict[bytes, NsState] = {}
-        self._by_name: dict[str, NsState] = {}
-        self._reservations: dict[int, Reservation] = {}
-        self._leases: dict[int, Lease] = {}
-        self._staged: dict[object, dict[int, int]] = {}   # owner -> {arena offset: slot} (ownership.py)
+        self._namespaces = NamespaceTable()
+        self._held = Holdings()   # open reservations, leases and staged slots (ownership.py)
         self._ids = itertools.count(1)
         self._closed = False
         self._writes_in_flight = 0    # disk writes of the current disk tier under way
@@ -193,7 +192,7 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
                 raise WouldBlock()
             res = self._reserve_locked(st, keys, parent, owner, token_ids)
             if res.id:
-                self._reservations[res.id] = res
+                self._held.open_reservation(res)
             return res
 
     def _slots_needed(self, st: NsState, keys: Sequence[bytes]) -> int:
@@ -271,7 +270,7 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
                              f"the {len(res.keys)} keys")
         with self._cond:
             self._check_open()
-            if self._reservations.pop(res.id, None) is None:
+            if self._held.end_reservation(res.id) is None:
                 raise LeaseError(f"reservation {res.id} is unknown or already committed/aborted")
             return self._commit_locked(res)
 
@@ -513,10 +512,9 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
                 c["block_bytes"] = st.block_bytes
                 c["description"] = st.desc
                 namespaces[st.name] = c
-            return {"tiers": tiers, "namespaces": namespaces, "leases": len(self._leases),
-                    "reservations": len(self._reservations),
-                    "staged_slots": sum(len(m) for m in self._staged.values()), "policy": self.config.eviction_policy,
-                    "time": time.time()}
+            reservations, leases, staged = self._held.counts()
+            return {"tiers": tiers, "namespaces": namespaces, "leases": leases, "reservations": reservations,
+                    "staged_slots": staged, "policy": self.config.eviction_policy, "time": time.time()}
 
     def _check_open(self) -> None:
         if self._closed:
@@ -544,9 +542,8 @@ class TieredStore(NamespaceTable, Ownership, BlockIndex, Residency, EventFeed, D
             while self._writes_in_flight and time.monotonic() < deadline and not self._note_stall():
                 self._cond.wait(0.05)
             stuck = self._writes_in_flight or self._batch_writing or self._maintainer.is_alive()
-            for r in list(self._reservations.values()):
+            for r in self._held.end_all_reservations():
                 self._abort_locked(r)
-            self._reservations.clear()
             entries = [b.disk for b in self._blocks.values() if b.disk is not None]
         disk = self.disk
         if disk is not None:

@@ -1,7 +1,11 @@
-"""The store's table of namespaces: registration, lookup by name, the disk tier's recovered
-namespaces, and forgetting unused ones. Part of `TieredStore` (its one lock guards the table)."""
+"""The store's namespaces: the table (`NamespaceTable`: each namespace's state, by id and by the
+name clients use, and which of them may be forgotten), and the store's calls on it
+(`Registration`: registering, looking up, the tiers' recovered namespaces). One lock, the
+store's, guards both."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
 
 from ..arena import slot_bytes_for
 from ..errors import TierdError, UnknownNamespaceError
@@ -11,7 +15,81 @@ from .records import NsState
 
 
 class NamespaceTable:
-    """Part of `TieredStore` (see its docstring): state and lock are the store's."""
+    """Each namespace's state (`NsState`), by id and, once registered with its description, by
+    name. Memory only, under the store's lock.
+
+    Invariants kept here: one state per namespace id in the table; a state leaves it only in
+    `forget`, and only while nothing refers to it — no block record (`st.records`) and no staged
+    slot (`st.staged`); a forgotten state comes back only through `live`, and never over a
+    state registered since."""
+
+    def __init__(self):
+        self._by_id: dict[bytes, NsState] = {}
+        self._by_name: dict[str, NsState] = {}
+
+    def get(self, ns_id: bytes) -> NsState | None:
+        return self._by_id.get(ns_id)
+
+    def named(self, name: str) -> NsState | None:
+        """The registered state that clients call `name`."""
+        return self._by_name.get(name)
+
+    def find(self, text) -> NsState | None:
+        """The state whose id, name or hex id is `text` (registered or known only from a tier)."""
+        st = self._by_name.get(text) if isinstance(text, str) else None
+        if st is not None:
+            return st
+        for st in self._by_id.values():
+            if text in (st.ns_id, st.name, st.ns_id.hex()):
+                return st
+        return None
+
+    def enter(self, st: NsState) -> None:
+        """Put `st` in the table (by name too once it has its description)."""
+        self._by_id[st.ns_id] = st
+        if st.ns is not None:
+            self._by_name[st.name] = st
+
+    def live(self, st: NsState) -> NsState:
+        """The table's state of `st`'s namespace. An operation that let go of the lock may hold
+        a state forgotten meanwhile: its blocks go to the state registered since, or it is
+        entered again, so one namespace never has two states."""
+        if not st.forgotten:
+            return st
+        current = self._by_id.get(st.ns_id)
+        if current is not None:
+            return current
+        st.forgotten = False
+        self.enter(st)
+        return st
+
+    def forget(self, names: Iterable[str]) -> list[str]:
+        """Forget the registered namespaces among `names` that nothing refers to; the names
+        forgotten (those not in the table count as forgotten)."""
+        gone = []
+        for name in names:
+            st = self._by_name.get(name)
+            if st is None:
+                gone.append(name)    # forgotten already (another uid's request)
+                continue
+            if st.records or st.staged or st.forgotten:
+                continue
+            st.forgotten = True
+            del self._by_name[name]
+            self._by_id.pop(st.ns_id, None)
+            gone.append(name)
+        return gone
+
+    def values(self) -> Iterator[NsState]:
+        return iter(list(self._by_id.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+class Registration:
+    """Part of `TieredStore` (see its docstring): the store's calls on its `NamespaceTable`
+    (`self._namespaces`), under its lock."""
 
     def register(self, ns: Namespace) -> None:
         """Make `ns` known (done implicitly by every operation that takes a Namespace).
@@ -32,40 +110,25 @@ class NamespaceTable:
                 self.disk.check_block(ns.block_bytes, whose)
             if st is None:
                 st = NsState(ns.id, ns, ns.block_bytes, ns.dtype_bytes, host_sb, disk_sb, ns.to_dict())
-                self._namespaces[ns.id] = st
             else:  # known from disk: attach the description
                 st.ns, st.desc = ns, ns.to_dict()
-            self._by_name[st.name] = st    # the names clients use (the daemon's protocol)
+            self._namespaces.enter(st)   # by the name clients use too (the daemon's protocol)
             return st
         if isinstance(ns, (bytes, str)):
-            st = self._by_name.get(ns)
-            if st is not None and st.ns is not None:
+            st = self._namespaces.find(ns)
+            if st is not None:
+                if st.ns is None:
+                    raise UnknownNamespaceError(
+                        f"namespace {st.name} is known only from disk; register it with its Namespace first")
                 return st
-            for st in self._namespaces.values():
-                if ns in (st.ns_id, st.name, st.ns_id.hex()):
-                    if st.ns is None:
-                        raise UnknownNamespaceError(
-                            f"namespace {st.name} is known only from disk; register it with its Namespace first")
-                    return st
             raise UnknownNamespaceError(
                 f"unknown namespace {ns if isinstance(ns, str) else ns.hex()!r}; pass a tierd.Namespace "
                 "or the name of a registered one (see stats)")
         raise TypeError(f"expected a tierd.Namespace, got {type(ns).__name__}")
 
     def _live_ns(self, st: NsState) -> NsState:
-        """(Lock held.) The table's state of `st`'s namespace. An operation that let go of the
-        lock may hold a state forgotten meanwhile (`forget_unused`): its blocks go to the state
-        registered since, or it is entered again, so one namespace never has two states."""
-        if not st.forgotten:
-            return st
-        live = self._namespaces.get(st.ns_id)
-        if live is not None:
-            return live
-        st.forgotten = False
-        self._namespaces[st.ns_id] = st
-        if st.ns is not None:
-            self._by_name[st.name] = st
-        return st
+        """(Lock held.) The table's state of `st`'s namespace (`NamespaceTable.live`)."""
+        return self._namespaces.live(st)
 
     def namespace_count(self) -> int:
         with self._cond:
@@ -119,7 +182,7 @@ class NamespaceTable:
                 desc = {}
         st = NsState(ns_id, None, block_bytes, dtype_bytes, slot_bytes_for(block_bytes),
                      DiskTier.slot_bytes_for(block_bytes), desc)
-        self._namespaces[ns_id] = st
+        self._namespaces.enter(st)
         return st
 
     def forget_unused(self, names) -> list[str]:
@@ -128,25 +191,13 @@ class NamespaceTable:
         names with no request first. The daemon's table of namespaces stays bounded. A
         forgotten one is registered again by its next user (a client does it by itself on
         `unknown_namespace`). Returns the names forgotten."""
-        gone = []
         with self._cond:
-            for name in names:
-                st = self._by_name.get(name)
-                if st is None:
-                    gone.append(name)    # forgotten already (another uid's request)
-                    continue
-                if st.records or st.staged or st.forgotten:
-                    continue
-                st.forgotten = True
-                del self._by_name[name]
-                self._namespaces.pop(st.ns_id, None)
-                gone.append(name)
-        return gone
+            return self._namespaces.forget(names)
 
     def _ns_for_flush(self, namespace) -> bytes:
         if isinstance(namespace, Namespace):
             return namespace.id
-        for st in self._namespaces.values():
-            if namespace in (st.ns_id, st.name, st.ns_id.hex()):
-                return st.ns_id
+        st = self._namespaces.find(namespace)
+        if st is not None:
+            return st.ns_id
         raise UnknownNamespaceError(f"flush: unknown namespace {namespace!r}")

@@ -115,15 +115,132 @@ class Lease:
             self._store.release(self)
 
 
+class Holdings:
+    """Who holds which slots: open reservations and leases by id, and staged slots by owner.
+    Memory only, always under the store's lock; the store pins and frees the slots themselves.
+
+    Invariants kept here: an open reservation or lease is in exactly one table until it ends
+    (`end_reservation`, `end_lease`, `drop_owner`); a staged slot is held by one owner for one
+    namespace, and `st.staged` is the number of staged slots of `st` across all owners."""
+
+    def __init__(self):
+        self._reservations: dict[int, Reservation] = {}
+        self._leases: dict[int, Lease] = {}
+        self._staged: dict[object, dict[int, tuple[int, object]]] = {}   # owner -> {offset: (slot, NsState)}
+
+    # -- reservations and leases ---------------------------------------------------------------
+    def open_reservation(self, res: Reservation) -> None:
+        self._reservations[res.id] = res
+
+    def end_reservation(self, rid: int) -> Reservation | None:
+        """The open reservation `rid`, now ended; None if it was not open."""
+        return self._reservations.pop(rid, None)
+
+    def reservation(self, rid: int) -> Reservation | None:
+        return self._reservations.get(rid)
+
+    def open_lease(self, lease: Lease) -> None:
+        self._leases[lease.id] = lease
+
+    def end_lease(self, lid: int) -> Lease | None:
+        return self._leases.pop(lid, None)
+
+    def lease(self, lid: int) -> Lease | None:
+        return self._leases.get(lid)
+
+    def end_all_reservations(self) -> list[Reservation]:
+        out, self._reservations = list(self._reservations.values()), {}
+        return out
+
+    def end_owners(self, owner) -> tuple[list[Reservation], list[Lease]]:
+        """Every reservation and lease `owner` holds, now ended (its staged slots: `unstage`)."""
+        rs = [r for r in self._reservations.values() if r.owner == owner]
+        ls = [lease for lease in self._leases.values() if lease.owner == owner]
+        for r in rs:
+            del self._reservations[r.id]
+        for lease in ls:
+            del self._leases[lease.id]
+        return rs, ls
+
+    def counts(self) -> tuple[int, int, int]:
+        """(open reservations, open leases, staged slots)."""
+        return len(self._reservations), len(self._leases), sum(len(m) for m in self._staged.values())
+
+    # -- staged slots ----------------------------------------------------------------------------
+    def staging(self, owner) -> dict:
+        """A token for staging slots for `owner` across a let-go of the lock: `add_staged` with
+        it adds nothing once `owner`'s staged slots were all given back meanwhile."""
+        return self._staged.setdefault(owner, {})
+
+    def add_staged(self, owner, token: dict, offset: int, slot: int, st) -> bool:
+        if self._staged.get(owner) is not token:
+            return False
+        token[offset] = (slot, st)
+        st.staged += 1
+        return True
+
+    def end_staging(self, owner, token: dict) -> None:
+        if not token and self._staged.get(owner) is token:
+            del self._staged[owner]
+
+    def staged_slots_of(self, owner) -> list[int]:
+        return [slot for slot, _ in self._staged.get(owner, {}).values()]
+
+    def take_staged(self, owner, offsets: Sequence[int], st) -> list[int]:
+        """The slots at `offsets` (-1: none) that `owner` staged for `st`, no longer staged; or
+        LeaseError, changing nothing, if one is not (or is named twice)."""
+        mine = self._staged.get(owner, {})
+        slots, seen = [], set()
+        for off in offsets:
+            if off == -1:
+                slots.append(-1)
+                continue
+            held = mine.get(off)
+            if held is None or off in seen or held[1] is not st:
+                raise LeaseError(f"offset {off} is not a staged slot of this client for namespace "
+                                 f"{st.name} (or is named twice)")
+            seen.add(off)
+            slots.append(held[0])
+        for off in seen:
+            del mine[off]
+        st.staged -= len(seen)
+        if not mine:
+            self._staged.pop(owner, None)
+        return slots
+
+    def unstage(self, owner, offsets: Sequence[int] | None) -> list[int]:
+        """`owner`'s staged slots at `offsets` (None: all of them), no longer staged; offsets it
+        does not hold are ignored."""
+        mine = self._staged.get(owner)
+        if not mine:
+            return []
+        gone = list(mine) if offsets is None else [o for o in dict.fromkeys(offsets)
+                                                   if isinstance(o, int) and o in mine]
+        slots = []
+        for off in gone:
+            slot, st = mine.pop(off)
+            st.staged -= 1
+            slots.append(slot)
+        if not mine:
+            del self._staged[owner]
+        return slots
+
+    def staged_count(self, owner=...) -> int:
+        if owner is ...:
+            return sum(len(m) for m in self._staged.values())
+        return len(self._staged.get(owner, ()))
+
+
 class Ownership:
-    """Part of `TieredStore` (see its docstring): state and lock are the store's."""
+    """Part of `TieredStore` (see its docstring): the store's calls on `Holdings`
+    (`self._held`), under its lock."""
 
     def abort(self, res: Reservation) -> None:
         """Give back the slots of an uncommitted reservation."""
         if res.id == 0:
             return
         with self._cond:
-            if self._reservations.pop(res.id, None) is None:
+            if self._held.end_reservation(res.id) is None:
                 return
             self._abort_locked(res)
 
@@ -142,7 +259,7 @@ class Ownership:
             lease._blocks = None
             return
         with self._cond:
-            if self._leases.pop(lease.id, None) is None:
+            if self._held.end_lease(lease.id) is None:
                 raise LeaseError(f"lease {lease.id} is unknown or already released")
             self._release_locked(lease)
 
@@ -159,7 +276,7 @@ class Ownership:
         """The open reservation `rid` held by `owner`; LeaseError otherwise (the daemon's check
         that a client names only its own slots)."""
         with self._cond:
-            r = self._reservations.get(rid)
+            r = self._held.reservation(rid)
             if r is None and missing_ok:
                 return None   # already committed, aborted or reclaimed
             if r is None or r.owner != owner:
@@ -169,7 +286,7 @@ class Ownership:
     def find_lease(self, lid: int, owner) -> Lease:
         """The open lease `lid` held by `owner`; LeaseError otherwise."""
         with self._cond:
-            lease = self._leases.get(lid)
+            lease = self._held.lease(lid)
             if lease is None or lease.owner != owner:
                 raise LeaseError(f"lease {lid} is not an open lease of this client")
             return lease
@@ -178,14 +295,11 @@ class Ownership:
         """Abort every reservation and release every lease held by `owner` (a disconnected
         client). Returns (reservations aborted, leases released)."""
         with self._cond:
-            rs = [r for r in self._reservations.values() if r.owner == owner]
-            ls = [l for l in self._leases.values() if l.owner == owner]
+            rs, ls = self._held.end_owners(owner)
             for r in rs:
-                del self._reservations[r.id]
                 self._abort_locked(r)
-            for l in ls:
-                del self._leases[l.id]
-                self._release_locked(l)
+            for lease in ls:
+                self._release_locked(lease)
             self._unstage_locked(owner, None)
             return len(rs), len(ls)
 
@@ -200,9 +314,9 @@ class Ownership:
             self._check_open()
             st = self._ns(ns)
             sb = st.host_slot_bytes
-            mine = self._staged.setdefault(owner, {})
+            token = self._held.staging(owner)
             if limit_bytes is not None:
-                held = sum(self.host.alloc.slot_bytes_of(s) for s, _ in mine.values())
+                held = sum(map(self.host.alloc.slot_bytes_of, self._held.staged_slots_of(owner)))
                 n = min(n, max(0, (limit_bytes - held) // sb))
             offsets = []
             for _ in range(max(0, n)):
@@ -212,16 +326,13 @@ class Ownership:
                     slot = self._host_alloc(st)   # may let go of the lock
                 if slot is None:
                     break
-                if self._staged.get(owner) is not mine:   # dropped (drop_owner) while the lock was let go
-                    self.host.free_slot(slot)
-                    return []
                 st = self._live_ns(st)   # (forgotten while the lock was let go: the table's own)
                 off = self.host.alloc.offset(slot)
-                mine[off] = (slot, st)
-                st.staged += 1
+                if not self._held.add_staged(owner, token, off, slot, st):
+                    self.host.free_slot(slot)   # dropped (drop_owner) while the lock was let go
+                    return []
                 offsets.append(off)
-            if not mine and self._staged.get(owner) is mine:
-                del self._staged[owner]
+            self._held.end_staging(owner, token)
             return offsets
 
     def put_staged(self, ns: Namespace, keys: Sequence[bytes], offsets: Sequence[int], *, owner,
@@ -247,23 +358,7 @@ class Ownership:
             if token_ids is not None and len(token_ids) != len(keys) * st.ns.block_tokens:
                 raise TierdError(f"put: {len(token_ids)} token ids for {len(keys)} blocks of "
                                  f"{st.ns.block_tokens} tokens")
-            mine = self._staged.get(owner, {})
-            slots, seen = [], set()
-            for off in offsets:
-                if off == -1:
-                    slots.append(-1)
-                    continue
-                held = mine.get(off)
-                if held is None or off in seen or held[1] is not st:
-                    raise LeaseError(f"offset {off} is not a staged slot of this client for namespace "
-                                     f"{st.name} (or is named twice)")
-                seen.add(off)
-                slots.append(held[0])
-            for off in seen:
-                del mine[off]
-            st.staged -= len(seen)
-            if not mine:
-                self._staged.pop(owner, None)
+            slots = self._held.take_staged(owner, offsets, st)
             res = self._reserve_locked(st, keys, parent, owner, token_ids, slots=slots)   # never lets go of the lock
             if not res.id:
                 return 0
@@ -277,17 +372,9 @@ class Ownership:
             return self._unstage_locked(owner, offsets)
 
     def _unstage_locked(self, owner, offsets) -> int:
-        mine = self._staged.get(owner)
-        if not mine:
-            return 0
-        gone = list(mine) if offsets is None else [o for o in dict.fromkeys(offsets)
-                                                   if isinstance(o, int) and o in mine]
-        for off in gone:
-            slot, st = mine.pop(off)
-            st.staged -= 1
+        gone = self._held.unstage(owner, offsets)
+        for slot in gone:
             self.host.free_slot(slot)
-        if not mine:
-            del self._staged[owner]
         if gone:
             self._cond.notify_all()
         return len(gone)
@@ -295,6 +382,4 @@ class Ownership:
     def staged_slots(self, owner=...) -> int:
         """Staged slots held by `owner` (all owners when not given)."""
         with self._cond:
-            if owner is ...:
-                return sum(len(m) for m in self._staged.values())
-            return len(self._staged.get(owner, ()))
+            return self._held.staged_count(owner)

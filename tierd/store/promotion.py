@@ -176,7 +176,7 @@ class Promotion:
                     if fill:
                         fills.append(i)
             if lid and not fills:
-                self._leases[lid] = lease
+                self._held.open_lease(lease)
             self._cond.notify_all()
         if discard:
             self._tombstone(disk, discard)   # erase damaged copies on disk (no lock)
@@ -313,7 +313,7 @@ class Promotion:
                     b.gpu_slot = -1
                     lease.gpu_offsets[i] = -1
             if lease.id:
-                self._leases[lease.id] = lease
+                self._held.open_lease(lease)
             self._cond.notify_all()
 
     def _load_from_disk(self, loads: list[tuple[Block, DiskEntry]], sums: dict[int, int]) -> dict[int, Exception]:
