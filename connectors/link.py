@@ -53,20 +53,6 @@ def open_store(url: str):
     return _EMBEDDED[url]
 
 
-def has_checkpoint_kv_scales(model_dir: str) -> bool:
-    """Whether a checkpoint's safetensors carry KV-cache scales (engines then use them for fp8)."""
-    import json
-    import struct
-    from pathlib import Path
-    for p in Path(model_dir).glob("*.safetensors"):
-        with open(p, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            names = json.loads(f.read(n))
-        if any(k.endswith(("k_scale", "v_scale", "kv_scale")) for k in names):
-            return True
-    return False
-
-
 @contextlib.contextmanager
 def holding(store, held):
     """While copying through the slots of `held` (a lease or reservation `store` handed out):

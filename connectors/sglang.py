@@ -18,6 +18,7 @@ Extra-config keys (besides SGLang's own, all optional):
   share a namespace.
 - ``model``: an explicit model revision for the namespace instead of the weights' fingerprint
   (needed when the model is a hub name rather than a local directory).
+- ``draft_model``: the same for a speculative draft model whose layers the host pool holds.
 - ``fingerprint``: ``"full"`` (default: every weight byte) or ``"sampled"``.
 - ``lookup_deadline_ms``: a lookup waits at most this long (100 by default); one that does not
   answer counts as a miss and starts a back-off, during which lookups do not ask at all.
@@ -27,10 +28,16 @@ Extra-config keys (besides SGLang's own, all optional):
   1 s + 0.25 s per 1,024 tokens).
 
 Identity. SGLang's page keys chain the token ids and the request's `extra_key`/`cache_salt`, but
-name no model, rank, dtype or layout; the namespace adds them: the model's weight fingerprint,
-KV dtype (and where fp8 scales come from), the page layout and byte order, page size, layers (a
-pipeline stage's range), KV heads and head size as this rank holds them, tensor-parallel rank and
-size, and context-parallel splits. A tier key is `blake2b(namespace root || SGLang key)`, so keys
+name no model, rank, dtype or layout; the namespace adds them, from the engine's server arguments
+through the identity every integration uses (`connectors/identity.py`): the model's weight
+fingerprint with its load-time settings (`--quantization`, `--modelopt-quant`,
+`--json-model-override-args`, an explicit `--dtype`, dummy weights) and the draft model whose layers
+the host pool holds, the KV cache dtype (the pool's; mxfp8 and fp4 caches are declined) and where
+fp8 scales come from (the checkpoint, `--quantization-param-path`), the page layout and byte
+order, page size, layers (a pipeline stage's range), KV heads and head size as this rank holds
+them, tensor-parallel rank and size, and context-parallel splits. LoRA engines are declined with
+one logged line: SGLang names an adapter in its page keys by name and path, and its storage calls
+tell a backend no page's adapter, so the content of an adapter cannot be keyed. A tier key is `blake2b(namespace root || SGLang key)`, so keys
 of two namespaces never meet. MLA models keep one latent row per token, the same on every rank:
 one namespace for all ranks, written by SGLang's writer rank, read by every rank.
 
@@ -59,9 +66,10 @@ from typing import Any
 import numpy as np
 
 from tierd.errors import LeaseError
-from tierd.namespace import Namespace, canonical_dtype, model_fingerprint, read_model_config
+from tierd.namespace import Namespace, read_model_config
 
-from .link import DEFAULT_URL, STORE_ERRORS, StoreLink, has_checkpoint_kv_scales, holding, open_store
+from . import identity
+from .link import DEFAULT_URL, STORE_ERRORS, StoreLink, holding, open_store
 
 try:  # SGLang is optional: its base class where it is installed, a stand-in where it is not
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolTransferResult
@@ -112,7 +120,7 @@ def _pool_geometry(pool, is_mla: bool, zero_copy: bool) -> dict[str, Any]:
     """The host pool's page geometry as namespace fields: how one page's bytes are ordered in
     a tier block. Raises _Disabled for a pool whose bytes this backend does not know."""
     layout = str(getattr(pool, "layout", ""))
-    dtype = canonical_dtype(str(pool.dtype))
+    dtype = str(pool.dtype)
     page = int(pool.page_size)
     layers = int(pool.layer_num)
     if is_mla:
@@ -164,23 +172,7 @@ class TierdStorage(HiCacheStorage):
                                    name="tierd-sglang-load", prefault=prefault)
         self.save_link = StoreLink(store, timeout_s=timeout_s, retries=0, background_connect=True,
                                    name="tierd-sglang-save", prefault=prefault)
-        self._model = self._model_identity(extra)
-
-    # -- identity --------------------------------------------------------------------------------
-    def _model_identity(self, extra: dict) -> str | None:
-        name = getattr(self.config, "model_name", None)
-        revision = extra.get("model")
-        if revision:
-            return str(revision)
-        if name and os.path.isdir(str(name)):
-            try:
-                return model_fingerprint(str(name), mode=str(extra.get("fingerprint", "full")))
-            except Exception as e:  # noqa: BLE001 -- a model we cannot fingerprint is declined, not crashed on
-                self.disabled = f"cannot fingerprint the model at {name}: {e}"
-                return None
-        self.disabled = (f"model {name!r} is not a local directory: its weights cannot be fingerprinted; "
-                         "set the extra-config key 'model' to a pinned revision")
-        return None
+        self._extra = extra
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
@@ -189,7 +181,7 @@ class TierdStorage(HiCacheStorage):
                 self.ns = self._namespace(mem_pool_host)
                 self.root = self.ns.root_key
                 self.block_bytes = self.ns.block_bytes
-            except _Disabled as e:
+            except (_Disabled, identity.Declined) as e:
                 self.disabled = str(e)
             except Exception as e:  # noqa: BLE001 -- never fail SGLang's start-up over the cache
                 self.disabled = f"cannot describe the host pool ({type(e).__name__}: {e})"
@@ -207,12 +199,20 @@ class TierdStorage(HiCacheStorage):
                                   "cached (its v2 calls report no hit and store nothing)")
 
     def _namespace(self, pool) -> Namespace:
-        cfg = self.config
+        cfg, extra = self.config, self._extra
         geo = _pool_geometry(pool, self.is_mla, self.zero_copy)
         if int(getattr(cfg, "dcp_size", 1) or 1) > 1:
             raise _Disabled("decode context parallelism (page shards per rank) is not supported")
         if int(getattr(cfg, "attn_cp_size", 1) or 1) > 1:
             raise _Disabled("attention context parallelism is not supported")
+        # the pool's layers past the target model's are a draft model's (SGLang packs them in)
+        draft_layers = int(pool.layer_num) - int(getattr(pool, "target_layer_num", None) or pool.layer_num)
+        settings = identity.from_sglang(engine_server_args(), getattr(cfg, "model_name", None),
+                                        revision=extra.get("model"),
+                                        fingerprint=str(extra.get("fingerprint", "full")),
+                                        draft_layers=max(0, draft_layers), draft_revision=extra.get("draft_model"))
+        # the KV cache dtype is the pool's (the cache's, not the model's), checked against the settings
+        ident = identity.identify(settings, kv_dtype=str(geo.pop("kv_dtype")))
         tp_rank, tp_size = int(cfg.tp_rank), int(cfg.tp_size)
         if self.is_mla:
             tp_rank, tp_size = 0, 1    # the same latent rows on every rank: one namespace
@@ -220,16 +220,12 @@ class TierdStorage(HiCacheStorage):
         pp_size = int(getattr(cfg, "pp_size", 1) or 1)
         start, end = int(getattr(pool, "start_layer", 0) or 0), int(getattr(pool, "end_layer", 0) or 0)
         if pp_size > 1:
-            total = _total_layers(str(cfg.model_name))
+            total = _total_layers(settings.model)
             if end - start != geo["num_layers"] or not 0 <= start < end <= total:
                 raise _Disabled(f"pipeline stage layers {start}..{end} of {total} do not match the pool's "
                                 f"{geo['num_layers']}")
             layers = f"{start}-{end}/{total}"
-        kv_scales = ""
-        if geo["kv_dtype"].startswith("float8"):
-            kv_scales = "checkpoint" if has_checkpoint_kv_scales(str(cfg.model_name)) else ""
-        return Namespace(model=self._model, tp_rank=tp_rank, tp_size=tp_size, layers=layers,
-                         kv_scales=kv_scales, **geo)
+        return ident.namespace(tp_rank=tp_rank, tp_size=tp_size, layers=layers, **geo)
 
     # -- helpers ---------------------------------------------------------------------------------
     def _warn_once(self, what: str, msg: str) -> None:
@@ -466,6 +462,20 @@ def _as_bytes(t, nbytes: int) -> np.ndarray | None:
     except (TypeError, ValueError, RuntimeError):
         return None
     return a if a.nbytes == nbytes else None
+
+
+def engine_server_args():
+    """SGLang's server arguments in this (scheduler) process, where the storage backend is
+    made; None without SGLang (tools, tests). An SGLang that does not publish them cannot say
+    what its engine loaded (quantization, overrides, LoRA, draft model): `identity.Declined`."""
+    if not HAVE_SGLANG:
+        return None
+    try:
+        from sglang.srt.runtime_context import get_server_args
+        return get_server_args()
+    except Exception as e:  # noqa: BLE001 - another SGLang version, or not published yet
+        raise identity.Declined(f"SGLang's server arguments are not available ({type(e).__name__}: {e}): "
+                                "the settings that change KV cannot be checked") from None
 
 
 def _total_layers(model_dir: str) -> int:

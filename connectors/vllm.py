@@ -14,7 +14,8 @@ Load with::
   ``embedded://...`` works only where vLLM's scheduler and worker share one process.
 - ``block_tokens``: tokens per tier block (256 by default; a multiple of vLLM's block size).
 - ``model``: an explicit model revision for the namespace instead of the model directory's
-  fingerprint (needed when the model is a hub name rather than a local directory).
+  fingerprint (needed when the model is a hub name rather than a local directory: such a
+  model is declined without it).
 - ``fingerprint``: ``"full"`` (default: every weight byte, see `tierd.namespace.model_fingerprint`)
   or ``"sampled"`` (an opt-in: cheaper, blind to changes between the samples).
 - ``lookup_deadline_ms``: the scheduler's lookup waits at most this long (50 by default); a
@@ -46,9 +47,10 @@ block that cannot be loaded is reported through `get_block_ids_with_load_errors`
 recomputes it under ``kv_load_failure_policy: "recompute"``. A daemon that is down or stalled
 means no hits and no stores (with back-off), never a failed or stalled step.
 
-What is keyed: the namespace (model fingerprint over every weight byte, KV dtype and fp8 scale
-origin, layers, KV heads, head size, tier block size, tensor-parallel rank and size, cache_salt,
-and the KV cache groups where layers differ) and per block the token ids plus LoRA adapter
+What is keyed: the namespace (the engine identity of `connectors/identity.py`: model fingerprint
+over every weight byte with the load-time settings that change KV, KV cache dtype and fp8 scale
+origin — a cache dtype it does not know is declined —, then layers, KV heads, head size, tier
+block size, tensor-parallel rank and size, cache_salt, and the KV cache groups where layers differ) and per block the token ids plus LoRA adapter
 content, multimodal inputs with their positions and prompt embeddings (`connectors/vllm_keys.py`).
 Layout: blocks are converted to tierd's `[layers, 2, block_tokens, kv_heads, head_dim]` from the
 attention backend's own layout (`connectors/vllm_layout.py`), so vLLM and the bundled engine
@@ -85,11 +87,10 @@ import torch
 from tierd.errors import NamespaceError, TierdError
 from tierd.index import LEASE_FREE_READS
 from tierd.kernels.transfer import BlockTransfer
-from tierd.namespace import DEFAULT_BLOCK_TOKENS, Namespace, canonical_dtype, model_fingerprint
+from tierd.namespace import DEFAULT_BLOCK_TOKENS, Namespace
 
-from . import vllm_layout
+from . import identity, vllm_layout
 from .link import DEFAULT_URL, StoreLink
-from .link import has_checkpoint_kv_scales as _has_checkpoint_kv_scales
 from .link import _EMBEDDED, open_store as _open  # noqa: F401 -- _EMBEDDED: the shared embedded stores (tools and tests)
 from .vllm_base import HAVE_VLLM, KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, SupportsHMA
 from .vllm_groups import KVGroups, Unsupported, layer_order
@@ -189,7 +190,11 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
             self.load_mode = True
         self._ns_args = {}
         if not self.disabled:
-            self._ns_args = self._namespace_args(vllm_config, ktc)
+            try:
+                self._ns_args = self._namespace_args(vllm_config, ktc)
+            except identity.Declined as e:    # e.g. a KV cache dtype tierd does not know: vLLM runs on
+                self.disabled = str(e)
+        if not self.disabled:
             if self.groups.has_state:     # the KV namespace holds the attention layers alone
                 self._ns_args["num_layers"] = len(self.groups.names)
                 self._ns_args["stages"] = [(0, len(self.groups.names))]
@@ -333,33 +338,16 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
             args["tier_codec"] = str(_extra(ktc, "tier_codec", ""))
             self._explicit_rank = explicit.get("tp_rank")     # tools and tests outside vLLM
             return args
-        mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-        revision = _extra(ktc, "model", None)
-        local = os.path.isdir(str(mc.model))
-        if revision:
-            model = str(revision)
-        elif local:
-            model = model_fingerprint(mc.model, mode=str(_extra(ktc, "fingerprint", "full")))
-        else:
-            model = f"{mc.model}@{getattr(mc, 'revision', None) or 'unpinned'}"
-            log.warning("model %s is not a local directory: its namespace is its name and revision (%s); "
-                        "set kv_connector_extra_config.model to a pinned revision", mc.model, model)
-        cache_dtype = str(getattr(cc, "cache_dtype", "auto"))
-        kv_dtype = canonical_dtype(mc.dtype if cache_dtype == "auto" else cache_dtype)
-        kv_scales = ""
-        if kv_dtype.startswith("float8"):
-            # vLLM's fp8 KV uses unit scales unless the checkpoint has some; the fingerprint covers
-            # the checkpoint's bytes, this says which of the two the blocks were quantized with
-            if not local:
-                raise NamespaceError("fp8 KV with a model that is not a local directory: its KV scales "
-                                     "cannot be checked; use a local directory")
-            kv_scales = "checkpoint" if _has_checkpoint_kv_scales(str(mc.model)) else ""
+        mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        # weights, load-time settings, KV dtype and scales: the one identity every integration uses
+        ident = identity.identify(identity.from_vllm(vllm_config, revision=_extra(ktc, "model", None),
+                                                     fingerprint=str(_extra(ktc, "fingerprint", "full"))))
         # every stage's layers, as vLLM splits them (the scheduler's own config is stage 0's)
         pp = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
         total = int(mc.get_total_num_hidden_layers()) if pp > 1 else mc.get_num_layers(pc)
-        args = dict(model=model, num_layers=total, num_kv_heads=mc.get_num_kv_heads(pc),
-                    head_dim=mc.get_head_size(), kv_dtype=kv_dtype, tp_size=pc.tensor_parallel_size,
-                    kv_scales=kv_scales, tier_codec=str(_extra(ktc, "tier_codec", "")),
+        args = dict(model=ident.model, num_layers=total, num_kv_heads=mc.get_num_kv_heads(pc),
+                    head_dim=mc.get_head_size(), kv_dtype=ident.kv_dtype, tp_size=pc.tensor_parallel_size,
+                    kv_scales=ident.kv_scales, tier_codec=str(_extra(ktc, "tier_codec", "")),
                     stages=split_layers(total, pp))
         if getattr(mc, "use_mla", False):
             # MLA: one latent row per token (kv_lora_rank + rope dims), the same bytes on every
@@ -368,30 +356,31 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
         return args
 
     def _worker_stage(self) -> int:
-        """This worker's pipeline stage (0 outside a vLLM engine)."""
+        """This worker's pipeline stage, as vLLM's pipeline group says; `identity.Declined` where
+        it cannot say (never guessed: another stage's namespace holds other layers)."""
         if len(self.stages) == 1:
             return 0
         if getattr(self, "_explicit_stage", None) is not None:
             return int(self._explicit_stage)
-        try:
+
+        def stage() -> int:
             from vllm.distributed.parallel_state import get_pp_group
-            return int(get_pp_group().rank_in_group)
-        except Exception:  # noqa: BLE001 - not initialised yet: vLLM's own rule from the worker's rank
-            pc = self._vllm_config.parallel_config
-            return (int(pc.rank) // int(pc.tensor_parallel_size)) % len(self.stages)
+            return get_pp_group().rank_in_group
+        return identity.engine_rank("pipeline stage", stage, len(self.stages))
 
     def _worker_rank(self) -> int:
-        """This worker's tensor-parallel rank (0 outside a vLLM engine)."""
+        """This worker's tensor-parallel rank, as vLLM's tensor-parallel group says;
+        `identity.Declined` where it cannot say (never guessed: with rank 0's namespace, every
+        rank would read rank 0's head shards)."""
         if getattr(self, "_explicit_rank", None) is not None:
             return int(self._explicit_rank)
         pc = getattr(self._vllm_config, "parallel_config", None)
-        if int(getattr(pc, "tensor_parallel_size", 1) or 1) == 1:
-            return 0
-        try:
+
+        def rank() -> int:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
             return get_tensor_model_parallel_rank()
-        except Exception:  # vLLM not initialised (tools)
-            return 0
+        size = max(self.tp_keys, int(getattr(pc, "tensor_parallel_size", 1) or 1))
+        return identity.engine_rank("tensor-parallel rank", rank, size)
 
     def namespace(self, salt: str | None = "", rank: int | None = None) -> Namespace:
         """The namespace of key rank `rank` (stage * ranks per stage + tensor-parallel rank;

@@ -5,9 +5,10 @@ inputs overlapping the block with their offsets, prompt embeddings, cache salt);
 must too, or two requests with equal tokens but another adapter or image would share KV. The
 cache salt is not here: it selects another namespace altogether (`Namespace.cache_salt`).
 
-- LoRA adapter: its content (adapter_config.json and the SHA-256 of every weight file), so two
-  deployments of the same adapter share blocks and a retrained adapter under the same name does
-  not. An adapter path that is not a local directory is keyed by its name and path, with a warning.
+- LoRA adapter: its content (adapter_config.json and the SHA-256 of every weight file;
+  `identity.adapter_identity`, shared with the secondary tier), so two deployments of the same
+  adapter share blocks and a retrained adapter under the same name does not. An adapter whose
+  content cannot be read (not a local directory, files being replaced) declines its request.
 - Multimodal inputs: per input overlapping tier block [start, end): its identifier (vLLM's
   content hash of the input), its offset relative to `start` and its length.
 - Prompt embeddings: the SHA-256 of the block's slice of the embedding tensor (dtype and shape
@@ -17,51 +18,14 @@ cache salt is not here: it selects another namespace altogether (`Namespace.cach
 from __future__ import annotations
 
 import hashlib
-import json
-import logging
 import struct
-from pathlib import Path
 from typing import Callable
 
 from tierd.errors import TierdError
-from tierd.namespace import content_digests
 
-log = logging.getLogger("tierd.connectors.vllm")
+from .identity import adapter_identity
 
-_adapter_ids: dict[tuple, bytes] = {}   # vLLM loads an adapter once per id: so is it hashed
-_warned: set[str] = set()
-
-
-def adapter_identity(lora_request) -> bytes:
-    """16 bytes naming a LoRA adapter by content (see the module docstring)."""
-    path = str(getattr(lora_request, "lora_path", "") or getattr(lora_request, "path", "") or "")
-    name = str(getattr(lora_request, "lora_name", "") or getattr(lora_request, "name", "") or "")
-    known = (name, getattr(lora_request, "lora_int_id", None), path)
-    cached = _adapter_ids.get(known)          # no file access per request on the scheduler's path
-    if cached is not None:
-        return cached
-    d = Path(path)
-    if path and d.is_dir():
-        files = sorted(p for ext in ("*.safetensors", "*.bin", "*.pt") for p in d.glob(ext))
-        cfg = d / "adapter_config.json"
-        h = hashlib.blake2b(b"tierd-lora-v1\x00", digest_size=16)
-        if cfg.exists():
-            try:
-                canon = json.dumps(json.loads(cfg.read_text()), sort_keys=True, separators=(",", ":"))
-            except ValueError as e:
-                raise TierdError(f"{cfg}: invalid JSON ({e})") from None
-            h.update(b"config\x00" + canon.encode())
-        digests = content_digests(files)
-        for p in files:
-            h.update(p.name.encode() + b"\x00" + bytes.fromhex(digests[p]))
-        ident = _adapter_ids[known] = h.digest()
-        return ident
-    if name not in _warned:
-        _warned.add(name)
-        log.warning("LoRA adapter %r: %r is not a local directory, so its KV is keyed by name and path, "
-                    "not content; give each adapter version its own name", name, path)
-    return hashlib.blake2b(b"tierd-lora-name-v1\x00" + name.encode() + b"\x00" + path.encode(),
-                           digest_size=16).digest()
+__all__ = ["adapter_identity", "block_extra"]
 
 
 def _mm_items(request) -> list[tuple[str, int, int]]:

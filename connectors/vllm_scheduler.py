@@ -103,8 +103,8 @@ class SchedulerHalf:
             return 0, False
         try:
             st = self._state(request)
-        except TierdError as e:      # something that changes KV and cannot be keyed: no tier at all
-            self._not_keyed(request, e)
+        except (TierdError, OSError) as e:   # something that changes KV and cannot be keyed (an adapter
+            self._not_keyed(request, e)      # being replaced, say): that request only, no tier at all
             return 0, False
         if st.load_attempts >= MAX_LOAD_ATTEMPTS or not st.load:
             return 0, False
@@ -179,7 +179,7 @@ class SchedulerHalf:
             return
         try:
             st = self._state(request)
-        except TierdError as e:
+        except (TierdError, OSError) as e:
             self._not_keyed(request, e)
             return
         st.saved = max(st.saved, st.hit)

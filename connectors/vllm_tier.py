@@ -24,7 +24,10 @@ CPU-only hosts (where vLLM's worker refuses to start) a host-memory copy worker
 (no tiers), used as the peer in benchmarks.
 
 Tier options: ``url`` (the daemon, ``$TIERD_URL`` by default), ``model`` (an explicit model
-revision instead of the weights' fingerprint), ``timeout_s`` (per request, 10).
+revision instead of the weights' fingerprint; a model that is not a local directory is declined
+without it), ``timeout_s`` (per request, 10). The engine is keyed as the KV connector keys it
+(`connectors/identity.py`: weights, load-time quantization and overrides, the KV cache dtype);
+what that cannot key declines the tier, with one line.
 
 What a tierd block is here: one vLLM offload chunk, all ranks' pages, in vLLM's own paged
 layout (on CPU: the attention backend's packing), so its namespace records that layout
@@ -33,7 +36,7 @@ KV connector or the bundled engine. Keys are vLLM's offload keys (its block hash
 covers tokens, multimodal inputs, prompt embeddings and cache salt by content, but a LoRA
 adapter only by name and path) hashed to 16 bytes, with the request's LoRA adapter by content
 (adapter_config.json and every weight file's SHA-256, as the KV connector keys it,
-`connectors/vllm_keys.py`): tierd outlives engines and is shared by them, so an adapter
+`connectors/identity.py`): tierd outlives engines and is shared by them, so an adapter
 retrained in place must not find its predecessor's KV. vLLM's default sha256 chain is the same
 in every process, so a restarted or second engine finds the chunks. A request whose adapter
 cannot be hashed, or that the tier was not told about (a request the engine did not make, such
@@ -79,11 +82,12 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 import tierd
 from tierd.errors import TierdError
-from tierd.namespace import Namespace, canonical_dtype, model_fingerprint, read_model_config
+from tierd.namespace import Namespace, read_model_config
 
+from . import identity
+from .identity import Declined, adapter_identity
 from .link import DEFAULT_TIMEOUT_S, STORE_ERRORS, holding
 from .vllm import _open
-from .vllm_keys import adapter_identity
 
 log = logging.getLogger("tierd.connectors.vllm_tier")
 
@@ -117,13 +121,13 @@ _constructing = threading.local()      # depth of TierdOffloadingConnector const
 
 
 def request_keying(request) -> RequestKeying:
-    """The keying of a vLLM request: its LoRA adapter by content (`vllm_keys.adapter_identity`)."""
+    """The keying of a vLLM request: its LoRA adapter by content (`identity.adapter_identity`)."""
     lora = getattr(request, "lora_request", None)
     if lora is None:
         return RequestKeying()
     try:
         return RequestKeying(adapter=adapter_identity(lora))
-    except (TierdError, OSError) as e:
+    except (TierdError, OSError) as e:   # (identity.Declined: content that cannot be read)
         name = getattr(lora, "lora_name", None) or getattr(lora, "name", None)
         return RequestKeying(declined=f"LoRA adapter {name!r} cannot be keyed by its content ({e})")
 
@@ -134,12 +138,14 @@ class TierdOffloadingConnector(OffloadingConnector):
     request's id, and vLLM's block hashes name an adapter by name and path."""
 
     def __init__(self, vllm_config, role, kv_cache_config):
-        depth = getattr(_constructing, "depth", 0)
-        _constructing.depth = depth + 1
+        depth, outer = getattr(_constructing, "depth", 0), getattr(_constructing, "vllm_config", None)
+        # the tier keys the engine by its settings (`identity.from_vllm`), which vLLM's
+        # offloading spec does not carry: it reads them here, during this construction
+        _constructing.depth, _constructing.vllm_config = depth + 1, vllm_config
         try:
             super().__init__(vllm_config, role, kv_cache_config)
         finally:
-            _constructing.depth = depth
+            _constructing.depth, _constructing.vllm_config = depth, outer
 
     def on_new_request(self, request) -> None:
         _announced[request.request_id] = request_keying(request)
@@ -149,24 +155,18 @@ class TierdOffloadingConnector(OffloadingConnector):
             _announced.pop(request.request_id, None)
 
 
-class Declined(TierdError):
-    """A model the tier does not serve: the tier stays inert (misses, stores nothing) and vLLM
-    runs with its own tiers as without tierd."""
-
-
-def chunk_namespace(spec, model: str | None = None) -> Namespace:
-    """The namespace of the chunks an offloading spec produces (see the module docstring);
-    `Declined` for a model whose chunks it cannot key."""
+def chunk_namespace(spec, model: str | None = None, vllm_config=None) -> Namespace:
+    """The namespace of the chunks an offloading spec produces (see the module docstring), for
+    the engine whose settings are `vllm_config` (the weights, load-time settings and KV cache
+    dtype: `identity.from_vllm`, as the KV connector keys them); `Declined` for a model whose
+    chunks it cannot key."""
     cfg = spec.config
     name = cfg.model.name
-    if model:
-        fingerprint = str(model)
-    elif os.path.isdir(name):
-        fingerprint = model_fingerprint(name)
-    else:
-        fingerprint = name
-        log.warning("model %s is not a local directory: tierd's chunks are keyed by its name; "
-                    "set the tier's 'model' to a pinned revision", name)
+    if vllm_config is not None:
+        settings = identity.from_vllm(vllm_config, revision=model)
+    else:   # (tools) what the spec says: the model and its KV cache dtype
+        settings = identity.EngineSettings(model=name, revision=str(model or ""), kv_cache_dtype=cfg.model.dtype)
+    ident = identity.identify(settings)
     mc = read_model_config(name) if os.path.isdir(name) else {}
     heads = int(mc.get("num_attention_heads") or 1)
     kv_heads = int(mc.get("num_key_value_heads") or heads)
@@ -178,10 +178,7 @@ def chunk_namespace(spec, model: str | None = None) -> Namespace:
     par = cfg.parallel
     copies = 1 if spec.replicated_layout else par.world_size
     per_rank_heads = max(1, kv_heads // max(1, par.tp_size))
-    try:
-        dtype = canonical_dtype(cfg.model.dtype)
-    except Exception:  # noqa: BLE001 - "auto" and the like: the model's own dtype
-        dtype = canonical_dtype(mc.get("torch_dtype") or mc.get("dtype") or "float16")
+    dtype = ident.kv_dtype
     isa = ""
     if current_platform.is_cpu():
         try:
@@ -196,9 +193,9 @@ def chunk_namespace(spec, model: str | None = None) -> Namespace:
     cp = (int(getattr(par, "dcp_size", 1) or 1), int(getattr(par, "pcp_size", 1) or 1))
     if cp != (1, 1):
         layout += f"/dcp{cp[0]}pcp{cp[1]}"
-    ns = Namespace(model=fingerprint, kv_dtype=dtype, num_layers=len(group.layer_names),
-                   num_kv_heads=per_rank_heads * copies, head_dim=head_dim,
-                   block_tokens=group.tokens_per_block * cfg.cache.blocks_per_chunk, layout=layout)
+    ns = ident.namespace(num_layers=len(group.layer_names), num_kv_heads=per_rank_heads * copies,
+                         head_dim=head_dim, block_tokens=group.tokens_per_block * cfg.cache.blocks_per_chunk,
+                         layout=layout)
     used = spec.cpu_page_size_per_worker * copies
     if ns.block_bytes != used:
         raise Declined(f"a vLLM offload chunk holds {used} bytes, but its tierd namespace computes "
@@ -244,7 +241,7 @@ class TierdTier(SecondaryTierManager):
                              "known: url, model, timeout_s, locality")
         self.declined = ""
         try:
-            self.ns = chunk_namespace(offloading_spec, model)
+            self.ns = chunk_namespace(offloading_spec, model, getattr(_constructing, "vllm_config", None))
         except Declined as e:    # vLLM runs on, with its own tiers: one line says why not tierd's
             self.declined, self.ns = str(e), None
             log.warning("tierd tier declined: %s; it stores and serves nothing", e)

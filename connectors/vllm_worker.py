@@ -28,6 +28,7 @@ from tierd.kernels.transfer import BlockTransfer, LoadJob, host_tensor
 from tierd.namespace import Namespace
 
 from . import vllm_layout
+from .identity import Declined
 from .link import STORE_ERRORS, acquire_for, drain_quietly, holding, load_unleased
 from .vllm_base import timed
 from .vllm_groups import KVGroups
@@ -74,10 +75,13 @@ class WorkerHalf:
             # vLLM's CPU worker has bound this thread (its OpenMP compute thread) to its cores:
             # the connector's threads, started later, run beside them, not on them
             threads.keep_helpers_off_my_cores()
-        rank = self._worker_rank()
+        try:
+            rank, stage = self._worker_rank(), self._worker_stage()
+        except Declined as e:
+            return self._decline(str(e))
         # the namespace this worker reads and writes: its stage's and rank's, or (MLA) its
         # stage's for all ranks, which rank 0 alone writes (every rank holds the same latent rows)
-        self._rank = self._worker_stage() * self.tp_keys + (0 if self.latent else rank)
+        self._rank = stage * self.tp_keys + (0 if self.latent else rank)
         self._writer = rank == 0 or not self.latent
         ns = self.namespace("")
         groups = self.groups if self.groups.names else KVGroups.single(kv_caches)

@@ -312,3 +312,75 @@ def test_a_stalled_daemon_costs_a_call_at_most_its_timeout(tmp_path, models):
     finally:
         if d.alive():
             d.stop()
+
+
+# -- the engine's settings (connectors/identity.py) ----------------------------------------------
+def server_args(model, **kw):
+    """SGLang's server arguments as the backend reads them (field names of SGLang 0.5.23's
+    ServerArgs), defaults but for `kw`."""
+    return SimpleNamespace(**{"model_path": model, "dtype": "auto", "kv_cache_dtype": "auto", "quantization": None,
+                              "json_model_override_args": "{}", "load_format": "auto", "enable_lora": None,
+                              "lora_paths": None, "modelopt_quant": None, "quantization_param_path": None,
+                              "speculative_algorithm": None, "speculative_draft_model_path": None,
+                              "speculative_draft_load_format": None, **kw})
+
+
+def DraftPool(**kw) -> MHATokenToKVPoolHost:
+    """A host pool that holds a draft model's layer after the target's (SGLang packs them in)."""
+    pool = MHATokenToKVPoolHost(layers=LAYERS + 1, **kw)
+    pool.target_layer_num = LAYERS
+    return pool
+
+
+def test_load_time_settings_and_draft_models_key_apart(daemon, models, monkeypatch):
+    """Review C1, C8: two engines on one model directory that differ in --quantization,
+    --json-model-override-args or the draft model whose layers the pool holds share no page;
+    engines with the same settings do (on 792e2b3 every one of them hit)."""
+    from tierd.connectors import sglang as ts
+    args = {"plain": server_args(models[0]),
+            "fp8 quantization": server_args(models[0], quantization="fp8"),
+            "rope override": server_args(models[0], json_model_override_args='{"rope_scaling": {"factor": 2.0}}'),
+            "eagle draft a": server_args(models[0], speculative_algorithm="EAGLE", speculative_draft_model_path=models[1]),
+            "eagle draft b": server_args(models[0], speculative_algorithm="EAGLE", speculative_draft_model_path=models[0])}
+
+    def engine(what, **kw):
+        monkeypatch.setattr(ts, "engine_server_args", lambda: args[what], raising=False)
+        pool = DraftPool(**kw) if what.startswith("eagle") else MHATokenToKVPoolHost(**kw)
+        b = backend(pool, models[0], daemon.url)
+        assert not b.disabled, b.disabled
+        return b
+    ks = keys(2, seed=41)
+    for what in args:
+        assert engine(what, seed=1).batch_set_v1(ks, pages(0, 16)) == [True, True]
+    names = set()
+    for what in args:
+        b = engine(what, seed=2)
+        names.add(b.ns.name)
+        assert b.batch_exists(ks) == 2, what            # its own pages
+    assert len(names) == len(args)
+    fresh = keys(2, seed=42)
+    assert engine("plain").batch_set_v1(fresh, pages(0, 16)) == [True, True]
+    for what in set(args) - {"plain"}:
+        assert engine(what).batch_exists(fresh) == 0, what
+
+
+def test_lora_engines_unknown_kv_dtypes_and_unnamed_drafts_are_declined_with_one_line(daemon, models, monkeypatch,
+                                                                                      caplog):
+    """Review C2: SGLang keys a LoRA adapter's pages by its name and path, and its storage calls
+    name no page's adapter, so an engine with LoRA is not cached (an adapter retrained in place
+    would be served its predecessor's KV); KV cache formats tierd does not know and a draft
+    model the pool holds but nothing names are declined too. SGLang runs on: every call a miss."""
+    from tierd.connectors import sglang as ts
+    cases = [(server_args(models[0], enable_lora=True), MHATokenToKVPoolHost(), "LoRA"),
+             (server_args(models[0], lora_paths=["a=/adapters/a"]), MHATokenToKVPoolHost(), "LoRA"),
+             (server_args(models[0], kv_cache_dtype="mxfp8"), MHATokenToKVPoolHost(dtype=torch.float8_e4m3fn),
+              "KV cache dtype 'mxfp8'"),
+             (server_args(models[0], speculative_algorithm="EAGLE"), DraftPool(), "no draft model is named")]
+    for sa, pool, reason in cases:
+        monkeypatch.setattr(ts, "engine_server_args", lambda sa=sa: sa, raising=False)
+        caplog.clear()
+        b = backend(pool, models[0], daemon.url)
+        assert b.disabled and reason in b.disabled, b.disabled
+        assert sum("disabled" in r.getMessage() for r in caplog.records) == 1
+        ks = keys(1, seed=43)
+        assert b.batch_exists(ks) == 0 and b.batch_set_v1(ks, pages(0)) == [False]

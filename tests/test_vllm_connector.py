@@ -956,3 +956,49 @@ def test_recurrent_state_without_block_states_or_with_other_tier_blocks_is_decli
     caches[drv.layer_names()[0]] = caches[drv.layer_names()[0]][..., :8]   # a page shorter than its states
     worker.register_kv_caches(caches)
     assert "bytes of state" in worker.disabled
+
+
+# -- what cannot be keyed never raises into vLLM (connectors/identity.py) ------------------------
+def test_an_adapter_whose_files_vanish_while_hashed_declines_its_request_not_the_engine(embedded_url, tmp_path):
+    """Review C4: the first request with a new adapter hashes its files on vLLM's scheduler
+    thread; on 792e2b3 an OSError there (the adapter directory being replaced: a weight file
+    already gone) escaped into vLLM's EngineCore. Now that request is not cached, and the
+    engine's other requests are."""
+    import os
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    os.symlink(tmp_path / "gone.safetensors", adapter / "adapter_model.safetensors")
+    sched, worker = pair(embedded_url)
+    objs = drv.Objects()
+    prompt = list(range(1, 101))
+    r = objs.request("lora", prompt)
+    r.lora_request = SimpleNamespace(lora_name="a", lora_path=str(adapter), lora_int_id=3)
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    sched.update_state_after_alloc(r, objs.blocks(list(range(7))), 0)
+    assert sched.stats["requests_not_keyed"] == 1
+    sched.request_finished(r, [])
+    assert _store_and_lookup(sched, worker, objs, objs.request("A", prompt), [objs.request("B", prompt)]) == [96]
+    worker.shutdown()
+    sched.shutdown()
+
+
+def test_a_worker_whose_rank_or_stage_is_unknown_declines_instead_of_guessing(embedded_url):
+    """Review C5: with several tensor-parallel ranks, a worker whose rank vLLM cannot tell took
+    rank 0's namespace on 792e2b3 (every rank then reads rank 0's head shards); a pipeline stage
+    it could not tell raised. Both decline now: the worker copies nothing, and a load the
+    scheduler promised it is reported for recompute."""
+    for change in ({"tp_size": 2}, {"pp_size": 2}):
+        ns = dict(drv.extra_config(embedded_url)["namespace"], **change)
+        worker = tv.TierdConnector(config(embedded_url, namespace=ns, load_async=False), tv.KVConnectorRole.WORKER, None)
+        worker.register_kv_caches(drv.paged_caches())
+        what = "tensor-parallel rank" if "tp_size" in change else "pipeline stage"
+        assert f"{what} (of 2) is unknown" in worker.disabled, worker.disabled
+        assert worker._layers == []
+        meta = tv.TierdConnectorMetadata()
+        meta.loads.append(tv.LoadSpec("r", "", [[b"k" * 16]], 0, 0, [[1, 2]], False))
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        assert worker.get_block_ids_with_load_errors() == {1, 2}
+        worker.clear_connector_metadata()
+        worker.shutdown()

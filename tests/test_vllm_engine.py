@@ -8,7 +8,9 @@ One module-wide run does the work, so the suite starts three engines, not one pe
 - P2: a fresh vLLM process with the connector: loads what P1 and the bundled engine stored, then
   runs batches while the test stalls (SIGSTOP), kills and restarts the daemon;
 - S1, S2: tierd as the secondary tier of vLLM's own offloading: S1 stores, a fresh S2 loads; one
-  LoRA adapter is retrained in place between them (same name and path, new weights).
+  LoRA adapter is retrained in place between them (same name and path, new weights);
+- P3: a vLLM with the connector on the same checkpoint, told one load-time setting that changes
+  KV (`hf_overrides` of rope_theta): it shares nothing with the engines before it.
 Every engine runs the same batches in the same order (fp32, greedy), with vLLM's own prefix cache
 off (hits are tierd's alone), a token budget below the prompt length (chunked prefill) and a KV
 cache small enough to force preemption. Each engine's time is limited (tests/vllm_wait.py: a
@@ -114,6 +116,9 @@ S1_BATCHES = [batch("repeat", "R1", ("R2", {"salt": "tenant-a"})),
 S2_BATCHES = [batch("repeat", "R1", ("R2", {"salt": "tenant-a"})),
               batch("tier_lora_b", ("Z", {"lora": "B"})),
               batch("tier_lora_a", ("X", {"lora": "A"}))]
+# P3: the prompts P1 and P2 stored, on an engine whose rope_theta is overridden at load
+P3_BATCHES = [batch("repeat", "R1", ("R2", {"salt": "tenant-a"})), batch("shared", "S0", "S1")]
+P3_ENGINE = {**ENGINE, "hf_overrides": {"rope_theta": 10000.0}}   # the checkpoint has 500000
 # P0's references for them (the retrained A's weights are the adapter A2 there)
 REF_BATCHES = [batch("tier_lora_b", ("Z", {"lora": "B"})), batch("tier_lora_a", ("X", {"lora": "A2"}))]
 
@@ -227,6 +232,11 @@ def runs(tmp_path_factory):
         _retrain_in_place(tmp / "lora-a", tmp / "lora-a2")
         out["s2"] = _run(py, _spec(tmp, "s2", model, loras, S2_BATCHES, url, tier=True), tmp / "s2.log", budget)
         out["stats_s2"] = _stats(url)
+
+        spec = _spec(tmp, "p3", model, {}, P3_BATCHES, url)
+        spec.write_text(json.dumps(dict(json.loads(spec.read_text()), engine=P3_ENGINE)))
+        out["p3"] = _run(py, spec, tmp / "p3.log", budget)
+        out["stats_p3"] = _stats(url)
         yield out
     finally:
         if daemon.alive():
@@ -367,3 +377,18 @@ def test_the_secondary_tier_keys_lora_adapters_by_content(runs):
     # A under the same name and path, retrained: nothing of the old A is served
     assert _external(runs["s2"], "tier_lora_a") == 0
     assert _tokens(runs["s2"], "tier_lora_a") == _reference(runs, "tier_lora_a")
+
+
+def test_an_engine_with_a_load_time_override_shares_nothing(runs):
+    """Same checkpoint, same prompts, one setting applied at load that changes K (rope_theta):
+    the engines before it stored these prefixes, and it must find none of them."""
+    p3, p2 = runs["p3"], runs["p2"]
+    assert _external(p2, "repeat") > 0, "the engine without the override did hit: the test shows nothing"
+    for name in ("repeat", "shared"):
+        assert _external(p3, name) == 0, f"{name}: KV computed with another rope_theta was served"
+    # the connector was on, storing under a namespace of its own
+    before, after = runs["stats_s2"]["namespaces"], runs["stats_p3"]["namespaces"]
+    new = [ns for name, ns in after.items() if name not in before]
+    assert new and sum(ns["puts"] for ns in new) > 0, "the overridden engine stored nothing: was it declined?"
+    # and what it computed is its own: the same prompts give other tokens than the checkpoint's
+    assert _tokens(p3, "repeat") != _expected(runs, "p2", "repeat")
