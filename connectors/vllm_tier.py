@@ -249,6 +249,7 @@ class TierdTier(SecondaryTierManager):
         if url.startswith("unix:") and "timeout_s=" not in url:
             url += ("&" if "?" in url else "?") + f"timeout_s={timeout_s:g}"
         self._url = url
+        self._timeout_s = float(timeout_s)
         self._stores: dict[str, Any] = {}
         self._down_until = 0.0
         self._lock = threading.Lock()
@@ -366,7 +367,15 @@ class TierdTier(SecondaryTierManager):
         self._lookups.flush()
 
     def drain_jobs(self) -> None:
+        """Wait for the jobs submitted so far, at most a few request timeouts: each job's requests
+        are bounded by `timeout_s`, but a wait on a tier is never unbounded (a job stuck past
+        that is left to the transfer thread and reported when it ends)."""
+        deadline = time.monotonic() + max(5.0, 3 * self._timeout_s)
         while self._pending:
+            if time.monotonic() >= deadline:
+                log.warning("tierd tier: %d transfer jobs still running after %.0f s; not waiting longer",
+                            self._pending, max(5.0, 3 * self._timeout_s))
+                return
             time.sleep(0.001)
 
     def shutdown(self) -> None:

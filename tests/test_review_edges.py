@@ -326,3 +326,29 @@ def test_events_refuse_every_transport_that_leaves_the_host_unless_allowed(addr)
     check_bind_address(addr, allow_remote=True)
     for ok in ("ipc:///run/tierd/events", "tcp://127.0.0.1:5557", "tcp://[::1]:5557", "inproc://x"):
         check_bind_address(ok, allow_remote=False)
+
+
+# -- 1 (the client's side): a connection the daemon closed -------------------------------------
+
+def test_a_client_never_writes_through_the_staged_slots_of_a_connection_its_daemon_closed(tmp_path):
+    """The daemon restarts under a client that holds staged slots. The client's next put must
+    not copy into them (they were the old connection's: the new daemon owns that memory now, or
+    hands it to others): it notices the closed connection first, reconnects and stores."""
+    d = DaemonProc(tmp_path).start()
+    ns = make_ns(model="restarted")
+    a = Client(d.socket, name="a")
+    try:
+        keys = chain(ns, 1, 2)
+        a.put(ns, keys, [block_for(ns, k) for k in keys])
+        a.where(ns, keys)
+        assert pool_size(a) > 0
+        d.stop()
+        d.start()
+        more = chain(ns, 2, 3)
+        assert a.put(ns, more, [block_for(ns, k) for k in more]) == 3
+        assert a.lookup(ns, more) == 3 and assert_exact(d, ns, more) == 3
+        assert daemon_staged(d, "a") == pool_size(a)
+    finally:
+        a.close()
+        if d.alive():
+            assert d.stop() == 0

@@ -316,6 +316,12 @@ class Client(DaemonConnection):
         with self._lock:
             if not self._stage_ok or self._sock is None:
                 return None
+            if self._hup.poll(0):
+                # the daemon closed this connection (it stopped, or refused a frame): the slots
+                # in the pool were the connection's and are another client's now; never write
+                # through them (the reserve path reconnects)
+                self._disconnect()
+                return None
             idx = self._index
             present = idx.key_states(nsobj.id, keys) if idx is not None and idx.fresh() else None
             putting = self._putting

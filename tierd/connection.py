@@ -221,9 +221,9 @@ class DaemonConnection:
         if desc and self.use_index:
             from .index import SharedIndex
             self._index = SharedIndex.open(desc["path"], int(desc["instance"]))
-        if self._index is not None:
-            self._hup = select.poll()
-            self._hup.register(self._sock, select.POLLRDHUP)
+        # the daemon's end of this connection closed (a poll, no read): its slots are gone
+        self._hup = select.poll()
+        self._hup.register(self._sock, select.POLLRDHUP)
 
     def _index_usable(self) -> bool:
         """The shared index answers for the daemon only while this connection is up (a dead
