@@ -117,7 +117,7 @@ S2_BATCHES = [batch("repeat", "R1", ("R2", {"salt": "tenant-a"})),
               batch("tier_lora_b", ("Z", {"lora": "B"})),
               batch("tier_lora_a", ("X", {"lora": "A"}))]
 # P3: the prompts P1 and P2 stored, on an engine whose rope_theta is overridden at load
-P3_BATCHES = [batch("repeat", "R1", ("R2", {"salt": "tenant-a"})), batch("shared", "S0", "S1")]
+P3_BATCHES = [batch("repeat", "R1", ("R2", {"salt": "tenant-a"})), batch("s0", "S0")]
 P3_ENGINE = {**ENGINE, "hf_overrides": {"rope_theta": 10000.0}}   # the checkpoint has 500000
 # P0's references for them (the retrained A's weights are the adapter A2 there)
 REF_BATCHES = [batch("tier_lora_b", ("Z", {"lora": "B"})), batch("tier_lora_a", ("X", {"lora": "A2"}))]
@@ -384,7 +384,7 @@ def test_an_engine_with_a_load_time_override_shares_nothing(runs):
     the engines before it stored these prefixes, and it must find none of them."""
     p3, p2 = runs["p3"], runs["p2"]
     assert _external(p2, "repeat") > 0, "the engine without the override did hit: the test shows nothing"
-    for name in ("repeat", "shared"):
+    for name in ("repeat", "s0"):   # (one request per prompt: no hit on its own stores)
         assert _external(p3, name) == 0, f"{name}: KV computed with another rope_theta was served"
     # the connector was on, storing under a namespace of its own
     before, after = runs["stats_s2"]["namespaces"], runs["stats_p3"]["namespaces"]

@@ -180,11 +180,15 @@ def runs(tmp_path_factory):
         # vLLM's CPU linear attention (GDN) runs in bf16 only; its prefix caching puts the
         # state in "align" mode (kept at block boundaries), which the connector needs
         qeng = {"dtype": "bfloat16", "enable_prefix_caching": True}
+        # the state is kept at vLLM's block boundaries, whose size vLLM derives from the machine
+        # (256 tokens on some CPUs, 128 on others): tier blocks of one engine block, as the
+        # connector asks (block_tokens unset); the counts below hold for either size
+        qconn = dict(engine=qeng, block_tokens=None)
         c_salted = {"name": "ref", "prompts": [{"tokens": PROMPTS["C2"], "max_tokens": 16, "salt": "ref"}]}
-        run("q1", qnext, [c_salted, batch("store", "A", "B")], engine=qeng)
+        run("q1", qnext, [c_salted, batch("store", "A", "B")], **qconn)
         # C2 first: its 256-token hit is the tier's, not vLLM's own cache's
-        run("q2", qnext, [batch("partial", "C2"), batch("load", "A", "B")], engine=qeng)
-        run("qx", qnext, [batch("load", "A")], engine=qeng, module="tests.vllm_mutant", mutation="no_state")
+        run("q2", qnext, [batch("partial", "C2"), batch("load", "A", "B")], **qconn)
+        run("qx", qnext, [batch("load", "A")], module="tests.vllm_mutant", mutation="no_state", **qconn)
         # Granite-4-like (Mamba2 + attention): vLLM's CPU build fails in its own Mamba2 kernel with
         # prefix caching on (connector or not); with it off there is no state to cache
         run("k1", granite, [batch("plain", "A")], engine={"enable_prefix_caching": False})
