@@ -10,7 +10,7 @@ One module-wide run does the work, so the suite starts three engines, not one pe
 - S1, S2: tierd as the secondary tier of vLLM's own offloading: S1 stores, a fresh S2 loads; one
   LoRA adapter is retrained in place between them (same name and path, new weights);
 - P3: a vLLM with the connector on the same checkpoint, told one load-time setting that changes
-  KV (`hf_overrides` of rope_theta): it shares nothing with the engines before it.
+  KV (`hf_overrides` of the rope parameters): it shares nothing with the engines before it.
 Every engine runs the same batches in the same order (fp32, greedy), with vLLM's own prefix cache
 off (hits are tierd's alone), a token budget below the prompt length (chunked prefill) and a KV
 cache small enough to force preemption. Each engine's time is limited (tests/vllm_wait.py: a
@@ -118,7 +118,8 @@ S2_BATCHES = [batch("repeat", "R1", ("R2", {"salt": "tenant-a"})),
               batch("tier_lora_a", ("X", {"lora": "A"}))]
 # P3: the prompts P1 and P2 stored, on an engine whose rope_theta is overridden at load
 P3_BATCHES = [batch("repeat", "R1", ("R2", {"salt": "tenant-a"})), batch("s0", "S0")]
-P3_ENGINE = {**ENGINE, "hf_overrides": {"rope_theta": 10000.0}}   # the checkpoint has 500000
+# (the checkpoint's config has rope_parameters {rope_theta: 10000, rope_type: default})
+P3_ENGINE = {**ENGINE, "hf_overrides": {"rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}}
 # P0's references for them (the retrained A's weights are the adapter A2 there)
 REF_BATCHES = [batch("tier_lora_b", ("Z", {"lora": "B"})), batch("tier_lora_a", ("X", {"lora": "A2"}))]
 
