@@ -113,6 +113,15 @@ def test_a_stage_that_times_out_in_the_daemon_gives_back_only_the_slots_it_took(
 
 # -- 3: a write-down racing a flush ------------------------------------------------------------
 
+def sync_quietly(d) -> None:
+    """A `sync` on its own connection that the daemon's kill may cut short (not what is tested)."""
+    try:
+        with Client(d.socket, stage_bytes=0) as c:
+            c.sync()
+    except TierdError:
+        pass
+
+
 def served(d, ns, keys) -> int:
     with Client(d.socket, stage_bytes=0) as c:
         return sum(c.lookup(ns, keys[i:i + 1]) for i in range(len(keys)))
@@ -131,7 +140,7 @@ def test_a_flush_beside_a_sync_of_thousands_of_blocks_stays_flushed_after_kill_9
             keys = chain(ns, 100 + attempt, 6000)
             with Client(d.socket, stage_bytes=0) as c:
                 put_all(c, ns, keys, step=200)
-            syncing = threading.Thread(target=lambda: Client(d.socket, stage_bytes=0).sync())
+            syncing = threading.Thread(target=sync_quietly, args=(d,))
             syncing.start()
             time.sleep(0.05 + 0.1 * attempt)
             with Client(d.socket, stage_bytes=0) as c:
@@ -159,7 +168,7 @@ def test_a_flush_while_a_slab_header_write_hangs_stays_flushed_after_kill_9(tmp_
         with Client(d.socket, stage_bytes=0) as c:
             put_all(c, ns, keys)
         faults.write_text("write=hang:5")
-        syncing = threading.Thread(target=lambda: Client(d.socket, stage_bytes=0).sync())
+        syncing = threading.Thread(target=sync_quietly, args=(d,))
         syncing.start()
         time.sleep(0.5)                                   # the header write hangs
         with Client(d.socket, stage_bytes=0) as c:
@@ -352,3 +361,32 @@ def test_a_client_never_writes_through_the_staged_slots_of_a_connection_its_daem
         a.close()
         if d.alive():
             assert d.stop() == 0
+
+
+def test_a_writer_dropped_while_its_stage_waits_for_room_is_left_no_staged_slot(tmp_path):
+    """A `stage` that must write a block down to make room lets go of the store lock; the
+    writer's connection ends meanwhile (`drop_owner`) with no slot staged yet. The stage must
+    then stage nothing: no one would ever give such slots back."""
+    import threading
+    from tierd import TieredStore
+    from .helpers import small_config
+    faults = tmp_path / "faults"
+    s = TieredStore(small_config(tmp_path, host_high_watermark=1.0, host_low_watermark=1.0,
+                                 host_dirty_ratio=1.0, disk_fault_file=str(faults), disk_stall_s=30.0))
+    try:
+        ns = make_ns()
+        keys = chain(ns, 1, 200)                      # 3 MiB of blocks with no disk copy, 1 MiB host
+        for i in range(0, len(keys), 10):
+            s.put(ns, keys[i:i + 10], [block_for(ns, k) for k in keys[i:i + 10]])
+        faults.write_text("write=hang:2")
+        got = []
+        t = threading.Thread(target=lambda: got.append(s.stage(ns, 2, owner="w")))
+        t.start()
+        wait_for(lambda: s.disk.oldest_io() is not None, what="the stage's write down to hang")
+        assert s.drop_owner("w") == (0, 0)
+        faults.write_text("")
+        t.join(10)
+        assert got == [[]] and s.staged_slots("w") == 0 and s.staged_slots() == 0
+    finally:
+        faults.write_text("")
+        s.close()

@@ -214,8 +214,9 @@ class BlockIndex:
 
     def _new_block(self, ikey: bytes, st: NsState, key: bytes) -> Block:
         """(Lock held.) Index a new block record. Invariant: `st.records` counts the records
-        of `st` in `_blocks`, and `st` is the table's state of its namespace (`_live_ns`)."""
-        st = self._live_ns(st)
+        of `st` in `_blocks`, and `st` is the table's state of its namespace
+        (`NamespaceTable.live`)."""
+        st = self._namespaces.live(st)
         b = self._blocks[ikey] = Block(ikey, st, key)
         st.records += 1
         return b

@@ -126,10 +126,6 @@ class Registration:
                 "or the name of a registered one (see stats)")
         raise TypeError(f"expected a tierd.Namespace, got {type(ns).__name__}")
 
-    def _live_ns(self, st: NsState) -> NsState:
-        """(Lock held.) The table's state of `st`'s namespace (`NamespaceTable.live`)."""
-        return self._namespaces.live(st)
-
     def namespace_count(self) -> int:
         with self._cond:
             return len(self._namespaces)

@@ -164,7 +164,7 @@ class Holdings:
 
     def counts(self) -> tuple[int, int, int]:
         """(open reservations, open leases, staged slots)."""
-        return len(self._reservations), len(self._leases), sum(len(m) for m in self._staged.values())
+        return len(self._reservations), len(self._leases), self.staged_count()
 
     # -- staged slots ----------------------------------------------------------------------------
     def staging(self, owner) -> dict:
@@ -210,8 +210,9 @@ class Holdings:
 
     def unstage(self, owner, offsets: Sequence[int] | None) -> list[int]:
         """`owner`'s staged slots at `offsets` (None: all of them), no longer staged; offsets it
-        does not hold are ignored."""
-        mine = self._staged.get(owner)
+        does not hold are ignored. All of them also ends `owner`'s staging: a `stage` under way
+        for it (one that let go of the lock) adds nothing after this (`add_staged`)."""
+        mine = self._staged.pop(owner, None) if offsets is None else self._staged.get(owner)
         if not mine:
             return []
         gone = list(mine) if offsets is None else [o for o in dict.fromkeys(offsets)
@@ -222,7 +223,7 @@ class Holdings:
             st.staged -= 1
             slots.append(slot)
         if not mine:
-            del self._staged[owner]
+            self._staged.pop(owner, None)
         return slots
 
     def staged_count(self, owner=...) -> int:
@@ -326,7 +327,7 @@ class Ownership:
                     slot = self._host_alloc(st)   # may let go of the lock
                 if slot is None:
                     break
-                st = self._live_ns(st)   # (forgotten while the lock was let go: the table's own)
+                st = self._namespaces.live(st)   # (forgotten while the lock was let go: the table's own)
                 off = self.host.alloc.offset(slot)
                 if not self._held.add_staged(owner, token, off, slot, st):
                     self.host.free_slot(slot)   # dropped (drop_owner) while the lock was let go
