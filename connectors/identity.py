@@ -70,10 +70,13 @@ class Identity:
     model: str
     kv_dtype: str
     kv_scales: str = ""
+    label: str = dataclasses.field(default="", compare=False)   # the model's name as the engine was
+    #                                                               given it: for stats, not identity
 
     def namespace(self, **layout: Any) -> Namespace:
         try:
-            return Namespace(model=self.model, kv_dtype=self.kv_dtype, kv_scales=self.kv_scales, **layout)
+            return Namespace(model=self.model, kv_dtype=self.kv_dtype, kv_scales=self.kv_scales,
+                             **layout).with_label(self.label)
         except NamespaceError as e:
             raise Declined(str(e)) from None
 
@@ -84,7 +87,17 @@ def identify(settings: EngineSettings, *, kv_dtype: Any = None) -> Identity:
     keyed."""
     model = model_identity(settings)
     kv = kv_cache_dtype(settings, actual=kv_dtype)
-    return Identity(model=model, kv_dtype=kv, kv_scales=kv_scales(settings, kv))
+    return Identity(model=model, kv_dtype=kv, kv_scales=kv_scales(settings, kv), label=engine_label(settings.model))
+
+
+def engine_label(model: str) -> str:
+    """The name an engine's model goes by in stats: a hub name as given, a directory by its name
+    (and its parent's, where the name is a snapshot's hash)."""
+    m = str(model).rstrip("/")
+    if not os.path.isabs(m) and not m.startswith("."):
+        return m
+    parts = Path(m).parts
+    return "/".join(parts[-3:-2] + parts[-1:]) if len(parts) >= 3 and parts[-2] == "snapshots" else parts[-1] if parts else m
 
 
 # -- the model ---------------------------------------------------------------------------------

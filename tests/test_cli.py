@@ -186,7 +186,8 @@ def test_systemd_unit_passes_systemd_analyze_verify(tmp_path):
         pytest.skip("systemd-analyze is not installed here")
     unit = (ROOT / "systemd" / "tierd.service").read_text()
     exe = shutil.which("tierd") or str(ROOT / ".venv" / "bin" / "tierd")
-    (tmp_path / "tierd.service").write_text(unit.replace("/usr/bin/tierd", exe))
+    # the unit runs the venv systemd/install.sh makes (test_systemd_install.py runs that install)
+    (tmp_path / "tierd.service").write_text(unit.replace("/opt/tierd/bin/tierd", exe))
     r = subprocess.run([tool, "verify", str(tmp_path / "tierd.service")], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     for needed in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "LimitMEMLOCK=infinity",

@@ -307,6 +307,76 @@ def test_peer_with_another_uid_is_refused(tmp_path):
         shutil.rmtree(base, ignore_errors=True)
 
 
+PEER_CLIENT = """
+import json, os, sys, time
+import numpy as np
+import tierd
+from tierd.client import Client
+from tierd.errors import TierdError
+from tests.helpers import make_ns, chain
+ns = make_ns()
+keys = chain(ns, 2, 7)
+blocks = [np.full(ns.block_shape, i + 3, dtype=np.float16) for i in range(len(keys))]
+groups = json.loads(sys.argv[2])
+# what runs from here on imports nothing more from the interpreter's tree (mode 0700 here)
+os.setgroups(groups); os.setgid(65534); os.setuid(65534)   # an engine user, in these groups
+t0 = time.monotonic()
+try:
+    with Client(sys.argv[1], timeout_s=10) as c:
+        c.put(ns, keys, blocks)
+        with c.acquire(ns, keys) as lease:
+            ok = all(np.array_equal(np.frombuffer(b, np.float16).reshape(ns.block_shape), x)
+                     for b, x in zip(lease.buffers, blocks))
+        print(json.dumps({"ok": ok}))
+except TierdError as e:
+    print(json.dumps({"error": type(e).__name__, "message": str(e), "s": time.monotonic() - t0}))
+"""
+
+
+def test_a_member_of_an_allowed_group_by_supplementary_group_connects_and_others_learn_why(tmp_path):
+    """allowed_gids, and the daemon's own group, admit a peer by any of its groups (an engine
+    user added to group tierd with `usermod -aG`, a pod's supplementalGroups), not only its
+    primary gid; a refused peer's client raises the daemon's reason (never "broken pipe during
+    hello"), and one the socket's mode keeps out is told which group to join."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a client under another uid")
+    import json
+    import shutil
+    import tempfile
+    from pathlib import Path
+    base = Path(tempfile.mkdtemp(prefix="tierd-peer-"))  # reachable by uid 65534, unlike tmp_path
+    base.chmod(0o755)
+    (base / "run").mkdir(mode=0o755)
+    # the daemon runs as root:root here; the socket and (for this test) the arena are open to all
+    # (mode 0666), so the peer check is what admits or refuses
+    d = DaemonProc(base, toml='allowed_gids = [4242]\nsocket_mode = "0666"\n' + SMALL_TOML)
+    d.start()
+    for f in (base / "arena").iterdir():
+        f.chmod(0o666)
+    try:
+        def client(groups):
+            r = subprocess.run([sys.executable, "-c", PEER_CLIENT, d.socket, json.dumps(groups)], cwd=ROOT,
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            return json.loads(r.stdout.strip().splitlines()[-1])
+        assert client([4242]) == {"ok": True}, "a member of an allowed group by a supplementary group"
+        assert client([0]) == {"ok": True}, "a member of the daemon's own group (the socket's)"
+        refused = client([])
+        assert refused["error"] == "ForbiddenError", refused
+        assert "uid 65534" in refused["message"] and "allowed_gids [4242]" in refused["message"], refused
+        assert refused["s"] < 5
+        with Client(d.socket) as c:
+            assert c.stats()["daemon"]["refused_peers"] == 1
+        # a socket whose mode keeps the client out: the client says which group to join
+        os.chmod(d.socket, 0o660)
+        refused = client([])
+        assert refused["error"] == "DaemonUnavailableError" and "usermod -aG" in refused["message"], refused
+        assert "mode 0660" in refused["message"], refused
+    finally:
+        assert d.stop() == 0
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def test_request_over_its_time_limit_gets_a_timeout_reply(tmp_path):
     from tierd.protocol import RemoteError
     d = DaemonProc(tmp_path, toml=SMALL_TOML + "[limits]\nrequest_timeout_s = 0.001\n").start()

@@ -1,4 +1,4 @@
-"""The `tierd` command: serve, stats, flush, sync, ping, size.
+"""The `tierd` command: serve, stats, flush, sync, ping, clean, size.
 
 Every client command takes --socket; an unreachable daemon or any other error prints one line
 on stderr and exits 1 (2 for usage errors). This module parses arguments and formats output;
@@ -15,13 +15,26 @@ import sys
 import time
 
 from . import __version__
-from .config import default_socket_path, format_size, parse_size, total_ram_bytes
-from .errors import TierdError
+from .config import default_socket_path, format_size, parse_size
+from .errors import ConfigError, TierdError
+
+
+class UsageError(TierdError):
+    """A command used in a way it refuses (exit status 2)."""
 from .report import format_stats, table
 
 
+SYSTEM_SOCKET = "/run/tierd/tierd.sock"   # the service's (systemd/tierd.toml, deploy/kubernetes)
+
+
 def _socket_default() -> str:
-    return os.environ.get("TIERD_SOCKET") or default_socket_path()
+    """TIERD_SOCKET, else the node's daemon where there is one (whoever runs the command: an
+    engine user in group tierd too), else this user's own daemon's socket."""
+    if os.environ.get("TIERD_SOCKET"):
+        return os.environ["TIERD_SOCKET"]
+    own = default_socket_path()
+    return SYSTEM_SOCKET if own != SYSTEM_SOCKET and os.path.exists(SYSTEM_SOCKET) and not os.path.exists(own) \
+        else own
 
 
 def _client(args):
@@ -73,7 +86,10 @@ def cmd_stats(args) -> int:
 
 def cmd_flush(args) -> int:
     what = f"tier {args.tier}" + (f", namespace {args.namespace}" if args.namespace else ", all namespaces")
-    if not args.yes and sys.stdin.isatty():
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise UsageError(f"flush drops every block of {what} and asks first; with no terminal to ask "
+                             "on, pass --yes")
         answer = input(f"Drop every block of {what} from the daemon at {args.socket}? [y/N] ")
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing dropped")
@@ -88,6 +104,9 @@ def cmd_sync(args) -> int:
     tty = sys.stdout.isatty()
     total_written = 0
     with _client(args) as c:
+        if args.remote and "remote" not in c.stats().get("tiers", {}):
+            raise ConfigError(f"the daemon at {args.socket} has no remote tier ([remote] url): --remote has "
+                              "nowhere to send blocks; nothing was done")
         if not tty:
             total_written = c.sync()
         else:
@@ -105,8 +124,55 @@ def cmd_sync(args) -> int:
     if args.remote:
         with _client(args) as c:
             pushed, pending = c.push_remote()
+            remote = c.stats().get("tiers", {}).get("remote", {})
         print(f"remote: {pushed} blocks sent to the shared tier" + (f", {pending} still queued" if pending else ""))
+        if remote.get("degraded") or pending:
+            # a drained node must not look handed off when its blocks did not reach the fleet
+            state = f"degraded ({remote['degraded']})" if remote.get("degraded") else "behind"
+            print(f"tierd sync: the remote tier is {state}: {pending} blocks still queued, not sent",
+                  file=sys.stderr)
+            return 1
     return 0
+
+
+def cmd_clean(args) -> int:
+    """List, then remove, the host arenas of daemons that are not running."""
+    from . import leftovers
+    from .config import load_serve_config
+    dirs = list(args.arena_dir or [])
+    if not dirs or args.config:
+        dirs.insert(0, load_serve_config(args.config).arena_dir)
+    found = leftovers.find(dirs)
+    rows = [[g.base, str(g.uid), str(len(g.files)), format_size(g.bytes), g.live_because or "not running"]
+            for g in found]
+    stale = [g for g in found if not g.live]
+    if not found:
+        print(f"no tierd arenas in {', '.join(dirs)}")
+        return 0
+    print(table(rows, ["arena", "uid", "files", "memory", "state"]))
+    if not stale or args.list:
+        return 0
+    total = sum(g.bytes for g in stale)
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise UsageError(f"{len(stale)} arenas of stopped daemons ({format_size(total)}) would be removed and "
+                             "their blocks lost; with no terminal to ask on, pass --yes (or --list to only list)")
+        answer = input(f"Remove {len(stale)} arenas of stopped daemons ({format_size(total)}); a daemon started "
+                       "on them later starts with an empty host tier. [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing removed")
+            return 1
+    failed = 0
+    for g in stale:
+        try:
+            gone = leftovers.remove(g)
+        except (RuntimeError, OSError) as e:
+            print(f"tierd clean: kept {g.base}: {e}", file=sys.stderr)
+            failed += 1
+            continue
+        print(f"removed {g.base} ({len(gone)} files)")
+    print(f"freed {format_size(total)}" if not failed else f"{failed} arenas could not be removed")
+    return 1 if failed else 0
 
 
 def cmd_ping(args) -> int:
@@ -116,44 +182,120 @@ def cmd_ping(args) -> int:
     return 0
 
 
+def kv_plan(cfg: dict, *, tp: int = 1, kv_dtype: str = "auto", block_tokens: int = 256) -> dict:
+    """What the connectors store per token of a model (its config.json as read by
+    `read_model_config`), at tensor-parallel size `tp`: the layout, the bytes one rank's
+    namespace holds per token, and how many ranks store their own copy.
+
+    - Full attention (Llama-like): K and V of every KV head, `layers x 2 x kv_heads x head_dim x
+      bytes`, split across ranks: each rank stores `kv_heads / tp` heads (one head, replicated,
+      where tp exceeds the KV heads, as engines do; other splits engines refuse).
+    - MLA (DeepSeek-V2/V3-like: `kv_lora_rank` in the config): one latent row per token,
+      `layers x (kv_lora_rank + qk_rope_head_dim) x bytes`, the same on every rank, so stored
+      once for all of them."""
+    from .namespace import DTYPE_BYTES, canonical_dtype
+    layers = int(cfg["num_hidden_layers"])
+    heads = int(cfg.get("num_attention_heads") or 1)
+    if kv_dtype == "auto":
+        kv_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float16"
+    dtype = canonical_dtype(kv_dtype)
+    nbytes = DTYPE_BYTES[dtype]
+    if tp < 1:
+        raise TierdError(f"--tp {tp}: must be at least 1")
+    if cfg.get("kv_lora_rank"):
+        latent = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
+        return {"layout": "mla", "layers": layers, "heads": heads, "kv_heads": 1, "kv_heads_per_rank": 1,
+                "head_dim": latent, "planes": 1, "dtype": dtype, "dtype_bytes": nbytes, "copies": 1,
+                "bytes_per_token_rank": layers * latent * nbytes,
+                "formula": f"layers x (kv_lora_rank + rope dims) x bytes = {layers} x {latent} x {nbytes}",
+                "tp": tp, "block_tokens": block_tokens}
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    if kv_heads % tp == 0:
+        per_rank = kv_heads // tp
+    elif tp % kv_heads == 0:
+        per_rank = 1                     # each head replicated on tp / kv_heads ranks
+    else:
+        raise TierdError(f"--tp {tp} splits neither {kv_heads} KV heads evenly nor replicates them evenly; "
+                         "engines refuse that tensor-parallel size for this model")
+    return {"layout": "gqa" if kv_heads < heads else "mha", "layers": layers, "heads": heads,
+            "kv_heads": kv_heads, "kv_heads_per_rank": per_rank, "head_dim": head_dim, "planes": 2,
+            "dtype": dtype, "dtype_bytes": nbytes, "copies": tp,
+            "bytes_per_token_rank": layers * 2 * per_rank * head_dim * nbytes,
+            "formula": f"layers x 2 x kv_heads{' per rank' if tp > 1 else ''} x head_dim x bytes = "
+                       f"{layers} x 2 x {per_rank} x {head_dim} x {nbytes}",
+            "tp": tp, "block_tokens": block_tokens}
+
+
 def cmd_size(args) -> int:
-    """KV memory planning for a model directory; needs no daemon."""
+    """KV memory planning for a model directory; needs no daemon. Tier sizes and slab sizes
+    come from the same settings `tierd serve` reads (its config file, TIERD_* variables,
+    defaults), unless given here."""
     from .arena import plan_slabs, slot_bytes_for
-    from .namespace import Namespace, read_model_config
+    from .config import load_serve_config
+    from .namespace import read_model_config
     cfg = read_model_config(args.model)
-    ns = Namespace.from_model_dir(args.model, kv_dtype=args.kv_dtype, block_tokens=args.block_tokens,
-                                  revision="size-only", tp_size=args.tp)
+    try:
+        plan = kv_plan(cfg, tp=args.tp, kv_dtype=args.kv_dtype, block_tokens=args.block_tokens)
+    except KeyError as e:
+        raise TierdError(f"{args.model}/config.json: {e.args[0]} is missing") from None
+    serve = load_serve_config(args.config, {"host.bytes": args.host_bytes, "disk.bytes": args.disk_bytes})
+    store = serve.store.resolved()   # sizes in bytes, as the daemon reads them (10%: of RAM, of the disk)
     max_len = args.max_seq_len or int(cfg.get("max_position_embeddings") or 4096)
-    per_token = ns.bytes_per_token
-    heads = int(cfg.get("num_attention_heads", ns.num_kv_heads))
-    print(f"model {args.model}: {ns.num_layers} layers, {heads} query heads, "
-          f"{ns.num_kv_heads * args.tp} KV heads ({'GQA' if ns.num_kv_heads * args.tp < heads else 'MHA'}), "
-          f"head_dim {ns.head_dim}, KV dtype {ns.kv_dtype}" + (f", per TP rank of {args.tp}" if args.tp > 1 else ""))
-    print(f"KV bytes per token = layers x 2 x kv_heads x head_dim x bytes = {ns.num_layers} x 2 x "
-          f"{ns.num_kv_heads} x {ns.head_dim} x {ns.dtype_bytes} = {per_token} ({format_size(per_token)})")
+    per_rank = plan["bytes_per_token_rank"]
+    per_token = per_rank * plan["copies"]          # every rank's share: what one token costs a tier
+    block_bytes = per_rank * args.block_tokens     # one tier block: one rank's namespace
+    tp = args.tp
+    if plan["layout"] == "mla":
+        what = (f"MLA: latent of {plan['head_dim']} per token (kv_lora_rank + rope dims), "
+                f"{plan['heads']} query heads" + (f"; the same on all {tp} TP ranks, stored once" if tp > 1 else ""))
+    else:
+        what = (f"{plan['heads']} query heads, {plan['kv_heads']} KV heads ({plan['layout'].upper()}), head_dim "
+                f"{plan['head_dim']}" + (f"; {plan['kv_heads_per_rank']} KV heads per rank of TP {tp}"
+                                          + (" (replicated)" if tp > plan["kv_heads"] else "") if tp > 1 else ""))
+    out = {"model": args.model, **plan, "bytes_per_token": per_token, "block_bytes": block_bytes,
+           "max_seq_len": max_len, "batch": args.batch, "tiers": []}
+    lines = [f"model {args.model}: {plan['layers']} layers, {what}, KV dtype {plan['dtype']}",
+             f"KV bytes per token{' per rank' if plan['copies'] > 1 else ''} = {plan['formula']} = {per_rank} "
+             f"({format_size(per_rank)})" + (f"; x {plan['copies']} ranks = {per_token} ({format_size(per_token)})"
+                                              if plan["copies"] > 1 else "")]
     rows = [["per token", "1", format_size(per_token)],
             ["per request", f"{max_len} tokens", format_size(per_token * max_len)],
             ["per batch", f"{args.batch} x {max_len} tokens", format_size(per_token * max_len * args.batch)],
-            [f"tier block ({ns.block_tokens} tokens)", "", format_size(ns.block_bytes)]]
-    print(table(rows, ["", "size", "KV bytes"]))
+            [f"tier block ({args.block_tokens} tokens{', one rank' if plan['copies'] > 1 else ''})", "",
+             format_size(block_bytes)]]
     tiers = []
-    for name, size, slab in (("host", args.host_bytes, 64 << 20), ("disk", args.disk_bytes, 256 << 20)):
-        total = parse_size(size, total=total_ram_bytes() if name == "host" else None, what=f"{name} bytes")
-        slot = slot_bytes_for(ns.block_bytes) + (4096 if name == "disk" else 0)
+    for name, total, slab, source in (("host", store.host_bytes, store.host_slab_bytes, serve.sources["host.bytes"]),
+                                      ("disk", store.disk_bytes, store.disk_slab_bytes, serve.sources["disk.bytes"])):
+        if not total:   # no disk tier (disk.path "")
+            tiers.append([f"{name} ({serve.sources['disk.path']}: none)", "0B", "0", "0", "0"])
+            out["tiers"].append({"tier": name, "capacity_bytes": 0, "blocks": 0, "tokens": 0,
+                                 "source": serve.sources["disk.path"]})
+            continue
+        slot = slot_bytes_for(block_bytes) + (4096 if name == "disk" else 0)
         slab = max(slab, slot + 4096)
         n_slabs, slab = plan_slabs(total, slab, name)
         usable = slab - (4096 if name == "disk" else 0)
         blocks = n_slabs * (usable // slot) if slot <= usable else 0
-        tokens = blocks * ns.block_tokens
-        tiers.append([name, format_size(total), str(blocks), f"{tokens:,}", f"{tokens / max_len:,.1f}"])
+        tokens = blocks * args.block_tokens // plan["copies"]   # a token needs one block slot per copy
+        tiers.append([f"{name} ({source})", format_size(total), str(blocks), f"{tokens:,}", f"{tokens / max_len:,.1f}"])
+        out["tiers"].append({"tier": name, "capacity_bytes": total, "blocks": blocks, "tokens": tokens,
+                             "source": source})
     if args.remote_bytes:
         # a value is a hash of the slot header and the payload; Redis adds its own per-key overhead
         total = parse_size(args.remote_bytes, what="remote bytes")
-        per_value = ns.block_bytes + 112 + REDIS_VALUE_OVERHEAD
+        per_value = block_bytes + 112 + REDIS_VALUE_OVERHEAD
         blocks = total // per_value
-        tokens = blocks * ns.block_tokens
+        tokens = blocks * args.block_tokens // plan["copies"]
         tiers.append(["remote (shared)", format_size(total), str(blocks), f"{tokens:,}", f"{tokens / max_len:,.1f}"])
-    print(table(tiers, ["tier", "capacity", "blocks", "tokens", "full requests"]))
+        out["tiers"].append({"tier": "remote", "capacity_bytes": total, "blocks": blocks, "tokens": tokens,
+                             "source": "command line"})
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print("\n".join(lines))
+    print(table(rows, ["", "size", "KV bytes"]))
+    print(table(tiers, ["tier (size from)", "capacity", "blocks", "tokens", "full requests"]))
     return 0
 
 
@@ -193,6 +335,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remote", action="store_true",
                    help="also send the remote tier every host block it lacks (before draining a node)")
     client_cmd("ping", "check that the daemon answers", cmd_ping)
+    p = sub.add_parser("clean", help="remove the host arenas of daemons that are not running")
+    p.add_argument("--config", help="TOML config whose arena_dir to look in (default /etc/tierd/tierd.toml "
+                   "when present, else the default arena_dir)")
+    p.add_argument("--arena-dir", action="append", help="also look in this directory (repeatable)")
+    p.add_argument("--list", action="store_true", help="only list what is there")
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    p.set_defaults(fn=cmd_clean)
 
     p = sub.add_parser("size", help="KV memory planning for a model (no daemon needed)")
     p.add_argument("--model", required=True, help="model directory (config.json)")
@@ -200,9 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1, help="requests in a batch (default 1)")
     p.add_argument("--kv-dtype", default="auto", help="KV dtype: auto (from config), fp16, bf16, fp8, fp32")
     p.add_argument("--block-tokens", type=int, default=256, help="tokens per tier block (default 256)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (per-rank figures)")
-    p.add_argument("--host-bytes", default="10%", help="host tier size (default 10%% of RAM)")
-    p.add_argument("--disk-bytes", default="4GiB", help="disk tier size (default 4GiB)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: each rank stores its share")
+    p.add_argument("--config", help="the daemon's TOML config, for tier sizes (default: what `tierd serve` "
+                   "reads: /etc/tierd/tierd.toml when present, TIERD_* variables, its defaults)")
+    p.add_argument("--host-bytes", help="host tier size (default: the daemon's setting)")
+    p.add_argument("--disk-bytes", help="disk tier size (default: the daemon's setting)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--remote-bytes", default="", help="the shared remote tier's maxmemory (e.g. 512GiB)")
     p.set_defaults(fn=cmd_size)
     return ap
@@ -214,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args) or 0
     except KeyboardInterrupt:
         return 130
+    except UsageError as e:
+        print(f"tierd {args.command}: {e}", file=sys.stderr)
+        return 2
     except (TierdError, OSError) as e:
         print(f"tierd {args.command}: {e}", file=sys.stderr)
         return 1

@@ -124,7 +124,7 @@ class Client(DaemonConnection):
         self.timeout_s = timeout_s
         self.retries = retries
         self.connect_timeout_s = connect_timeout_s
-        self.name = name or f"pid{os.getpid()}"
+        self.name = name or f"{socket.gethostname()}/pid{os.getpid()}"[-64:]   # a pod's name, in a pod
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._sock: socket.socket | None = None
@@ -179,7 +179,7 @@ class Client(DaemonConnection):
                     if ns.name not in self._namespaces:
                         self._namespaces[ns.name] = ns   # a reconnect inside the call registers it too
                         try:
-                            self._call("register", namespaces=[ns.to_dict()])
+                            self._call("register", namespaces=[ns.to_dict()], labels=[ns.label])
                         except DaemonUnavailableError:
                             raise   # kept: the next connection's hello registers it
                         except BaseException:

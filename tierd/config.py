@@ -133,8 +133,11 @@ class StoreConfig:
         if c.disk_path is not None:
             c.disk_path = os.fspath(c.disk_path)
             disk_total = None
+            at = os.path.abspath(c.disk_path)
+            while not os.path.isdir(at) and os.path.dirname(at) != at:
+                at = os.path.dirname(at)   # the filesystem it will be made on
             try:
-                st = os.statvfs(c.disk_path if os.path.isdir(c.disk_path) else os.path.dirname(os.path.abspath(c.disk_path)) or ".")
+                st = os.statvfs(at)
                 disk_total = st.f_frsize * st.f_blocks
             except OSError:
                 pass
@@ -226,12 +229,25 @@ def _mode(v) -> int:
         raise ConfigError(f"expected an octal mode like 0660, got {v!r}") from None
 
 
+def _listen_addr(v) -> str:
+    """HOST:PORT to listen on ([::1]:PORT for IPv6; port 0: any free port), or "" for off."""
+    s = str(v).strip()
+    if not s:
+        return ""
+    host, sep, port = s.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"expected HOST:PORT with a port from 0 to 65535 (or \"\" for off), got {v!r}")
+    if host.startswith("[") != host.endswith("]"):
+        raise ConfigError(f"expected HOST:PORT with an IPv6 host in brackets ([::1]:9464), got {v!r}")
+    return s
+
+
 # TOML key -> (target, attribute, parser). target "store" is a StoreConfig field.
 SERVE_KEYS: dict[str, tuple[str, str, Any]] = {
     "socket": ("serve", "socket", str),
     "socket_mode": ("serve", "socket_mode", _mode),
     "arena_dir": ("serve", "arena_dir", str),
-    "metrics_addr": ("serve", "metrics_addr", str),
+    "metrics_addr": ("serve", "metrics_addr", _listen_addr),
     "allowed_uids": ("serve", "allowed_uids", _ids),
     "allowed_gids": ("serve", "allowed_gids", _ids),
     "operator_uids": ("serve", "operator_uids", _ids),

@@ -9,13 +9,16 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import grp
 import logging
 import mmap
 import os
 import select
 import socket
+import stat
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -84,6 +87,55 @@ class _Link:
         return not p.poll(0)
 
 
+def _modes(path: str) -> str:
+    """`DIR (mode 0750, group tierd)`: the first of `path`'s directories (or `path` itself)
+    that this process may not pass (or write), with its mode and group."""
+    here = Path(path).absolute()
+    eff = os.access in os.supports_effective_ids
+    for p in [*reversed(here.parents), here]:
+        if os.access(p, os.W_OK if p == here else os.X_OK, effective_ids=eff):
+            continue
+        try:
+            st = os.stat(p)
+        except OSError:
+            break
+        try:
+            group = grp.getgrgid(st.st_gid).gr_name
+        except KeyError:
+            group = str(st.st_gid)
+        return f"{p} (mode {stat.S_IMODE(st.st_mode):04o}, group {group})"
+    return str(here)
+
+
+def _who() -> str:
+    return (f"uid {os.geteuid()} (groups "
+            f"{', '.join(str(g) for g in sorted(set(os.getgroups()) | {os.getegid()}))})")
+
+
+def _connect_advice(path: str, e: OSError) -> str:
+    """What to do about a socket that cannot be connected to."""
+    if e.errno == errno.EACCES:
+        return (f"{_modes(path)} does not admit {_who()}: add this user to the daemon's group "
+                "(`usermod -aG tierd USER`, then a new login; a pod's supplementalGroups)")
+    if e.errno == errno.ENOENT:
+        return ("no socket there: is `tierd serve` running, with this --socket (and, in a container, is its "
+                "directory mounted)?")
+    return "is `tierd serve` running?"
+
+
+def _arena_advice(path: str, e: OSError) -> str:
+    """What to do about a host arena that cannot be opened."""
+    if e.errno == errno.ENOENT:
+        return ("the daemon's arena_dir must be visible here at the same path (in a container: mount "
+                f"{os.path.dirname(path)} from the host at {os.path.dirname(path)})")
+    if e.errno == errno.EROFS:
+        return f"clients write into the arena: mount {os.path.dirname(path)} read-write"
+    if e.errno == errno.EACCES:
+        return (f"{_modes(path)} does not admit {_who()}: add this user to the daemon's group "
+                "(`usermod -aG tierd USER`, then a new login; a pod's supplementalGroups)")
+    return "check that this process may open it for reading and writing"
+
+
 class DaemonConnection:
     """Part of `Client`: its state is the client's."""
 
@@ -94,8 +146,8 @@ class DaemonConnection:
             s.connect(self.path)
         except OSError as e:
             s.close()
-            raise DaemonUnavailableError(
-                f"cannot reach the tierd daemon at {self.path}: {e.strerror or e}; is `tierd serve` running?") from None
+            raise DaemonUnavailableError(f"cannot reach the tierd daemon at {self.path}: {e.strerror or e}; "
+                                         f"{_connect_advice(self.path, e)}") from None
         s.setblocking(False)
         self._sock = s
         self._link = _Link(s)
@@ -108,12 +160,15 @@ class DaemonConnection:
         try:
             # this client's namespaces again (a restarted daemon knows none of them), in requests
             # of at most NS_PER_REQUEST
-            known = [ns.to_dict() for ns in self._namespaces.values()]
+            nss = list(self._namespaces.values())
+            known, labels = [ns.to_dict() for ns in nss], [ns.label for ns in nss]
             reply = self._roundtrip({"op": "hello", "version": P.PROTOCOL_VERSION, "client": self.name,
-                                     "namespaces": known[:self.NS_PER_REQUEST]})
+                                     "namespaces": known[:self.NS_PER_REQUEST],
+                                     "labels": labels[:self.NS_PER_REQUEST]})
             for i in range(self.NS_PER_REQUEST, len(known), self.NS_PER_REQUEST):
                 try:
-                    self._roundtrip({"op": "register", "namespaces": known[i:i + self.NS_PER_REQUEST]})
+                    self._roundtrip({"op": "register", "namespaces": known[i:i + self.NS_PER_REQUEST],
+                                     "labels": labels[i:i + self.NS_PER_REQUEST]})
                 except E.NamespaceLimitError:
                     break   # registered again when next used (and refused then, as a miss)
             self.server_version = reply.get("server")
@@ -157,7 +212,8 @@ class DaemonConnection:
         try:
             fd = os.open(desc["path"], os.O_RDWR | os.O_CLOEXEC)
         except OSError as e:
-            raise DaemonUnavailableError(f"cannot map the daemon's host arena {desc['path']}: {e.strerror}") from None
+            raise DaemonUnavailableError(f"cannot map the daemon's host arena {desc['path']}: {e.strerror}; "
+                                         f"{_arena_advice(desc['path'], e)}") from None
         try:
             st = os.fstat(fd)
             if "ino" in desc and (st.st_dev, st.st_ino) != (desc["dev"], desc["ino"]):
@@ -410,7 +466,10 @@ class DaemonConnection:
             self._drain_deferred(deadline)
             reply = self._read_reply(deadline)
         except (OSError, EOFError) as e:
+            parting = self._parting_error()
             self._disconnect()
+            if parting is not None:
+                _raise_remote(parting)   # why the daemon closed (e.g. a refused peer)
             raise DaemonUnavailableError(f"lost the tierd daemon at {self.path} during {msg['op']}: {e}") from None
         if "error" in reply:
             _raise_remote(reply["error"])
@@ -418,6 +477,30 @@ class DaemonConnection:
             self._disconnect()
             raise P.ProtocolError(f"reply id {reply.get('id')} does not match request {req_id}")
         return reply
+
+    def _parting_error(self) -> dict | None:
+        """The error a daemon wrote before it closed this connection, if it did: a daemon that
+        refuses a peer replies with the reason and hangs up, and the client may see the broken
+        pipe on its send before it reads that reply."""
+        buf = self._rbuf
+        try:
+            while True:
+                chunk = self._sock.recv(65536)
+                if not chunk:
+                    break
+                buf += chunk
+        except OSError:
+            pass
+        if len(buf) >= 4:
+            (n,) = P.HEADER.unpack_from(buf)
+            if len(buf) >= 4 + n:
+                try:
+                    msg = P.decode_body(bytes(memoryview(buf)[4:4 + n]))
+                except Exception:  # noqa: BLE001 -- a broken frame says nothing more
+                    return None
+                if isinstance(msg, dict) and msg.get("id") is None and isinstance(msg.get("error"), dict):
+                    return msg["error"]
+        return None
 
     def _call(self, op: str, **fields) -> dict:
         with self._lock:
@@ -443,11 +526,13 @@ class DaemonConnection:
 
     def _register_again(self, fields: dict) -> bool:
         names = [fields.get("ns")] + [q.get("ns") for q in fields.get("queries", ()) if isinstance(q, dict)]
-        known = [self._namespaces[n].to_dict() for n in dict.fromkeys(names) if n in self._namespaces]
-        if not known:
+        nss = [self._namespaces[n] for n in dict.fromkeys(names) if n in self._namespaces]
+        if not nss:
             return False
+        known, labels = [ns.to_dict() for ns in nss], [ns.label for ns in nss]
         for i in range(0, len(known), self.NS_PER_REQUEST):
-            self._roundtrip({"op": "register", "namespaces": known[i:i + self.NS_PER_REQUEST]})
+            self._roundtrip({"op": "register", "namespaces": known[i:i + self.NS_PER_REQUEST],
+                             "labels": labels[i:i + self.NS_PER_REQUEST]})
         return True
 
     @property

@@ -10,9 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import bisect
+import errno
 import threading
 
 from prometheus_client import CollectorRegistry, start_http_server
+
+from .errors import ConfigError
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
@@ -31,6 +34,13 @@ def counter_family(name, doc, labels, rows):
     for lv, v in rows:
         c.add_metric(lv, v)
     return c
+
+
+def _namespace_info(name: str, ns: dict) -> list[str]:
+    d = ns.get("description") or {}
+    return [name, ns.get("label", ""), str(d.get("model", ""))[:16],
+            str(d.get("cache_salt", "")).removeprefix("digest:"), str(d.get("kv_dtype", "")),
+            f"{d.get('tp_rank', 0)}/{d.get('tp_size', 1)}"]
 
 
 class _StoreCollector:
@@ -103,6 +113,12 @@ class _StoreCollector:
             yield counter("tierd_host_unrecorded", "Host blocks that could not be recorded (no room for "
                           "their records).", [], [([], host["unrecorded"])])
         ns = st["namespaces"]
+        # one series per namespace whose labels say what it is; join it onto the per-namespace
+        # series: `tierd_hits_total * on (namespace) group_left (model) tierd_namespace_info`
+        yield gauge("tierd_namespace_info", "What each namespace is: its model's name, fingerprint, "
+                    "cache-salt digest, KV dtype and tensor-parallel rank (value 1).",
+                    ["namespace", "model", "fingerprint", "salt", "kv_dtype", "tp"],
+                    [(_namespace_info(n, v), 1) for n, v in ns.items()])
         yield counter("tierd_hits", "Blocks served.", ["namespace"], [([n], v["hits"]) for n, v in ns.items()])
         yield counter("tierd_misses", "Blocks asked for and not served.", ["namespace"],
                       [([n], v["misses"]) for n, v in ns.items()])
@@ -169,7 +185,15 @@ class Metrics:
         """Start the HTTP endpoint on HOST:PORT (port 0: any free port); returns the bound address."""
         host, _, port = addr.rpartition(":")
         host = host.strip("[]") or "127.0.0.1"
-        self._server, _thread = start_http_server(int(port), addr=host, registry=self.registry)
+        try:
+            self._server, _thread = start_http_server(int(port), addr=host, registry=self.registry)
+        except OSError as e:
+            hint = ("another process listens there (a daemon on another socket?)" if e.errno == errno.EADDRINUSE
+                    else "no interface of this machine has that address" if e.errno == errno.EADDRNOTAVAIL
+                    else "a port below 1024 needs privileges" if e.errno == errno.EACCES else e.strerror)
+            raise ConfigError(f"metrics_addr {addr}: cannot listen ({e.strerror or e}: {hint}); set metrics_addr "
+                              "(--metrics-addr, TIERD_METRICS_ADDR) to a free HOST:PORT, or \"\" to turn "
+                              "metrics off") from None
         return host, self._server.server_port
 
     def close(self) -> None:

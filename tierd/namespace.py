@@ -18,7 +18,7 @@ import re
 import struct
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ _DTYPE_ALIASES = {
     "e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "float8_e5m2": "float8_e5m2",
 }
 DEFAULT_BLOCK_TOKENS = 256
+LABEL_MAX = 128
 LOUD_HASH_BYTES = 1 << 30     # hashing more than this logs progress
 FINGERPRINT_SAMPLES = 16
 FINGERPRINT_SAMPLE_BYTES = 64 * 1024
@@ -83,6 +84,8 @@ class Namespace:
     #                         `state_bytes` per state layer, [num_layers, state_bytes] bytes, in
     #                         the engine's layout and dtypes, which `state` describes
     state_bytes: int = 0
+    label: str = field(default="", compare=False)   # a display name (the model's): stats and
+    #                         metrics show it beside the id; not part of the identity
     _id: bytes = field(init=False, repr=False, compare=False, default=b"")
 
     def __post_init__(self) -> None:
@@ -155,6 +158,12 @@ class Namespace:
         """Short printable id used in stats and CLI (`--namespace`)."""
         return self._id.hex()[:16]
 
+    def with_label(self, label: str) -> "Namespace":
+        """The same namespace (same id) with display name `label`: printable, at most 128
+        characters (longer ones are cut, control characters dropped)."""
+        clean = "".join(ch for ch in str(label) if ch.isprintable())[:LABEL_MAX]
+        return replace(self, label=clean)
+
     @property
     def root_key(self) -> bytes:
         return _keys.root_key(self._id)
@@ -189,6 +198,7 @@ class Namespace:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("_id", None)
+        d.pop("label", None)   # not identity: sent beside the description (`labels`)
         for name in ("layout", "kv_scales", "tier_codec", "attention", "layers", "state", "state_bytes"):
             if not d[name]:
                 del d[name]
@@ -238,7 +248,27 @@ class Namespace:
             model=model_fingerprint(model_dir, revision=revision, mode=fingerprint),
             kv_dtype=kv_dtype, num_layers=layers, num_kv_heads=kv_heads_per_rank,
             head_dim=head_dim, block_tokens=block_tokens, tp_rank=tp_rank, tp_size=tp_size,
-            cache_salt=cache_salt, tier_codec=tier_codec, kv_scales=kv_scales)
+            cache_salt=cache_salt, tier_codec=tier_codec, kv_scales=kv_scales).with_label(model_label(model_dir, cfg))
+
+
+def salt_digest(salt: str) -> str:
+    """How a cache salt is shown (stats, metrics): a digest that tells two salts apart without
+    telling what either is."""
+    return hashlib.blake2b(salt.encode(), digest_size=6, person=b"tierd-salt").hexdigest() if salt else ""
+
+
+def shown_description(desc: dict) -> dict:
+    """A namespace description as stats show it: its cache salt (a tenant's secret) as a digest."""
+    if not desc.get("cache_salt"):
+        return dict(desc)
+    return {**desc, "cache_salt": "digest:" + salt_digest(desc["cache_salt"])}
+
+
+def model_label(model_dir: str | os.PathLike, cfg: dict | None = None) -> str:
+    """A model's display name: its config's `_name_or_path` (the name it was saved under), else
+    the directory's name."""
+    name = (cfg or {}).get("_name_or_path")
+    return name.rstrip("/") if isinstance(name, str) and name.strip("/ ") else Path(model_dir).resolve().name
 
 
 def _cfg_int(cfg: dict, key: str, model_dir) -> int:

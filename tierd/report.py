@@ -31,11 +31,16 @@ def format_stats(stats: dict) -> str:
         d = n.get("description") or {}
         layout = (f"{d.get('kv_dtype', '?')} L{d.get('num_layers', '?')} H{d.get('num_kv_heads', '?')} "
                   f"D{d.get('head_dim', '?')} T{d.get('block_tokens', '?')}") if d else "(unregistered)"
-        ns_rows.append([name, layout, format_size(n["block_bytes"]), str(n["host_blocks"]),
+        model = n.get("label") or (f"model {d['model'][:12]}" if d.get("model") else "?")
+        if d.get("cache_salt"):
+            model += f" (salt {d['cache_salt'].removeprefix('digest:')})"
+        if d.get("tp_size", 1) > 1:
+            model += f" tp{d.get('tp_rank', 0)}/{d['tp_size']}"
+        ns_rows.append([name, model, layout, format_size(n["block_bytes"]), str(n["host_blocks"]),
                         str(n["disk_blocks"]), str(n["hits"]), str(n["misses"]),
                         f"{100 * n['hit_rate']:.1f}%", str(n["puts"]), str(n["put_dropped"])])
     if ns_rows:
-        out.append(table(ns_rows, ["namespace", "layout", "block", "host", "disk", "hits", "misses",
+        out.append(table(ns_rows, ["namespace", "model", "layout", "block", "host", "disk", "hits", "misses",
                                    "hit rate", "puts", "dropped"]))
     remote = tiers.get("remote")
     disk = tiers.get("disk")

@@ -101,14 +101,20 @@ class _Conn(asyncio.Protocol):
             transport.abort()
             self._closed = True
             return
-        allowed = d._allowed(self.uid, self.gid)
+        self.groups = peer_groups(transport.get_extra_info("socket"), self.pid, self.uid, self.gid)
+        allowed = d._allowed(self.uid, self.groups)
         if not allowed or len(d.conns) >= d.cfg.max_clients:
             d.counters["refused_peers"] += not allowed
-            log.warning("refused connection from pid %d uid %d gid %d (%s)", self.pid, self.uid, self.gid,
-                        "not allowed" if not allowed else "too many clients")
-            self._write(P.error_reply(None, "forbidden" if not allowed else "busy",
-                                      "peer not allowed by allowed_uids/allowed_gids"
-                                      if not allowed else "too many clients"))
+            groups = ", ".join(str(g) for g in sorted(self.groups))
+            reason = (f"uid {self.uid} (groups {groups}) is not allowed by this daemon (it admits its own "
+                      f"uid {os.geteuid()}, root, allowed_uids {list(d.cfg.allowed_uids)} and members of its "
+                      f"group {os.getegid()} and of allowed_gids {list(d.cfg.allowed_gids)}); add the uid to "
+                      "allowed_uids or the "
+                      "client's user to an allowed group, e.g. `usermod -aG tierd USER`, then restart "
+                      "the client") if not allowed else f"too many clients (max_clients {d.cfg.max_clients})"
+            log.warning("refused connection from %s: %s",
+                        f"pid {self.pid}" if self.pid else "a process of another PID namespace", reason)
+            self._write(P.error_reply(None, "forbidden" if not allowed else "busy", reason))
             self._close()
             return
         d.conns[self.id] = self
@@ -343,6 +349,37 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return struct.unpack("3i", raw)
 
 
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)   # Linux >= 4.13
+
+
+def peer_groups(sock: socket.socket, pid: int, uid: int, gid: int) -> frozenset[int]:
+    """Every group of the peer: its primary gid and its supplementary groups as they were
+    when it connected (SO_PEERGROUPS), so an engine that joined group tierd
+    (`usermod -aG`, a pod's supplementalGroups) counts as a member. Where the kernel cannot
+    say (over 256 groups, an old kernel), the peer's /proc status (same PID namespace), then
+    the user database's group list for its uid."""
+    groups = {gid}
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 1024)
+        return frozenset(groups | set(struct.unpack(f"{len(raw) // 4}I", raw[:len(raw) // 4 * 4])))
+    except OSError:
+        pass
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    if os.stat(f"/proc/{pid}").st_uid == uid:   # still that process
+                        return frozenset(groups | {int(g) for g in line.split()[1:]})
+                    break
+    except (OSError, ValueError):
+        pass
+    try:
+        import pwd
+        return frozenset(groups | set(os.getgrouplist(pwd.getpwuid(uid).pw_name, gid)))
+    except (KeyError, OSError):
+        return frozenset(groups)
+
+
 def check_socket_dir(path: str) -> None:
     """Refuse a socket directory that other users could write (they could replace the
     socket and impersonate the daemon)."""
@@ -395,6 +432,10 @@ class Daemon(Ops):
                         "that filesystem; use /dev/shm or /run/tierd", cfg.arena_dir, fs or "an unknown filesystem")
         store_cfg = replace(cfg.store, host_shm_path=self.arena_path, host_shm_mode=0o660)
         self.store = TieredStore(store_cfg)
+        # a shared lock on the arena while this daemon runs: `tierd clean` (tierd.leftovers)
+        # removes only arenas nobody holds, whichever container it runs in
+        self._live_fd = os.open(self.arena_path, os.O_RDONLY | os.O_CLOEXEC)
+        fcntl.flock(self._live_fd, fcntl.LOCK_SH)
         # The shared lookup index: clients answer lookups from it without a request.
         self.index_path = os.path.join(cfg.arena_dir, f"tierd-{os.geteuid()}-{tag}.index")
         self.instance = int.from_bytes(os.urandom(8), "little")
@@ -549,6 +590,9 @@ class Daemon(Ops):
                 step()
             except Exception:  # noqa: BLE001 -- every other step still runs
                 log.exception("stopping: closing the %s failed", what)
+        if getattr(self, "_live_fd", None) is not None:
+            os.close(self._live_fd)
+            self._live_fd = None
         if self.lock.held:
             for path in (self.cfg.socket, getattr(self, "index_path", None)):
                 if path is not None:
@@ -602,9 +646,11 @@ class Daemon(Ops):
             log.warning("reload: these need a restart and were not applied: %s", "; ".join(ignored))
 
     # -- connections ----------------------------------------------------------------------------
-    def _allowed(self, uid: int, gid: int) -> bool:
-        return (uid in (os.geteuid(), 0) or uid in self.cfg.allowed_uids
-                or gid in self.cfg.allowed_gids)
+    def _allowed(self, uid: int, groups: frozenset[int]) -> bool:
+        """Its own uid, root, allowed_uids, and members of its own group (the socket's: an
+        engine user added to group tierd) or of allowed_gids."""
+        return (uid in (os.geteuid(), 0) or uid in self.cfg.allowed_uids or os.getegid() in groups
+                or not groups.isdisjoint(self.cfg.allowed_gids))
 
     def _connection(self) -> "_Conn":
         self._next_conn += 1

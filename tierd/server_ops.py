@@ -24,17 +24,24 @@ class Ops:
         name = P.field(msg, "ns", str, what="a namespace name")
         return self.store.namespace(name)
 
-    def _register(self, conn, descs) -> list[str]:
+    def _register(self, conn, descs, labels=None) -> list[str]:
+        """Register namespace descriptions; `labels` (optional, one per description): the
+        display names clients give them (a model's name: shown in stats and metrics, never part
+        of the identity)."""
         if not isinstance(descs, list):
             raise P.ProtocolError("namespaces must be a list of namespace descriptions")
+        if not isinstance(labels, list) or len(labels) != len(descs):
+            labels = [""] * len(descs)
         names = []
         if len(descs) > NAMESPACES_PER_REQUEST:
             raise P.ProtocolError(f"at most {NAMESPACES_PER_REQUEST} namespaces per request")
         for d in descs:
             if not isinstance(d, dict):
                 raise P.ProtocolError("a namespace description must be a map")
-        for d in descs:
+        for d, label in zip(descs, labels):
             ns = Namespace.from_dict(d)
+            if isinstance(label, str) and label:
+                ns = ns.with_label(label)
             mine = self.uid_namespaces.setdefault(conn.uid, set())
             limit = self.cfg.max_namespaces_per_uid
             if ns.name not in mine and len(mine) >= limit:
@@ -55,7 +62,7 @@ class Ops:
             raise P.ProtocolError(f"protocol version {version} is not supported (this daemon speaks "
                                   f"{P.PROTOCOL_VERSION})")
         conn.name = str(msg.get("client", ""))[:64]
-        names = self._register(conn, msg.get("namespaces", []))
+        names = self._register(conn, msg.get("namespaces", []), msg.get("labels"))
         conn.greeted = True
         host = self.store.host
         dev, ino = host.arena.identity()
@@ -78,7 +85,7 @@ class Ops:
                            "max_keys_per_request": self.cfg.max_keys_per_request}}
 
     def _op_register(self, conn, msg: dict) -> dict:
-        return {"namespaces": self._register(conn, P.field(msg, "namespaces", list))}
+        return {"namespaces": self._register(conn, P.field(msg, "namespaces", list), msg.get("labels"))}
 
     def _op_lookup(self, conn, msg: dict) -> dict:
         ns = self._ns(conn, msg)
@@ -222,12 +229,12 @@ class Ops:
             self.store.note_hits(ns, keys, asked)
         return {}
 
-    def _operator(self, uid: int, gid: int) -> bool:
+    def _operator(self, uid: int, groups: frozenset[int]) -> bool:
         return (uid in (os.geteuid(), 0) or uid in self.cfg.operator_uids
-                or gid in self.cfg.operator_gids)
+                or not groups.isdisjoint(self.cfg.operator_gids))
 
     def _op_flush(self, conn, msg: dict) -> dict:
-        if not self._operator(conn.uid, conn.gid):
+        if not self._operator(conn.uid, conn.groups):
             raise ForbiddenError(f"flush is an operator action; uid {conn.uid} is not an operator "
                                  "(operator_uids / operator_gids)")
         tier = P.field(msg, "tier", str, default="all")

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from ..config import StoreConfig
+from ..config import StoreConfig, format_size
 from ..errors import (
     ConfigError,
     DiskDegradedError,
@@ -39,7 +39,7 @@ from ..errors import (
     TierdError,
 )
 from ..keys import check_keys, checksums_ok
-from ..namespace import Namespace
+from ..namespace import Namespace, shown_description
 from ..policy import AdmissionFilter, make_policy
 from ..tiers.disk import DiskTier
 from ..tiers.host import HostTier
@@ -398,6 +398,12 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Dis
         its pins go and never served meanwhile. Returns the number of blocks dropped."""
         if tier not in ("host", "disk", "all", "gpu", "remote"):
             raise TierdError(f"flush: unknown tier {tier!r}; use gpu, host, disk, remote or all")
+        absent = {"gpu": not self.config.gpu_bytes and "an HBM tier ([gpu] bytes)",
+                  "disk": not self.config.disk_path and "a disk tier (disk.path, --disk-path)",
+                  "remote": not self.config.remote_url and "a remote tier ([remote] url)"}.get(tier)
+        if absent:
+            raise ConfigError(f"flush --tier {tier}: this store has no {tier} tier; nothing dropped "
+                              f"(configure {absent} to have one)")
         if tier == "remote":
             return self._flush_remote(namespace)
         with self._cond:
@@ -510,7 +516,8 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Dis
                 asked = c["hits"] + c["misses"]
                 c["hit_rate"] = c["hits"] / asked if asked else 0.0
                 c["block_bytes"] = st.block_bytes
-                c["description"] = st.desc
+                c["label"] = st.label
+                c["description"] = shown_description(st.desc)
                 namespaces[st.name] = c
             reservations, leases, staged = self._held.counts()
             return {"tiers": tiers, "namespaces": namespaces, "leases": leases, "reservations": reservations,
@@ -560,7 +567,13 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Dis
         if self.gpu is not None:
             self.gpu.close()
         self._keep_close()
-        self.host.close(keep=self.config.host_keep)
+        kept = sum(1 for b in self._blocks.values() if b.host_slot >= 0 and b.host_state == READY)
+        keep = self.config.host_keep and kept > 0   # an empty arena is not worth its memory
+        self.host.close(keep=keep)
+        if keep and self.host.records is not None:
+            log.info("kept the host arena %s (%d blocks, %s of shared memory) for the next start to "
+                     "re-adopt; `tierd clean` removes it once no daemon will start on it", self.host.arena.path,
+                     kept, format_size(self.host.capacity_bytes))
 
     def __enter__(self) -> "TieredStore":
         return self

@@ -102,6 +102,8 @@ class Registration:
         if isinstance(ns, Namespace):
             st = self._namespaces.get(ns.id)
             if st is not None and st.ns is not None:
+                if ns.label and ns.label != st.label:
+                    st.label = ns.label
                 return st
             whose = f"of namespace {ns.name} "
             host_sb = self.host.check_block(ns.block_bytes, whose)
@@ -112,6 +114,7 @@ class Registration:
                 st = NsState(ns.id, ns, ns.block_bytes, ns.dtype_bytes, host_sb, disk_sb, ns.to_dict())
             else:  # known from disk: attach the description
                 st.ns, st.desc = ns, ns.to_dict()
+            st.label = ns.label or st.label
             self._namespaces.enter(st)   # by the name clients use too (the daemon's protocol)
             return st
         if isinstance(ns, (bytes, str)):

@@ -48,6 +48,7 @@ class NsState:
     records: int = 0          # its blocks in the store's index (any state)
     staged: int = 0           # host slots staged for it (ownership.py): a put will name them
     forgotten: bool = False   # dropped from the table while unused (namespaces.py)
+    label: str = ""           # display name its clients gave it (Namespace.label), for stats
     counters: dict = field(default_factory=lambda: dict.fromkeys(
         ("puts", "put_bytes", "put_dropped", "hits", "hit_bytes", "misses", "lookups",
          "host_blocks", "disk_blocks"), 0))

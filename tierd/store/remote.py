@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 
 from .. import events
-from ..errors import TierdError
+from ..errors import ConfigError, TierdError
 from ..tiers.disk import CorruptBlockError
 from .records import LOADING, READY, REMOTE, Block, NsState
 
@@ -248,9 +248,9 @@ class RemoteLink:
         (at most `max_blocks`), in chain order, and wait until they are written: a node about to
         be drained hands its cache to the fleet; with `remote.write_behind` off this is the only
         way blocks reach the server. Returns how many were written; 0 when there is no remote
-        tier or it is degraded."""
+        tier is degraded; raises ConfigError where there is no remote tier."""
         if self.remote is None:
-            return 0
+            raise ConfigError("sync --remote: this store has no remote tier ([remote] url); nothing was sent")
         written = 0
         todo: list[Block] = []
         self._each_block(lambda b: todo.append(b) if b.host_state == READY and b.owner_res == 0 else None)

@@ -227,6 +227,7 @@ class DiskTier(SlabFiles, Recovery, Tier):
             # run each, a promotion one per read in flight of up to RUN_BYTES
             self.buffer_idle_s = buffer_idle_s
         except BaseException:
+            self._remove_made()   # first: the lock is still held
             self._release_fds()
             raise
 

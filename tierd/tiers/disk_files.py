@@ -77,6 +77,10 @@ class SlabFiles:
         try:
             if p.exists() and not p.is_dir():
                 raise DiskTierError(f"disk tier: {p} exists and is not a directory; set disk_path to a directory")
+            # what this start makes, removed again if it fails (`_remove_made`): the directories
+            # it creates, the slab files it creates in one that existed
+            self._made_dirs = [d for d in (p, *p.parents) if not d.exists()][::-1]
+            self._made_files: list[Path] = []
             p.mkdir(parents=True, exist_ok=True)
         except DiskTierError:
             raise
@@ -84,6 +88,8 @@ class SlabFiles:
             raise DiskTierError(
                 f"disk tier: cannot create {p} ({e.strerror}); set disk_path or fix permissions") from None
         try:
+            if not (p / LOCK_NAME).exists():
+                self._made_files.append(p / LOCK_NAME)
             self._lock_fd = os.open(p / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise DiskTierError(
@@ -199,10 +205,11 @@ class SlabFiles:
             needed += max(0, self._file_size(i) - have)
         try:
             st = os.statvfs(self.path)
-            if needed > st.f_bavail * st.f_frsize:
-                raise self._room_error(needed)
+            free = st.f_bavail * st.f_frsize
         except OSError:
-            pass
+            free = None
+        if free is not None and needed > free:
+            raise self._room_error(needed)   # before the first byte is written
         store_uuid = None
         for i in range(self.num_files):
             fp = self.path / f"slab-{i:04d}.tds"
@@ -218,6 +225,7 @@ class SlabFiles:
                     raise NotASlabFileError(f"disk tier: {fp} belongs to another tierd store")
             else:
                 store_uuid = store_uuid or uuid.uuid4().bytes
+                self._made_files.append(fp)
                 self._create_file(fp, i, store_uuid)
             fd = os.open(fp, flags)
             self._fds.append(fd)
@@ -225,6 +233,30 @@ class SlabFiles:
             if os.fstat(fd).st_size < want:  # truncated by someone: give the space back
                 self._fallocate(fd, fp, want)
         self.store_uuid = store_uuid
+
+    def _remove_made(self) -> None:
+        """A start that failed takes back what it made: the slab files (and lock file) it
+        created, then the directories it created if nothing else is in them. Files that were
+        there before it are never touched."""
+        made_dirs = getattr(self, "_made_dirs", [])
+        for f in reversed(getattr(self, "_made_files", [])):
+            try:
+                f.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("disk tier: cannot remove %s after a failed start: %s", f, e.strerror)
+        if made_dirs:   # the disk directory itself is new: all in it is this start's
+            for f in made_dirs[-1].iterdir() if made_dirs[-1].is_dir() else ():
+                try:
+                    f.unlink()
+                except OSError:
+                    pass
+        for d in reversed(made_dirs):
+            try:
+                d.rmdir()
+            except OSError:
+                break
 
     def _fallocate(self, fd: int, fp: Path, size: int) -> None:
         try:
