@@ -5,6 +5,7 @@ refuses to call anything durable that is not, and recovers by itself when the fa
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import time
@@ -16,7 +17,7 @@ import tierd
 from tierd.client import Client
 from tierd.errors import DiskDegradedError
 
-from .daemon import SMALL_TOML, DaemonProc
+from .daemon import ROOT, SMALL_TOML, DaemonProc
 from .helpers import block_for, chain, make_ns, wait_for
 
 
@@ -288,6 +289,11 @@ def test_a_hanging_disk_stalls_no_one_and_recovers_by_itself(tmp_path):
             t.start()
             t0 = time.monotonic()
             wait_for(lambda: "stalled" in disk_stats(c)["degraded"], what="stall noticed")
+            # the degraded-disk alert (systemd/prometheus-alerts.yml, the PrometheusRule) fires on
+            # this gauge, whatever the error counters say while the call still hangs
+            assert metric(d, "tierd_disk_degraded") == 1
+            rules = (ROOT / "systemd" / "prometheus-alerts.yml").read_text()
+            assert re.search(r"alert: TierdDiskTierDegraded\n(\s+#.*\n)*\s+expr: tierd_disk_degraded == 1\n", rules)
             lk, ak, hh = _latencies(lookup, 500), _latencies(ask, 500), _latencies(host_hit, 500)
             assert _p99(lk) < UNSTALLED_P99_S, f"lookup p99 {_p99(lk) * 1e6:.0f} us while the disk hangs " \
                                     f"(before: {_p99(base_lookup) * 1e6:.0f} us)"

@@ -348,7 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, help="tokens per request (default: max_position_embeddings)")
     p.add_argument("--batch", type=int, default=1, help="requests in a batch (default 1)")
     p.add_argument("--kv-dtype", default="auto", help="KV dtype: auto (from config), fp16, bf16, fp8, fp32")
-    p.add_argument("--block-tokens", type=int, default=256, help="tokens per tier block (default 256)")
+    p.add_argument("--block-tokens", type=int, default=256,
+                   help="tokens per tier block: the vLLM connector's block_tokens (default 256); for SGLang "
+                        "its page size (--page-size), which is its tier block")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: each rank stores its share")
     p.add_argument("--config", help="the daemon's TOML config, for tier sizes (default: what `tierd serve` "
                    "reads: /etc/tierd/tierd.toml when present, TIERD_* variables, its defaults)")
