@@ -159,6 +159,7 @@ bench: $(STAMP) vllm-env sglang-env redis fio
 	$(PY) -m benchmarks.engine_throughput --quick
 	$(PY) -m benchmarks.ttft --quick
 	$(PY) -m benchmarks.vllm_ttft --quick
+	$(PY) -m benchmarks.node_pool --quick
 	$(PY) -m benchmarks.sglang_ttft --quick
 	$(PY) -m benchmarks.load --quick
 	$(PY) -m benchmarks.recovery --quick

@@ -53,3 +53,40 @@ def test_a_quick_benchmark_runs_writes_the_shared_json_shape_and_leaves_nothing(
     assert "ratio" in p.stdout                          # the printed table
     left = _leftovers() - before
     assert not left, f"benchmarks.{name} left {sorted(left)}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_node_pool_quick_serves_the_trace_in_every_configuration_with_recompute_tokens(tmp_path):
+    """benchmarks/node_pool.py --quick end to end (about 3 minutes on 2 cores): real vLLM engines
+    (`make vllm-env`) behind a shared tierd daemon, tierd per engine, vLLM's offloading per
+    engine and no offloading; every figure in the one JSON shape, every configuration's greedy
+    tokens equal to recompute's, the restart measured, nothing left behind. Not performance."""
+    from .test_vllm_connector import required_vllm_python
+    required_vllm_python()                      # skips without .venv-vllm (fails with TEST_REQUIRE_VLLM)
+    before = _leftovers()
+    out = tmp_path / "node_pool.json"
+    p = subprocess.run([sys.executable, "-m", "benchmarks.node_pool", "--quick", "--json", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=840)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "node_pool" and set(doc["machine"]) >= {"cpus", "ram_bytes", "torch", "python", "gpu"}
+    by_name = {r["name"]: r for r in doc["results"]}
+    for r in doc["results"]:
+        assert set(r) == {"name", "params", "value", "unit", "reference", "ratio"}, r
+        assert set(r["reference"]) == {"name", "value"}, r
+        assert math.isfinite(r["value"]) and math.isfinite(r["reference"]["value"]), r
+    ran = [c for c in ("no offloading", "shared tierd daemon", "tierd per engine (embedded)",
+                       "vLLM CPU offloading per engine") if f"{c}: could not run on this machine" not in by_name]
+    assert ran[:3] == ["no offloading", "shared tierd daemon", "tierd per engine (embedded)"], ran   # always run
+    for c in ran:
+        hit = by_name[f"{c}: prefix hit rate (engine cache + pool)"]
+        assert 0 <= hit["value"] <= hit["reference"]["value"] <= 1, hit     # never above the trace's ceiling
+        assert {f"{c}: TTFT p50", f"{c}: TTFT p90", f"{c}: throughput"} <= set(by_name)
+        assert any(n.startswith(f"{c}: restarted engine's hit rate") for n in by_name), c
+        if c != "no offloading":
+            assert by_name[f"{c}: greedy tokens equal recompute's"]["value"] == 1.0, c
+    assert by_name["shared tierd daemon: prefix hit rate (engine cache + pool)"]["params"]["pool_hit_rate"] > 0
+    assert "ratio" in p.stdout
+    left = _leftovers() - before
+    assert not left, f"benchmarks.node_pool left {sorted(left)}"
