@@ -470,8 +470,11 @@ class _Script:
         if shutil.which("ip"):
             self.lines.append("ip link set lo up 2>/dev/null || true")
         self.run("mount", "-t", "tmpfs", "-o", "mode=0700,size=16m", "podsim-setup", S)
-        self.run("mkdir", f"{S}/node", f"{S}/py")
+        self.run("mkdir", f"{S}/node", f"{S}/py", f"{S}/repo")
         self.run("mount", "--bind", self.node.root, f"{S}/node")
+        # the image's code: this checkout, wherever it lies (a clone under /tmp would be hidden
+        # by the container's own /tmp below: bound back at its path, read-only)
+        self.run("mount", "--bind", str(ROOT), f"{S}/repo")
         # the image's Python: this checkout's interpreter under /root/.pyenv (/root is 0700)
         py_real = os.path.realpath(PYTHON)
         if _within(py_real, "/root"):
@@ -505,6 +508,11 @@ class _Script:
                 self.run("mount", "-o", "remount,bind,ro", target)
             if not is_file:
                 self.covered[target] = "volume"
+        # the checkout, where the container's own /tmp, /run or volumes hide it
+        if any(_within(str(ROOT), d) for d in ("/run", "/tmp", "/dev/shm", *(m.path for m in c.mounts))):
+            self.run("mkdir", "-p", str(ROOT))
+            self.run("mount", "--bind", f"{S}/repo", str(ROOT))
+            self.run("mount", "-o", "remount,bind,ro", str(ROOT))
         # seal: the image is read-only (readOnlyRootFilesystem); this machine's root always is
         for p, kind in sorted(self.covered.items(), key=lambda kv: -kv[0].count("/")):
             if kind == "image" and c.read_only_root:
