@@ -112,11 +112,16 @@ def _who() -> str:
             f"{', '.join(str(g) for g in sorted(set(os.getgroups()) | {os.getegid()}))})")
 
 
+def _not_admitted(path: str) -> str:
+    """A path (or a directory on its way) whose mode keeps this process out, and the fix."""
+    return (f"{_modes(path)} does not admit {_who()}: add this user to the daemon's group "
+            "(`usermod -aG tierd USER`, then a new login; a pod's supplementalGroups)")
+
+
 def _connect_advice(path: str, e: OSError) -> str:
     """What to do about a socket that cannot be connected to."""
     if e.errno == errno.EACCES:
-        return (f"{_modes(path)} does not admit {_who()}: add this user to the daemon's group "
-                "(`usermod -aG tierd USER`, then a new login; a pod's supplementalGroups)")
+        return _not_admitted(path)
     if e.errno == errno.ENOENT:
         return ("no socket there: is `tierd serve` running, with this --socket (and, in a container, is its "
                 "directory mounted)?")
@@ -131,8 +136,7 @@ def _arena_advice(path: str, e: OSError) -> str:
     if e.errno == errno.EROFS:
         return f"clients write into the arena: mount {os.path.dirname(path)} read-write"
     if e.errno == errno.EACCES:
-        return (f"{_modes(path)} does not admit {_who()}: add this user to the daemon's group "
-                "(`usermod -aG tierd USER`, then a new login; a pod's supplementalGroups)")
+        return _not_admitted(path)
     return "check that this process may open it for reading and writing"
 
 
