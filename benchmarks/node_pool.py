@@ -26,9 +26,9 @@ request by request (taking turns to go first), so the machine's drift over the r
 alike. Every engine runs vLLM in one process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, in every
 configuration): tierd embedded in an engine needs vLLM's scheduler and worker in one process.
 B is what one LRU pool would need to serve 90% of the trace's ceiling when shared (it "holds the
-hot set"), over 0.85: tierd keeps its host tier between its eviction watermarks (80-90% full),
-as in production, while vLLM's CPU tier uses all its bytes. tierd's slabs are one block each,
-so B/n wastes no slab tail. The LRU model's expected hit rates are printed beside the sizes.
+hot set"), over 0.85 (sized when tierd kept a host tier without a disk between its eviction
+watermarks, 80-90% full; it now keeps it full, and B stays as it was so that runs compare).
+tierd's slabs are one block each, so B/n wastes no slab tail. The LRU model's expected hit rates are printed beside the sizes.
 
 The trace (seeded; its measured shape is printed and in the JSON's params): tenants, each with a
 system prompt (512 tokens) and RAG documents of its own (512; full: 768; popularity Zipf-like),
@@ -489,8 +489,8 @@ def daemon_note(cfg: Config, block_bytes: int) -> str:
     cap = st["capacity_bytes"] // block_bytes
     staged = st.get("staged_slots") or 0
     return (f"at the end the daemon held {st['blocks']} blocks in its {cap} slots ({st['blocks'] / cap:.0%}), "
-            f"{staged} staged; slots it stages for its clients' next writes (up to 1/8 of the arena per "
-            f"connection, tierd/server.py) count as used when it evicts down to its watermarks")
+            f"{staged} staged (slots for its clients' next writes, at most 1/16 of the arena in all, "
+            f"tierd/server.py)")
 
 
 def main() -> None:
@@ -501,7 +501,7 @@ def main() -> None:
         ap.add_argument("--requests", type=int, default=None, help="requests in the trace")
         ap.add_argument("--pool-bytes", type=int, default=None,
                         help="total pool memory B (default: what an LRU pool needs to serve 90%% of the "
-                             "trace's ceiling, over tierd's eviction watermarks)")
+                             "trace's ceiling, over 0.85)")
         ap.add_argument("--seed", type=int, default=45)
         ap.add_argument("--only", default="", help="comma-separated configurations to run besides none "
                         "(shared, tierd-each, vllm-each)")
@@ -533,7 +533,7 @@ def main() -> None:
         served = simulate_lru(trace, route, blocks, shared, n, local_blocks, restart_at)
         return sum(served) / shape["prompt_tokens_total"]
     # B: the smallest LRU pool that serves 90% of the ceiling when shared ("holds the hot set"),
-    # over 0.85 (tierd keeps its host tier between its watermarks, 80% and 90% full)
+    # over 0.85 (the headroom once left for tierd's eviction watermarks; kept so that runs compare)
     hot = next((b for b in range(n, 4 * shape["unique_blocks"], n)
                 if lru(b, True) >= 0.9 * shape["ceiling_hit_rate"]), shape["unique_blocks"])
     pool_bytes = args.pool_bytes or -(-hot * block_bytes * 100 // 85 // (n * block_bytes)) * n * block_bytes

@@ -73,6 +73,35 @@ def test_store_stage_respects_its_limit_and_a_namespace_of_another_slot_size():
         assert s.unstage(1, offs[:2] + [12345]) == 2 and s.staged_slots(1) == 3
 
 
+def test_store_staging_of_all_writers_together_stays_within_its_pool():
+    """Staged slots hold no cached block, so all writers together stage at most `pool_bytes`:
+    each at most an equal share of it, and a writer arriving when the others hold it all gets
+    none (it reserves instead) until they use theirs and ask again."""
+    ns = make_ns()
+    bb = ns.block_bytes
+    with TieredStore(host_bytes="4MiB", host_slab_bytes="1MiB") as s:
+        s.register(ns)
+        pool = 12 * bb
+        a = s.stage(ns, 100, owner="a", pool_bytes=pool)
+        assert len(a) == 12                                    # alone: the whole pool
+        assert s.stage(ns, 5, owner="b", pool_bytes=pool) == []   # nothing left to share
+        # a uses half: its refill is capped at its share of two writers, b gets the rest
+        for k, off in zip(chain(ns, 1, 6), a):
+            s.host.arena.view(off, bb)[:] = block_for(ns, k)
+        assert s.put_staged(ns, chain(ns, 1, 6), a[:6], owner="a") == 6
+        assert s.stage(ns, 6, owner="a", pool_bytes=pool) == []   # 6 held = its share of 2
+        b = s.stage(ns, 100, owner="b", pool_bytes=pool)
+        assert len(b) == 6
+        c = s.stage(ns, 100, owner="c", pool_bytes=pool)
+        assert c == [] and s.staged_slots() == 12               # never past the pool
+        s.unstage("a")                                          # a is done: b and c share it
+        assert len(s.stage(ns, 100, owner="c", pool_bytes=pool)) == 6 and s.staged_slots() == 12
+        s.unstage("b")
+        assert len(s.stage(ns, 100, owner="d", pool_bytes=pool, limit_bytes=2 * bb)) == 2
+        assert s.staged_slots() == 8
+        assert_exact(s, ns, chain(ns, 1, 6))
+
+
 # -- through the daemon ------------------------------------------------------------------------
 
 def test_puts_and_reservations_through_staged_slots_are_exact(daemon):
@@ -139,6 +168,33 @@ def test_a_client_holds_at_most_stage_bytes_of_staged_slots(daemon):
             assert put_chain(c, ns, keys[i:i + 2]) == 2
         assert staged(c) > 2 * 2
         assert_exact(c, ns, keys)
+
+
+def test_writers_to_one_daemon_share_its_staged_slots_and_store_exact_bytes(daemon):
+    """Three writers each asking for more staged slots than their share: all together they hold
+    at most 1/16 of the host tier (8 MiB here: 32 slots), none more than an equal share, and
+    the writes the pool cannot take go through reservations, every byte exact."""
+    ns = make_ns()
+    pool = (8 << 20) // 16 // ns.block_bytes
+    clients = [Client(daemon.socket) for _ in range(3)]
+    try:
+        keys = [chain(ns, 40 + i, 48) for i in range(3)]
+        for j in range(0, 48, 8):
+            for c, ks in zip(clients, keys):
+                assert put_chain(c, ns, ks[j:j + 8]) == 8
+                held = {x["id"]: x["staged_slots"] for x in c.stats()["daemon"]["client_list"]}
+                assert sum(held.values()) <= pool, held
+                assert max(held.values()) <= pool, held
+        held = [x["staged_slots"] for x in clients[0].stats()["daemon"]["client_list"]]
+        assert sum(held) <= pool and max(held) <= pool // 3 + 8, held   # (+ one write in flight)
+        for c, ks in zip(clients, keys):
+            assert c.lookup(ns, ks) == 48
+            assert_exact(c, ns, ks)
+    finally:
+        for c in clients:
+            c.close()
+    with Client(daemon.socket) as c:
+        wait_for(lambda: staged(c) == 0, what="the writers' staged slots to go back")
 
 
 def test_staging_asks_no_more_slots_than_one_request_may_name(tmp_path):

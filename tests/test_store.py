@@ -196,6 +196,30 @@ def test_pressure_demotes_to_disk_then_evicts_in_lru_order(tmp_path, ns):
             assert_exact(s, ns, [k])
 
 
+def test_without_a_disk_tier_host_ram_stays_full_and_a_put_on_the_event_loop_takes_the_coldest_slot(ns):
+    """With no disk tier an eviction is a drop (no I/O): host RAM is not emptied down to the
+    low watermark ahead of need (that only loses cached blocks), and a put on the daemon's event
+    loop (inline) takes the coldest block's slot at once instead of answering WouldBlock."""
+    cap = 1 << 20
+    with TieredStore(small_config(None)) as s:
+        keys = [chain(ns, 5000 + i, 1)[0] for i in range(200)]     # 3 MiB through a 1 MiB host
+        for k in keys:
+            put_chain(s, ns, [k])
+        time.sleep(0.3)                                             # (several demoter periods)
+        host = s.stats()["tiers"]["host"]
+        assert host["used_bytes"] == cap, "host RAM was emptied ahead of need"
+        where = s.where(ns, keys)
+        assert not any(where[:-64]) and all("host" in w for w in where[-64:])
+        fresh = [chain(ns, 9100 + i, 1)[0] for i in range(4)]
+        res = s.reserve(ns, fresh, inline=True)
+        assert res.status == ["reserved"] * 4
+        for k, v in zip(fresh, res.buffers):
+            v[:] = block_for(ns, k)
+        s.commit(res)
+        assert_exact(s, ns, fresh + keys[-60:])                     # the 4 coldest made room
+        assert s.lookup(ns, keys[-64:-60]) == 0
+
+
 def test_host_ram_stays_full_of_clean_blocks_and_neither_a_put_nor_a_promotion_waits_for_a_write(tmp_path, ns):
     """Past the high watermark the demoter writes blocks down ahead of eviction instead of
     emptying host RAM: the host tier stays full of cached blocks, and the room a promotion or
@@ -231,11 +255,13 @@ def test_host_ram_stays_full_of_clean_blocks_and_neither_a_put_nor_a_promotion_w
         fresh = [chain(ns, 9000 + i, 1)[0] for i in range(4)]
         res = s.reserve(ns, fresh, inline=True)
         assert res.status == ["reserved"] * 4
+        # (counted before the commit: the four dirty blocks it adds may, rightly, wake the
+        # demoter to write older ones ahead)
+        assert s.stats()["tiers"]["disk"]["demotions"] == writes, "the put's room waited for a write"
         for k, v in zip(fresh, res.buffers):
             v[:] = block_for(ns, k)
         s.commit(res)
         assert_exact(s, ns, fresh)
-        assert s.stats()["tiers"]["disk"]["demotions"] == writes
         # whatever left host RAM is still served exact, from disk
         for k in in_host[:10] + on_disk[:10]:
             assert_exact(s, ns, [k])

@@ -35,6 +35,7 @@ log = logging.getLogger("tierd.client")
 # bring its slots back. A writer of 8 x 1 MiB blocks per put took about 540 us a put two deep,
 # 445 us four deep (design-notes).
 STAGE_DEPTH = 4
+STAGE_RETRY_S = 0.5   # after a `stage` that fell short: writes reserve until then
 
 
 def _with_checksums(msg: dict, res) -> dict:
@@ -143,6 +144,7 @@ class Client(DaemonConnection):
         # per namespace, to write blocks into with no request; 0 turns staging off.
         self.stage_bytes = stage_bytes
         self._stage_pool: dict[str, list[int]] = {}
+        self._stage_short: dict[str, float] = {}   # namespace -> when to ask for staged slots again
         self._putting: dict[bytes, int] = {}   # namespaced keys of puts sent, reply not read yet
         self._stage_ok = stage_bytes > 0   # False against a daemon without the `stage` op
         self._deferred_commits = 0   # commits among them (a lookup from the index waits for them)
@@ -289,6 +291,8 @@ class Client(DaemonConnection):
                 self._disconnect()
                 return None
         if len(pool) < want:
+            if time.monotonic() < self._stage_short.get(nsobj.name, 0.0):
+                return None   # the daemon had no more for us a moment ago: reserve, one request
             try:
                 depth = max(2 * want, min(STAGE_DEPTH * want, self.stage_bytes // nsobj.block_bytes))
                 # no more than one request may name (fewer than `want` then: reserve instead)
@@ -302,7 +306,10 @@ class Client(DaemonConnection):
             pool = self._stage_pool.setdefault(nsobj.name, [])   # (a reconnect made a new pool)
             pool.extend(r["slots"])
             if len(pool) < want:
-                return None   # no room now: reserve says which blocks are dropped
+                # no room, or past this client's share of the daemon's staged slots: reserve
+                # (it says which blocks are dropped), and ask again only after a while
+                self._stage_short[nsobj.name] = time.monotonic() + STAGE_RETRY_S
+                return None
         return [pool.pop() for _ in range(want)]
 
     def _give_back(self, name: str, offsets: list[int], link, generation: int) -> None:

@@ -322,6 +322,7 @@ class DaemonConnection:
         self._hits, self._hits_keys = [], 0   # reads under this connection: its daemon may be gone
         self._unleased_ok = False
         self._stage_pool = {}        # staged slots belong to the connection
+        self._stage_short = {}
         self._putting = {}
         self._rbuf = bytearray()
         if self._sock is not None:

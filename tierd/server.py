@@ -465,8 +465,9 @@ class Daemon(Ops):
             except Exception as e:  # noqa: BLE001 -- clients then read HBM blocks from host copies
                 log.warning("cannot export the HBM tier to clients (%s); they will use host copies", e)
         self.executor = ThreadPoolExecutor(32, thread_name_prefix="tierd-op")
-        # staged slots one connection may hold (see Ops._op_stage)
+        # staged slots one connection may hold, and all connections together (see Ops._op_stage)
         self.stage_limit_bytes = min(self.STAGE_LIMIT_BYTES, self.store.host.capacity_bytes // 8)
+        self.stage_pool_bytes = int(self.store.host.capacity_bytes * self.STAGE_POOL_SHARE)
         self.metrics = Metrics(self.stats)
         self.conns: dict[int, _Conn] = {}
         self.uid_namespaces: dict[int, set[str]] = {}   # what each uid registered (see _register)
@@ -494,6 +495,9 @@ class Daemon(Ops):
     # -- lifecycle ----------------------------------------------------------------------------
     STOP_REQUESTS_S = 20.0   # how long a stop waits for requests still running
     STAGE_LIMIT_BYTES = 256 << 20   # staged slots per connection (at most 1/8 of the arena)
+    # staged slots of all connections together, as a share of the host tier: they hold no
+    # cached block (a node's engines staging 1/8 each left the shared pool 60% of its blocks)
+    STAGE_POOL_SHARE = 1 / 16
     SYNC_ON_STOP_S = 60.0    # how long a stop waits for sync_on_stop (a hung disk: not longer)
 
     async def run(self) -> None:

@@ -146,7 +146,7 @@ class Ops:
         ns = self._ns(conn, msg)
         n = self._count_field(msg, "n")
         offsets = self.store.stage(ns, n, owner=conn.id, inline=msg.get("_inline", False),
-                                   limit_bytes=self.stage_limit_bytes)
+                                   limit_bytes=self.stage_limit_bytes, pool_bytes=self.stage_pool_bytes)
         return {"slots": offsets, "_staged": True}
 
     def _op_put(self, conn, msg: dict) -> dict:
@@ -170,7 +170,8 @@ class Ops:
             self.store.unstage(conn.id, [o for o in offsets if o >= 0])
             raise
         refilled = self.store.stage(ns, refill, owner=conn.id, inline=True,
-                                    limit_bytes=self.stage_limit_bytes) if refill else []
+                                    limit_bytes=self.stage_limit_bytes,
+                                    pool_bytes=self.stage_pool_bytes) if refill else []
         return {"n": n, "slots": refilled}
 
     def _op_commit(self, conn, msg: dict) -> dict:

@@ -235,7 +235,15 @@ class Demotion:
         first, or there is none."""
         sb = st.host_slot_bytes
         while self.host.alloc.free_slot_count(sb) < n:
-            if self.disk is None or self._disk_waiting():
+            if self.disk is None:
+                # no disk tier: an eviction is a drop, no I/O (host RAM is kept full, not
+                # emptied to the low watermark ahead of need: see `_demote_pass`)
+                b = self._victim(self._rh, sb)
+                if b is None:
+                    return False
+                self._drop_host(b, evicted=True)
+                continue
+            if self._disk_waiting():
                 return False             # (a failing disk: its copies may not be readable)
             b = self._victim(self._rh, sb)
             if b is None or b.clean != 1 or b.doomed & DOOM_DISK:
@@ -279,13 +287,16 @@ class Demotion:
         once blocks with no disk copy (dirty) pass `host_dirty_ratio` of the host, write the
         oldest down until they are at half of it. They stay in host RAM, clean, and an
         allocation that needs room drops the coldest clean block at once: host RAM stays full
-        of cached blocks, and neither a put nor a promotion waits for a write. Otherwise (no
-        disk tier, SSD admission, writes that failed): evict coldest first, written down if
-        admitted, until host use is at the low watermark. Disk above its high watermark: evict
+        of cached blocks, and neither a put nor a promotion waits for a write. Otherwise (SSD
+        admission, writes that failed): evict coldest first, written down if admitted, until
+        host use is at the low watermark. No disk tier: nothing here (an allocation drops the
+        coldest block when it needs room). Disk above its high watermark: evict
         until its low watermark. Lock held."""
         cfg, moved = self.config, 0
         host_cap = self.host.capacity_bytes
-        over = self.host.alloc.used_bytes > cfg.host_high_watermark * host_cap
+        # (no disk tier: nothing to write, and an allocation drops the coldest block at once,
+        # inline too; emptying host RAM to the low watermark would only lose cached blocks)
+        over = self.disk is not None and self.host.alloc.used_bytes > cfg.host_high_watermark * host_cap
         dirty_limit = cfg.host_dirty_ratio * host_cap
         if over and self._cleaning():
             blocked = False

@@ -127,6 +127,7 @@ class Holdings:
         self._reservations: dict[int, Reservation] = {}
         self._leases: dict[int, Lease] = {}
         self._staged: dict[object, dict[int, tuple[int, object]]] = {}   # owner -> {offset: (slot, NsState)}
+        self._writers: set = set()   # owners that asked to stage, until all theirs are given back
 
     # -- reservations and leases ---------------------------------------------------------------
     def open_reservation(self, res: Reservation) -> None:
@@ -170,6 +171,7 @@ class Holdings:
     def staging(self, owner) -> dict:
         """A token for staging slots for `owner` across a let-go of the lock: `add_staged` with
         it adds nothing once `owner`'s staged slots were all given back meanwhile."""
+        self._writers.add(owner)
         return self._staged.setdefault(owner, {})
 
     def add_staged(self, owner, token: dict, offset: int, slot: int, st) -> bool:
@@ -212,6 +214,8 @@ class Holdings:
         """`owner`'s staged slots at `offsets` (None: all of them), no longer staged; offsets it
         does not hold are ignored. All of them also ends `owner`'s staging: a `stage` under way
         for it (one that let go of the lock) adds nothing after this (`add_staged`)."""
+        if offsets is None:
+            self._writers.discard(owner)
         mine = self._staged.pop(owner, None) if offsets is None else self._staged.get(owner)
         if not mine:
             return []
@@ -225,6 +229,12 @@ class Holdings:
         if not mine:
             self._staged.pop(owner, None)
         return slots
+
+    def staged_bytes(self, size_of) -> tuple[dict, int]:
+        """(bytes of staged slots per owner holding some, `size_of(slot)` a slot's bytes; how
+        many owners stage: those that asked to, until all theirs were given back at once)."""
+        return ({owner: sum(size_of(slot) for slot, _ in mine.values()) for owner, mine in self._staged.items()},
+                len(self._writers))
 
     def staged_count(self, owner=...) -> int:
         if owner is ...:
@@ -306,19 +316,20 @@ class Ownership:
 
     # -- staged slots -----------------------------------------------------------------------------
     def stage(self, ns: Namespace, n: int, *, owner, inline: bool = False,
-              limit_bytes: int | None = None) -> list[int]:
+              limit_bytes: int | None = None, pool_bytes: int | None = None) -> list[int]:
         """Up to `n` free host slots of `ns`'s slot size for `owner` to write blocks into before
         it names their keys (`put_staged`): their byte offsets in the arena. Fewer when there
-        is no room, or past `limit_bytes` staged by `owner` in all; `inline`: free slots, or clean
-        blocks' slots (their disk copies stay): no I/O, no wait."""
+        is no room, past `limit_bytes` staged by `owner` in all, or past its share of
+        `pool_bytes`, what all owners together may hold staged (an equal share each, and never
+        more than the others leave); `inline`: free slots, or clean blocks' slots (their disk
+        copies stay): no I/O, no wait. (Staged slots hold no cached block: the bounds keep
+        writers' slots from crowding blocks out of the host tier.)"""
         with self._cond:
             self._check_open()
             st = self._ns(ns)
             sb = st.host_slot_bytes
             token = self._held.staging(owner)
-            if limit_bytes is not None:
-                held = sum(map(self.host.alloc.slot_bytes_of, self._held.staged_slots_of(owner)))
-                n = min(n, max(0, (limit_bytes - held) // sb))
+            n = min(n, self._stage_room(owner, limit_bytes, pool_bytes) // sb)
             offsets = []
             for _ in range(max(0, n)):
                 if inline:        # free slots, or clean blocks dropped: no I/O, no wait
@@ -335,6 +346,20 @@ class Ownership:
                 offsets.append(off)
             self._held.end_staging(owner, token)
             return offsets
+
+    def _stage_room(self, owner, limit_bytes: int | None, pool_bytes: int | None) -> int:
+        """(Lock held, `owner` staging.) Bytes `owner` may stage now (see `stage`)."""
+        room = 1 << 62
+        if limit_bytes is None and pool_bytes is None:
+            return room
+        held, writers = self._held.staged_bytes(self.host.alloc.slot_bytes_of)
+        mine = held.get(owner, 0)
+        if limit_bytes is not None:
+            room = limit_bytes - mine
+        if pool_bytes is not None:
+            total = sum(held.values())
+            room = min(room, pool_bytes // max(1, writers) - mine, pool_bytes - total)
+        return max(0, room)
 
     def put_staged(self, ns: Namespace, keys: Sequence[bytes], offsets: Sequence[int], *, owner,
                    parent: bytes | None = None, token_ids: Sequence[int] | None = None,
