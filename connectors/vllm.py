@@ -268,8 +268,8 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
         self._xfer: BlockTransfer | None = None
         self._layer_idx: dict[str, int] = {}
         self._loading: list[_Loading] = []       # this step's synchronous loads, copying
-        self._waited: set[str] = set()           # layers whose wait_for_layer_load ran this forward
-        self._layerwise = False                  # the last forward asked for every layer: wait per layer
+        self._waited: set[str] = set()           # layers whose wait_for_layer_load ran this step
+        self._layerwise = False                  # the last forward that asked asked for every layer
 
     # -- configuration ------------------------------------------------------------------------
     def _unsupported_reason(self, vllm_config, kv_cache_config) -> str:

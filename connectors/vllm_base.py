@@ -68,6 +68,16 @@ except ImportError:
         finished_recving: set[str] = field(default_factory=set)
         failed_recving: set[str] = field(default_factory=set)
 
+try:  # where cached prompt tokens came from, in vLLM's metrics (vLLM versions that count it)
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:
+    class CacheHitSource(str, enum.Enum):  # type: ignore[no-redef]
+        """Stand-in for vLLM's cache hit sources (the ones this connector reports)."""
+
+        HOST = "host"
+        DISK = "disk"
+        EXTERNAL_UNSPECIFIED = "external_unspecified"
+
 try:  # the hybrid KV cache manager's interface (vLLM keeps the manager on only for its subclasses)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 except ImportError:

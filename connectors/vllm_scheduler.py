@@ -21,7 +21,7 @@ from tierd.errors import TierdError
 from tierd.keys import extend_keys
 
 from .link import STORE_ERRORS
-from .vllm_base import timed
+from .vllm_base import CacheHitSource, timed
 from .vllm_keys import block_extra
 from .vllm_meta import LoadSpec, SaveSpec, TierdConnectorMetadata
 
@@ -42,6 +42,7 @@ class _Req:
     table: list[list[int]] = field(default_factory=list)   # vLLM block ids per KV cache group
     saved: int = 0            # leading tier blocks every rank holds or has been sent
     hit: int = 0              # tier blocks the last lookup found on every rank
+    hit_host: int | None = None   # of those, the leading ones in host RAM (None: not asked)
     local: int = 0            # tokens vLLM's own prefix cache had at that lookup
     load_async: bool = False  # how the load of that lookup goes
     load_attempts: int = 0
@@ -134,6 +135,7 @@ class SchedulerHalf:
             return 0, False
         self.link.ok()
         st.hit, st.local = n, num_computed_tokens
+        st.hit_host = min(n_host, n) if auto else None
         # Every stored tier block carries what every KV cache group needs for a hit ending at
         # it (a sliding window's tail included: vllm_groups), so the hit is the stored prefix
         # (with recurrent state: the longest one whose end has a stored state, `_state_hit`).
@@ -141,6 +143,30 @@ class SchedulerHalf:
         ext = max(0, hit - num_computed_tokens)
         st.load_async = bool(ext) and self._load_async(num_computed_tokens, ext, n_host, st.salt)
         return ext, st.load_async
+
+    # -- what vLLM reports of hits and preemptions ----------------------------------------------
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: tierd is a best-effort cache. vLLM then lets a request preempted while its
+        blocks are still being saved keep its output (a save it drops is a later miss), where
+        a connector that must deliver KV has the request recomputed."""
+        return False
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
+        """The tokens this connector loads for `request`, by tier, for vLLM's metrics: those in
+        blocks the lookup found in host RAM under HOST; the rest (disk or the remote tier, which
+        a lookup does not tell apart) unspecified. With a fixed load mode the lookup asks no
+        tier (`load_mode` "auto" asks), so all of them are unspecified."""
+        if num_external_tokens <= 0:
+            return {}
+        st = self._reqs.get(request.request_id)
+        if st is None or st.hit_host is None:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        host = min(num_external_tokens, max(0, st.hit_host * self.block_tokens - st.local))
+        out = {CacheHitSource.HOST: host} if host else {}
+        if num_external_tokens > host:
+            out[CacheHitSource.EXTERNAL_UNSPECIFIED] = num_external_tokens - host
+        return out
 
     def _state_hit(self, store, st: _Req, most: int, local: int) -> int:
         """The most tier blocks (≤ `most`, > `local`) whose end has a stored recurrent state on

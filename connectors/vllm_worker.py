@@ -162,10 +162,8 @@ class WorkerHalf:
     # -- loads --------------------------------------------------------------------------------
     @timed("hook_s")
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        # per-layer waits only once a forward has asked for every layer (a model whose attention
-        # never calls wait_for_layer_load gets its loads waited for as a whole, before the forward)
-        self._layerwise = bool(self._layer_idx) and self._waited >= self._layer_idx.keys()
-        self._waited = set()
+        # (vLLM calls this before the forward in a step with synchronous loads, after it in
+        # others: the waits of a forward are counted from one step's metadata to the next's)
         if not self.has_connector_metadata():
             return
         for spec in getattr(self._get_connector_metadata(), "loads", ()):
@@ -453,8 +451,26 @@ class WorkerHalf:
         return errors
 
     # -- saves --------------------------------------------------------------------------------
+    def _end_forward(self) -> None:
+        """The last step's forward is over (a new step begins): loads wait per layer only while
+        the last forward that asked for any layer asked for every one (a model whose attention
+        never calls wait_for_layer_load gets its loads waited for as a whole, before the
+        forward). A step that asked for none (no forward, a CUDA graph replayed whole) says
+        nothing and changes nothing."""
+        if self._waited:
+            self._layerwise = bool(self._layer_idx) and self._waited >= self._layer_idx.keys()
+            self._waited = set()
+
+    def reset_capture_state(self) -> None:
+        """vLLM, after capturing CUDA graphs: the capture's dummy forwards asked for layers
+        that a replay of a whole graph will not ask for; forget them (no per-layer waits until a
+        real forward asks for every layer)."""
+        self._waited = set()
+        self._layerwise = False
+
     @timed("hook_s")
     def bind_connector_metadata(self, connector_metadata) -> None:
+        self._end_forward()
         super().bind_connector_metadata(connector_metadata)
         if self._rank == 0:      # (every worker gets it; counted once)
             self.stats["sched_s"] += getattr(connector_metadata, "sched_s", 0.0)

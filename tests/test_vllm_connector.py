@@ -575,7 +575,11 @@ def test_auto_loads_asynchronously_what_needs_the_disk_or_is_large(daemon):
     prompt = list(range(1, 101))
     _stored(sched, worker, objs, prompt)
     # in host RAM and small: copied before the step
-    assert sched.get_num_new_matched_tokens(objs.request("B", prompt), 0) == (96, False)
+    b = objs.request("B", prompt)
+    assert sched.get_num_new_matched_tokens(b, 0) == (96, False)
+    # vLLM's metrics: where the hit's tokens come from (the lookup asked)
+    assert {k.value: v for k, v in sched.get_external_cache_hit_sources(b, 96).items()} == {"host": 96}
+    assert sched.requires_kv_delivery is False    # a best-effort cache: preempted output is kept
     big = tv.TierdConnector(config(daemon.url, async_min_bytes=1), tv.KVConnectorRole.SCHEDULER, None)
     assert big.get_num_new_matched_tokens(objs.request("C", prompt), 0) == (96, True)
     with tierd.connect(daemon.url) as admin:
@@ -586,6 +590,7 @@ def test_auto_loads_asynchronously_what_needs_the_disk_or_is_large(daemon):
     # a promotion from disk: outside the batch
     d = objs.request("D", prompt)
     assert sched.get_num_new_matched_tokens(d, 0) == (96, True)
+    assert {k.value: v for k, v in sched.get_external_cache_hit_sources(d, 96).items()} == {"external_unspecified": 96}
     sched.update_state_after_alloc(d, objs.blocks(list(range(10, 17))), 96)
     import time
     done, deadline = set(), time.monotonic() + 30
@@ -644,6 +649,62 @@ def test_a_load_is_copied_layer_by_layer_and_each_layer_waits_only_for_its_own_c
     assert worker.get_block_ids_with_load_errors() == set()
     assert store.stats()["leases"] == 0                      # released once the copies had run
     assert worker.stats["loads_unordered"] == 0
+    worker.shutdown()
+    sched.shutdown()
+
+
+def _step_loads_after_forward(sched, worker, objs, *, waits: bool = True) -> None:
+    """One step without synchronous loads as vLLM 0.33 runs it: the forward (asking for every
+    layer, or, a CUDA graph replayed whole, for none), then start_load_kv, then the rest."""
+    worker.bind_connector_metadata(sched.build_connector_meta(objs.output([])))
+    if waits:
+        for layer in range(drv.LAYERS):
+            worker.wait_for_layer_load(f"model.layers.{layer}.self_attn.attn")
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    worker.get_finished(set())
+    assert worker.get_block_ids_with_load_errors() == set()
+    worker.clear_connector_metadata()
+
+
+def _load_step_is_layerwise(sched, worker, objs, sx, stored, prompt, rid: str, first: int) -> bool:
+    """A step with a synchronous load of 4 blocks into `first`..: whether its copies wait per
+    layer (after layer 0's wait, layer 1 not there yet) rather than all before the forward.
+    The bytes are exact and no load fails either way."""
+    r = objs.request(rid, prompt)
+    blocks = list(range(first, first + 5))
+    assert drv.admit(sched, objs, r, 0, blocks) == 64
+    worker.bind_connector_metadata(sched.build_connector_meta(objs.output([(r, blocks, 64, 6)])))
+    worker.start_load_kv(None)
+    worker.wait_for_layer_load("model.layers.0.self_attn.attn")
+    sx.settle()
+    layerwise = not torch.equal(_layer(worker, 1, first), stored[0][1])
+    for layer in range(1, drv.LAYERS):
+        worker.wait_for_layer_load(f"model.layers.{layer}.self_attn.attn")
+    sx.settle()
+    worker.wait_for_save()
+    worker.get_finished(set())
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert all(torch.equal(drv.block_kv(worker, first + i), stored[i]) for i in range(4))
+    worker.clear_connector_metadata()
+    return layerwise
+
+
+def test_loads_stay_layer_by_layer_when_vllm_starts_loads_after_the_forward(embedded_url):
+    """vLLM 0.33 calls start_load_kv after the forward in steps without synchronous loads: the
+    waits that forward asked for still count, so the next load step still copies layer by layer
+    (C6). A step that asks for no layer (a CUDA graph replayed whole) changes nothing; after a
+    CUDA-graph capture (reset_capture_state) its dummy forwards' waits are forgotten: the next
+    load is waited for as a whole, until a real forward has asked for every layer again."""
+    sched, worker, objs, sx, stored, prompt = _stored_then_lazy(embedded_url)
+    _step_loads_after_forward(sched, worker, objs)
+    assert _load_step_is_layerwise(sched, worker, objs, sx, stored, prompt, "B", 10)
+    _step_loads_after_forward(sched, worker, objs, waits=False)
+    assert _load_step_is_layerwise(sched, worker, objs, sx, stored, prompt, "C", 20)
+    worker.reset_capture_state()
+    assert not _load_step_is_layerwise(sched, worker, objs, sx, stored, prompt, "D", 30)
+    _step_loads_after_forward(sched, worker, objs)
+    assert _load_step_is_layerwise(sched, worker, objs, sx, stored, prompt, "E", 40)
     worker.shutdown()
     sched.shutdown()
 

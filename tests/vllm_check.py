@@ -64,6 +64,18 @@ def main() -> int:
     sched = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
     worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
     assert type(sched).__name__ == "TierdConnector" and not sched.disabled, sched.disabled
+    # a best-effort cache: vLLM keeps a preempted request's output (its base asks a kv_both
+    # connector for reliable delivery), and hits are reported by tier in vLLM's own terms
+    if hasattr(KVConnectorBase_V1, "requires_kv_delivery"):
+        assert KVConnectorBase_V1.requires_kv_delivery.fget(sched) is True
+        assert sched.requires_kv_delivery is False
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    except ImportError:
+        pass
+    else:
+        from tierd.connectors import vllm_base
+        assert vllm_base.CacheHitSource is CacheHitSource
     worker.register_kv_caches(drv.paged_caches("BHN2D"))
     assert not worker.disabled, worker.disabled
 

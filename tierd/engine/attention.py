@@ -120,27 +120,51 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float,
-                      sliding_window: int | None = None) -> torch.Tensor:
+                      sliding_window: int | None = None, *, lower_right: bool | None = None) -> torch.Tensor:
     """Causal attention of queries q (n, heads, d) at positions q_start.. over keys/values
-    (ctx, kv_heads, d) through torch's fused scaled_dot_product_attention (GQA by the kv heads).
-    Returns (n, heads, d)."""
+    (ctx, kv_heads, d) through torch's fused scaled_dot_product_attention (GQA by the kv heads),
+    in the 4-D (batch, heads, length, d) layout its fused kernels (flash, memory-efficient,
+    cuDNN) take, in the inputs' dtype. Returns (n, heads, d).
+
+    A whole prompt is plain causal attention. Queries after a cached prefix end the context
+    (q_start = ctx - n): on a GPU, a lower-right causal bias, which torch runs in its fused
+    kernels with no mask materialised (`lower_right`; default: on devices other than the CPU,
+    whose fused kernel takes the boolean mask directly). A sliding window, or queries that do
+    not end the context, use a boolean mask."""
     n, heads, d = q.shape
     ctx, kvh, _ = k.shape
     gqa = kvh != heads
-    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))   # (1, heads, len, d)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     if sliding_window is None and q_start == 0 and ctx == n:
-        # a whole prompt: plain causal attention, which torch runs in its fused (flash) kernel
-        out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
-                                                               enable_gqa=gqa)
-        return out.transpose(0, 1)
+        out = sdpa(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
+        return out[0].transpose(0, 1)
+    if lower_right is None:
+        lower_right = q.device.type != "cpu"
+    if lower_right and sliding_window is None and q_start == ctx - n:
+        from torch.nn.attention.bias import causal_lower_right
+        if gqa and q.device.type == "cuda" and not _flash_takes_gqa(qt, kt, vt):
+            # (the bias's memory-efficient kernel takes no GQA: the kv heads, repeated)
+            kt, vt = (x.repeat_interleave(heads // kvh, dim=1) for x in (kt, vt))
+            gqa = False
+        out = sdpa(qt, kt, vt, attn_mask=causal_lower_right(n, ctx), scale=scale, enable_gqa=gqa)
+        return out[0].transpose(0, 1)
     qpos = torch.arange(q_start, q_start + n, device=q.device).unsqueeze(1)
     kpos = torch.arange(ctx, device=q.device).unsqueeze(0)
     allowed = kpos <= qpos
     if sliding_window is not None:
         allowed = allowed & (kpos > qpos - sliding_window)
-    out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed, scale=scale,
-                                                           enable_gqa=gqa)
-    return out.transpose(0, 1)
+    out = sdpa(qt, kt, vt, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+    return out[0].transpose(0, 1)
+
+
+def _flash_takes_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether torch's flash kernel runs these (1, heads, len, d) tensors with fewer kv heads."""
+    try:
+        params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, True)
+        return bool(torch.backends.cuda.can_use_flash_attention(params))
+    except (AttributeError, RuntimeError, TypeError):
+        return False
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
