@@ -6,8 +6,11 @@
 - gather / scatter kernels (many blocks, all layers, one launch; per-layer caches and one
   head-major tensor per layer as vLLM's HND caches) beside one device-to-device copy of the
   same bytes;
-- paged decode attention (v1 and v2) beside torch's fused SDPA over the same KV already
-  gathered into dense tensors (what an engine without paging runs), and the torch reference.
+- paged decode attention (the CUDA kernel's v1 and v2, and the Triton kernel, split-KV and
+  GQA-grouped) beside torch's fused SDPA over the same KV already gathered into dense tensors
+  (what an engine without paging runs), the torch reference, and the Triton kernel beside its
+  floor: reading the KV bytes once (half a device-to-device copy of them, which reads and
+  writes each byte), with which kernel the dispatcher chose for the shape.
 
 Needs CUDA and CuPy (run by benchmarks/gpu_check.sh on a GPU machine); elsewhere it says so and
 exits 0.
@@ -109,10 +112,12 @@ def main() -> int:
 
     # -- paged decode: kernel vs fused SDPA on the same KV made dense, and vs the torch reference --
     import torch.nn.functional as F
-    for heads, kv, ctx, version in ((32, 8, 2048, "v1"), (32, 8, 16384, "v2"), (64, 8, 4096, "v1")):
+    from tierd.kernels import triton_decode
+    for heads, kv, ctx, version, batch in ((32, 8, 2048, "v1", 16), (32, 8, 16384, "v2", 16),
+                                           (64, 8, 4096, "v1", 16), (32, 8, 8192, "v2", 1),
+                                           (32, 8, 2048, "v1", 4)):
         if args.quick and ctx > 4096:
             continue
-        batch = 16
         a = cases.decode_inputs(dev, batch=batch, heads=heads, kv_heads=kv, head_dim=128, block_size=16,
                                 num_blocks=batch * ctx // 16 + 64, max_len=ctx, dtype=torch.float16)
         t_k = cuda_time(lambda: K.ops.paged_attention_decode(**a, version=version, max_seq_len=ctx), repeats=5)
@@ -133,10 +138,30 @@ def main() -> int:
         p = dict(batch=batch, heads=heads, kv_heads=kv, max_ctx=ctx, max_abs_diff_vs_sdpa=round(diff, 5))
         results.append(Result(f"paged decode {version}", p, t_k * 1e3, "ms", "fused SDPA on dense KV",
                               t_sdpa * 1e3, higher_is_better=False))
-        if ctx <= 4096:
+        if ctx <= 4096 and batch >= 16:
             t_r = cuda_time(lambda: reference.paged_attention_decode(**a), repeats=3)
             results.append(Result(f"paged decode {version}", p, t_k * 1e3, "ms", "torch reference (paged)",
                                   t_r * 1e3, higher_is_better=False))
+        if triton_decode.available() and triton_decode.takes(a["q"], a["k_cache"], a["v_cache"]) is None:
+            args_t = {k: v for k, v in a.items() if k not in ("k_scale", "v_scale")}
+            got_t = triton_decode.paged_attention_decode(**args_t, max_seq_len=ctx)
+            diff_t = (sdpa().squeeze(2).float() - got_t.float()).abs().max().item()
+            t_t = cuda_time(lambda: triton_decode.paged_attention_decode(**args_t, max_seq_len=ctx), repeats=5)
+            splits, _ = triton_decode.plan(batch, kv, ctx, 16, dev)
+            kv_bytes = 2 * int(lens.sum()) * kv * 128 * 2
+            src = torch.empty(kv_bytes, dtype=torch.uint8, device=dev)
+            dst = torch.empty_like(src)
+            t_copy = cuda_time(lambda: dst.copy_(src), repeats=5)
+            del src, dst
+            pt = dict(p, max_abs_diff_vs_sdpa=round(diff_t, 5), splits=splits,
+                      chosen=K.decode_attention.choose(a["q"], a["k_cache"], a["v_cache"]))
+            results.append(Result("paged decode triton", pt, t_t * 1e3, "ms", "fused SDPA on dense KV",
+                                  t_sdpa * 1e3, higher_is_better=False))
+            results.append(Result("paged decode triton", pt, t_t * 1e3, "ms",
+                                  "KV bytes read once (half a device copy of them)", t_copy / 2 * 1e3,
+                                  higher_is_better=False))
+            results.append(Result("paged decode triton", pt, t_t * 1e3, "ms", f"CUDA kernel {version}",
+                                  t_k * 1e3, higher_is_better=False))
     tr.close()
     report("gpu_kernels", results, args.json)
     return 0

@@ -2,6 +2,8 @@
 
     reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0)
     paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+    paged_attention_decode_triton(...)   (the same in Triton: split-KV, GQA-grouped; triton_decode.py)
+    decode_attention(...)                (chooses per shape: Triton, the CUDA kernel or torch)
     gather_blocks(k_caches, v_caches, block_ids, slots) / scatter_blocks(...)
     quantize_fp8(x, scale) / dequantize_fp8(x, scale, dtype)
     paged_attention_int4_decode(q, k_q, k_min, k_step, v_q, v_min, v_step, k_own, block_tables,

@@ -68,6 +68,31 @@ def attention_case(device, fn):
     return outs
 
 
+def triton_attention_case(device, fn):
+    """The Triton decode kernel's self-check: half, bfloat16 and float32 caches, GQA groups of
+    4 and 1, one context span and several (split-KV), a head size that is no power of two, a
+    head-major cache view, NaN in every slot past a length."""
+    outs = []
+    for dtype, heads, kv_heads, head_dim, splits, layout in (
+            (torch.float16, 8, 2, 128, None, "contiguous"), (torch.bfloat16, 8, 2, 64, 4, "b2hnd"),
+            (torch.float16, 4, 4, 80, 1, "contiguous"), (torch.float32, 8, 2, 64, 3, "contiguous")):
+        if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+            dtype = torch.float16   # (Triton's interpreter computes bfloat16 wrongly: a GPU checks it)
+        a = decode_inputs(device, batch=3, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=16,
+                          num_blocks=160, max_len=700, dtype=dtype, seed=head_dim + heads)
+        k, v = a["k_cache"], a["v_cache"]
+        if layout != "contiguous":
+            _, k, v = cache_views(layout, k.shape[0], 16, kv_heads, head_dim,
+                                  lambda shape: torch.empty(shape, dtype=dtype, device=device))
+            k.copy_(a["k_cache"])
+            v.copy_(a["v_cache"])
+        # (the kernel takes a fixed number of context spans; the reference has one way)
+        kw = {"splits": splits} if splits and "splits" in getattr(getattr(fn, "__code__", None), "co_varnames", ()) \
+            else {}
+        outs.append(fn(a["q"], k, v, a["block_tables"], a["seq_lens"], a["scale"], max_seq_len=700, **kw).float())
+    return outs
+
+
 def cpu_attention_case(device, fn):
     """The C decode attention's self-check: float32 and bfloat16 caches (and queries), GQA, a
     head size and block size that are no multiple of 8, NaN in every slot past a length."""

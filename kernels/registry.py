@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from . import cases, native, ops, reference
+import logging
+import threading
+
+from . import cases, native, ops, reference, triton_decode
 from .dispatch import KernelOp, close, same_bytes
 from .loader import available
+
+log = logging.getLogger("tierd.kernels")
 
 reshape_and_cache = KernelOp("reshape_and_cache", reference.reshape_and_cache, ops.reshape_and_cache,
                              case=cases.reshape_self_check, available=available)
@@ -14,6 +19,14 @@ paged_attention_decode = KernelOp("paged_attention_decode", reference.paged_atte
                                   {"cuda": ops.paged_attention_decode, "cpu": native.paged_attention_decode},
                                   case={"cuda": cases.attention_case, "cpu": cases.cpu_attention_case},
                                   compare=close(atol=1e-3), available={"cuda": available, "cpu": native.available})
+# (on the CPU only under Triton's interpreter, TRITON_INTERPRET=1: the tests' way to run it)
+paged_attention_decode_triton = KernelOp("paged_attention_decode_triton", reference.paged_attention_decode,
+                                         {"cuda": triton_decode.paged_attention_decode,
+                                          "cpu": triton_decode.paged_attention_decode},
+                                         case=cases.triton_attention_case, compare=close(atol=2e-3),
+                                         available={"cuda": triton_decode.available,
+                                                    "cpu": lambda: triton_decode.available() and
+                                                    triton_decode.interpreted()})
 # block copies: CUDA kernels, and on the CPU the C copy (kernels/native.py)
 gather_blocks = KernelOp("gather_blocks", reference.gather_blocks,
                          {"cuda": ops.gather_blocks, "cpu": native.gather_blocks},
@@ -32,8 +45,56 @@ paged_attention_int4_decode = KernelOp("paged_attention_int4_decode", reference.
                                        ops.paged_attention_int4_decode, case=cases.int4_case,
                                        compare=close(atol=2e-2, rtol=1e-2), available=available)
 
-OPS = (reshape_and_cache, paged_attention_decode, gather_blocks, scatter_blocks, quantize_fp8, dequantize_fp8,
-       paged_attention_int4_decode)
+OPS = (reshape_and_cache, paged_attention_decode, paged_attention_decode_triton, gather_blocks, scatter_blocks,
+       quantize_fp8, dequantize_fp8, paged_attention_int4_decode)
+
+
+class DecodeAttention:
+    """Paged decode attention, chosen per shape: the Triton kernel where it takes the inputs and
+    passed its self-check on the device, else the device's own kernel where it passed (CUDA; on
+    the CPU the C kernel), else the engine's batched torch decode. Same arguments as `paged_attention_decode`. Each choice
+    is logged once per shape and listed by `choices()`."""
+
+    def __init__(self):
+        self._chosen: dict[tuple, str] = {}
+        self._lock = threading.Lock()
+
+    def choose(self, q, k_cache, v_cache) -> str:
+        """"triton", "cuda" (or "c" on the CPU) or "torch: <why>" for these inputs."""
+        key = (str(q.device), q.dtype, k_cache.dtype, tuple(k_cache.shape[1:]), q.shape[1],
+               k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1)
+        name = self._chosen.get(key)
+        if name is None:
+            why = triton_decode.takes(q, k_cache, v_cache)
+            if why is None and paged_attention_decode_triton.use_kernel(q.device):
+                name = "triton"
+            elif paged_attention_decode.use_kernel(q.device):
+                name = "cuda" if q.device.type == "cuda" else "c"
+            else:
+                name = "torch: " + (why or paged_attention_decode_triton.status(q.device))
+            with self._lock:
+                self._chosen[key] = name
+            log.info("tierd decode attention on %s for %s queries, %s cache of %s (block, kv heads, head "
+                     "size), %d heads: %s", q.device, q.dtype, k_cache.dtype, tuple(k_cache.shape[1:]),
+                     q.shape[1], name if why is None else f"{name} (Triton: {why})")
+        return name
+
+    def choices(self) -> dict[str, str]:
+        with self._lock:
+            return {" ".join(map(str, k[:5])): v for k, v in self._chosen.items()}
+
+    def __call__(self, q, k_cache, v_cache, *args, **kwargs):
+        name = self.choose(q, k_cache, v_cache)
+        if name == "triton":
+            return paged_attention_decode_triton(q, k_cache, v_cache, *args, **kwargs)
+        if name in ("cuda", "c"):
+            return paged_attention_decode(q, k_cache, v_cache, *args, **kwargs)
+        from tierd.engine.attention import decode_attention
+        kwargs.pop("version", None)
+        return decode_attention(q, k_cache, v_cache, *args, **kwargs)
+
+
+decode_attention = DecodeAttention()
 
 
 def status(device: torch.device | str = "cuda") -> dict[str, str]:
@@ -43,4 +104,4 @@ def status(device: torch.device | str = "cuda") -> dict[str, str]:
 
 
 __all__ = ["KernelOp", "close", "same_bytes", "available", "status", "reference", "ops", "cases", "native",
-           *[op.name for op in OPS]]
+           "triton_decode", "decode_attention", "DecodeAttention", *[op.name for op in OPS]]

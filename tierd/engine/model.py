@@ -141,11 +141,17 @@ class LlamaModel:
 
     def ops(self):
         """(reshape_and_cache, decode) for this device: tierd.kernels' self-checked kernels where
-        they passed on this device (CUDA; on the CPU the C decode attention), else the engine's
-        own batched decode (the same arguments)."""
+        they passed on this device (CUDA: the Triton or the CUDA decode kernel, chosen per shape
+        by `tierd.kernels.decode_attention`; on the CPU the C decode attention), else the
+        engine's own batched decode (the same arguments)."""
         if self._ops is None:
             import tierd.kernels as K   # not at import time: tierd.kernels imports the engine's references
-            decode = K.paged_attention_decode if K.paged_attention_decode.use_kernel(self.device) else None
+            if self.device.type == "cuda":
+                usable = (K.paged_attention_decode_triton.use_kernel(self.device)
+                          | K.paged_attention_decode.use_kernel(self.device))   # (both checked, and said)
+                decode = K.decode_attention if usable else None
+            else:
+                decode = K.paged_attention_decode if K.paged_attention_decode.use_kernel(self.device) else None
             if decode is not None and self.device.type == "cpu":
                 kernel = decode
 

@@ -1,0 +1,48 @@
+"""The Triton paged decode kernel (kernels/triton_decode.py), checked on the CPU under Triton's
+interpreter in a process of its own (the interpreter is chosen when Triton's kernels are
+defined): against the torch reference over a grid of dtypes, GQA groups, head and block sizes,
+context splits and cache layouts; what it declines; its self-check; the dispatcher's choice."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from .daemon import ROOT
+
+
+def test_the_triton_decode_kernel_matches_the_reference_under_the_interpreter(tmp_path):
+    pytest.importorskip("triton", reason="triton is installed by `make venv` (the test extra)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path),
+               TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
+    r = subprocess.run([sys.executable, "-m", "tests.triton_check"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "triton decode: OK" in r.stdout
+    print(r.stdout, file=sys.stderr)
+
+
+def test_without_a_gpu_or_the_interpreter_the_triton_kernel_is_never_chosen():
+    """Here (no CUDA, no interpreter) the dispatcher says why it does not choose Triton, and
+    the engine's CPU path is what runs."""
+    import tierd.kernels as K
+    from tierd.kernels import cases, reference, triton_decode
+    if triton_decode.interpreted():
+        pytest.skip("this process runs Triton's interpreter")
+    a = cases.decode_inputs("cpu", batch=2, heads=8, kv_heads=2, head_dim=64, block_size=16, num_blocks=40,
+                            max_len=60, dtype=torch.float32, seed=1)
+    assert "cpu tensors" in (triton_decode.takes(a["q"], a["k_cache"], a["v_cache"]) or "") or \
+        triton_decode.triton is None
+    d = K.DecodeAttention()
+    assert d.choose(a["q"], a["k_cache"], a["v_cache"]) != "triton"
+    args = (a["q"], a["k_cache"], a["v_cache"], a["block_tables"], a["seq_lens"], a["scale"], 1.0, 1.0)
+    torch.testing.assert_close(d(*args, max_seq_len=60), reference.paged_attention_decode(*args),
+                               atol=1e-5, rtol=1e-5)
+    assert not K.paged_attention_decode_triton.use_kernel(torch.device("cpu"))
+    # the GPU self-check's case builds and runs (here with the reference)
+    outs = cases.triton_attention_case(torch.device("cpu"), reference.paged_attention_decode)
+    assert len(outs) == 4 and all(not o.isnan().any() for o in outs)
