@@ -18,7 +18,8 @@
 // planes: 2 (K and V, as above) or 1 (a latent cache, MLA's: one row per token, one "head";
 // the tier block is [num_layers, 1, ratio * block_size, 1, latent]; v_ptrs is not read).
 // Grid: (n_tier * ratio, num_layers * planes); each thread block copies one unit, with 16-byte
-// accesses when every address and stride allows, bytewise otherwise.
+// accesses when every address and stride allows, bytewise otherwise: a flat copy where the
+// engine block's rows are contiguous in the cache (NHD caches), else row by row.
 #include "common.cuh"
 
 typedef unsigned long long u64;
@@ -31,14 +32,35 @@ struct Geometry {
 template <bool TO_SLOT>
 __device__ __forceinline__ void copy_unit(u8* __restrict__ cache, u8* __restrict__ slot, const Geometry& g) {
     const bool vec = (((u64)cache | (u64)slot | (u64)g.row_bytes | (u64)g.s_token | (u64)g.s_head) & 15) == 0;
-    const i64 w = vec ? 16 : 1;
-    const i64 per_row = g.row_bytes / w;
-    const i64 n = (i64)g.block_size * g.heads * per_row;
-    for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
-        const i64 row = i / per_row, col = (i - row * per_row) * w;
-        const i64 t = row / g.heads, h = row - t * g.heads;
-        u8* c = cache + t * g.s_token + h * g.s_head + col;
-        u8* s = slot + row * g.row_bytes + col;
+    // (a unit is far below 4 GiB, checked by the caller: 32-bit index arithmetic throughout)
+    const unsigned heads = (unsigned)g.heads;
+    if (g.s_head == g.row_bytes && g.s_token == (i64)heads * g.row_bytes) {
+        // the engine block's rows are contiguous in the cache too: one flat copy, no division
+        const unsigned bytes = (unsigned)g.block_size * heads * (unsigned)g.row_bytes;
+        if (vec) {
+            const unsigned n = bytes >> 4;
+            uint4* c = reinterpret_cast<uint4*>(cache);
+            uint4* s = reinterpret_cast<uint4*>(slot);
+            for (unsigned i = threadIdx.x; i < n; i += blockDim.x) {
+                if (TO_SLOT) s[i] = c[i];
+                else c[i] = s[i];
+            }
+        } else {
+            for (unsigned i = threadIdx.x; i < bytes; i += blockDim.x) {
+                if (TO_SLOT) slot[i] = cache[i];
+                else cache[i] = slot[i];
+            }
+        }
+        return;
+    }
+    const unsigned w = vec ? 16u : 1u;
+    const unsigned per_row = (unsigned)g.row_bytes / w;
+    const unsigned n = (unsigned)g.block_size * heads * per_row;
+    for (unsigned i = threadIdx.x; i < n; i += blockDim.x) {
+        const unsigned row = i / per_row, col = (i - row * per_row) * w;
+        const unsigned t = row / heads, h = row - t * heads;
+        u8* c = cache + (i64)t * g.s_token + (i64)h * g.s_head + col;
+        u8* s = slot + (i64)row * g.row_bytes + col;
         if (vec) {
             if (TO_SLOT) *reinterpret_cast<uint4*>(s) = *reinterpret_cast<const uint4*>(c);
             else *reinterpret_cast<uint4*>(c) = *reinterpret_cast<const uint4*>(s);

@@ -130,6 +130,8 @@ def _block_copy(kernel: str, k_caches: Sequence[torch.Tensor], v_caches: Sequenc
         raise ValueError(f"{len(slots)} slots for {n_tier} tier blocks")
     esize = k0.element_size()
     unit = bs * heads * d * esize
+    if unit >= 1 << 31:
+        raise ValueError(f"an engine block of {unit} bytes per layer (the kernel indexes below 2 GiB)")
     if any(s.numel() * s.element_size() < planes * len(k_caches) * ratio * unit for s in slots):
         raise ValueError("a slot is smaller than a tier block")
     k_ptrs = _cache_ptrs(device, tuple(c.data_ptr() for c in k_caches))
