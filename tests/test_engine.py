@@ -93,6 +93,37 @@ def test_prefix_cache_hit_gives_the_cold_run_outputs(model_dir):
                           sampling_params=GREEDY)[0].outputs[0].token_ids == other.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_a_warmed_engine_leaves_no_trace_and_serves_what_a_cold_one_serves(model_dir, kv):
+    """The warm-up (the default on CUDA) runs every shape the engine serves on scratch blocks:
+    afterwards nothing is allocated, cached or stored in the tier, the blocks it used are zero
+    again, and requests get the cold engine's tokens and logprobs, prefix hits included."""
+    from tierd import TieredStore
+    prompt = list(range(10, 90))
+    outs = {}
+    for warm in (False, True):
+        with TieredStore(host_bytes="16MiB") as store:
+            llm = LLM(model_dir, kv_cache_bytes="4MiB", kv_cache_dtype=kv, kv_store=store, kv_block_tokens=32,
+                      max_num_batched_tokens=256, warmup=warm)
+            try:
+                if warm:
+                    assert llm.warmup_seconds > 0
+                    st = llm.kv_cache_stats()
+                    assert st["blocks_allocated"] == 0 and st["prefix_cache_blocks"] == 0
+                    assert store.stats()["tiers"]["host"]["blocks"] == 0
+                    assert all(not k.float().any() and not v.float().any() for k, v in llm.kv_caches)
+                else:
+                    assert llm.warmup_seconds == 0
+                first = llm.generate(prompt_token_ids=prompt, sampling_params=GREEDY)[0]
+                again = llm.generate(prompt_token_ids=prompt, sampling_params=GREEDY)[0]
+                assert first.num_cached_tokens == 0 and again.num_cached_tokens == 64
+                outs[warm] = (first.outputs[0].token_ids, our_logprobs(first), again.outputs[0].token_ids)
+            finally:
+                llm.close()
+    assert outs[True][0] == outs[False][0] and outs[True][2] == outs[False][2]
+    assert max(abs(a - b) for a, b in zip(outs[True][1], outs[False][1])) < 1e-5
+
+
 def test_batched_requests_equal_requests_run_alone_also_under_preemption(model_dir):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (int(n),), generator=gen).tolist()

@@ -60,7 +60,7 @@ class LLM:
                  kv_tier_codec: str = "", kv_scales: str = "auto",
                  calibration_prompts: list[list[int]] | None = None, int4_group: int = 32,
                  attention_sinks: int = 0, window: int | None = None, kv_budget: int | None = None,
-                 device: str = "cpu"):
+                 device: str = "cpu", warmup: bool | None = None):
         from ..config import parse_size
         self.model_dir = Path(model)
         self.config = cfg = ModelConfig.from_dir(self.model_dir)
@@ -189,6 +189,58 @@ class LLM:
         self.phase_seconds = {"schedule": 0.0, "inputs": 0.0, "forward": 0.0, "sample": 0.0}
         self._seqs: dict[str, Sequence] = {}
         self.evicted_blocks = 0
+        self.warmup_seconds = 0.0
+        if warmup if warmup is not None else self.device.type == "cuda":
+            self.warmup()
+
+    # -- warm-up ---------------------------------------------------------------------------------
+    def warmup(self) -> float:
+        """Run the shapes this engine serves once, before any request (as vLLM's profile run
+        does), so that no request pays for lazy module loading, first allocations or kernel
+        builds and checks: a whole prompt of a step's size, a chunk after a cached prefix, and
+        decode steps of one and of several sequences. It runs the model directly on scratch
+        blocks, not through the scheduler: nothing is cached, stored or counted, and the
+        blocks are zeroed again. Returns its seconds (also `warmup_seconds`). The default on
+        CUDA (`warmup=None`); an int4 cache (CPU only) is not warmed."""
+        if self.int4 or self.scheduler.running or self.scheduler.waiting:
+            return 0.0
+        t0 = time.perf_counter()
+        bs, dev, bm = self.block_size, self.device, self.block_manager
+        free = bm.num_free
+        n = min(self.scheduler.max_num_batched_tokens, self.max_model_len - 1, (free - 1) * bs)
+        if n < 2:
+            return 0.0
+        blocks = list(range(-(-n // bs)))                 # scratch: no block is in use yet
+        table = torch.tensor(blocks, dtype=torch.long)
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, self.config.vocab_size, (n,), generator=g)
+
+        def run(tokens, start: int, seqs, logits_rows) -> None:
+            t = len(tokens)
+            positions = torch.arange(start, start + t) if len(seqs) == 1 else torch.tensor([s[2] - 1 for s in seqs])
+            slots = torch.tensor([table[p // bs] * bs + p % bs for p in positions.tolist()])
+            self.model.forward(tokens.to(dev), positions.to(dev), slots.to(dev), seqs, self.kv_caches,
+                               torch.tensor(logits_rows, dtype=torch.long).to(dev), self.kv_scales,
+                               streaming=self.streaming)
+
+        with torch.inference_mode():
+            run(prompt, 0, [(0, n, n, table)], [n - 1])                          # a whole prompt
+            half = n // 2
+            if half >= 2:
+                run(prompt[half:], half, [(0, n - half, n, table)], [n - half - 1])   # after a cached prefix
+            for batch in sorted({1, min(8, self.scheduler.max_num_seqs)}):      # decode steps
+                ctx = list(range(n - batch + 1, n + 1))
+                seqs = [(i, 1, c, table) for i, c in enumerate(ctx)]
+                run(prompt[-batch:], 0, seqs, list(range(batch)))
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            idx = table.to(dev)
+            for k, v in self.kv_caches:
+                k.view(torch.uint8)[idx] = 0     # (as bytes: any cache dtype, fp8 included)
+                v.view(torch.uint8)[idx] = 0
+        self.model.attention_seconds = 0.0
+        self.warmup_seconds = time.perf_counter() - t0
+        return self.warmup_seconds
 
     # -- block eviction --------------------------------------------------------------------------
     def _evict(self, seq: Sequence, n: int, mass: torch.Tensor) -> None:
