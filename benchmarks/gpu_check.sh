@@ -5,7 +5,7 @@
 # (gpu_kernels) and TTFT of a ~1B model (gpu_ttft). Needs Python with a CUDA build of torch, CuPy
 # and tierd's dependencies (set PYTHON to choose the interpreter). Writes gpu_check.log,
 # gpu_tests.xml, gpu_kernels.json and gpu_ttft.json under benchmarks/results (or $OUT when
-# set). At most about 7 minutes: each part has its own time limit (seconds, overridable:
+# set). At most about 9 minutes: each part has its own time limit (seconds, overridable:
 # GPU_TESTS_S, GPU_TEST_S for one test, GPU_KERNELS_S, GPU_TTFT_S) and a hung test fails alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +18,7 @@ export PYTHONUNBUFFERED=1
 TESTS_S=${GPU_TESTS_S:-180}
 TEST_S=${GPU_TEST_S:-90}
 KERNELS_S=${GPU_KERNELS_S:-120}
-TTFT_S=${GPU_TTFT_S:-120}
+TTFT_S=${GPU_TTFT_S:-180}
 # Run from a copy of the tests outside the checkout, so that `tierd` is the installed package
 # (tierd.kernels is a package-dir mapping that a source tree on sys.path would hide).
 WORK=$(mktemp -d /tmp/tierd-gpu.XXXXXX)
@@ -51,7 +51,7 @@ for op in K.OPS:
     echo "== figures"
     timeout $KERNELS_S $PY -m benchmarks.gpu_kernels --json "$RES/gpu_kernels.json"
     echo "gpu_kernels exit: $?"
-    timeout $TTFT_S $PY -m benchmarks.gpu_ttft --json "$RES/gpu_ttft.json"
+    TIERD_TRACE_DIR="$RES/traces" timeout $TTFT_S $PY -m benchmarks.gpu_ttft --json "$RES/gpu_ttft.json"
     echo "gpu_ttft exit: $?"
 } 2>&1 | tee "$LOG"
 rm -rf "$WORK"

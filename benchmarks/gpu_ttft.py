@@ -1,7 +1,10 @@
 """TTFT on a GPU: the bundled engine on CUDA (fp16) with a ~1B random-weight Llama, a prefix
 served from tierd's host tier (H2D on the load stream + scatter) or its HBM tier (device to
 device), each beside recomputing the same prompt in the same run; and the load part of a host
-hit beside its floor, the loaded bytes over a pinned host-to-device copy measured here.
+hit beside its floor, the loaded bytes over a pinned host-to-device copy measured here. Engines
+warm up when they start (every shape once: `LLM.warmup`); a host hit in an engine started
+without it is reported apart (the cold first hit). With $TIERD_TRACE_DIR set, one host hit and
+one recompute per length are also recorded with torch.profiler (Chrome traces there).
 
 Needs CUDA (run by benchmarks/gpu_check.sh on a GPU machine); elsewhere it says so and exits 0.
 The model (16 layers, hidden 2048, 32 heads, 8 KV heads, 1.1B parameters, fp16 on disk) is
@@ -65,10 +68,19 @@ def main() -> int:
     dev = dict(device="cuda", dtype="float16", kv_cache_bytes="4GiB", max_num_batched_tokens=2048,
                kv_block_tokens=TIER_TOKENS)
 
-    def ttft(prompt, store=None):
-        llm = LLM(model, kv_store=store, **dev)
+    trace_dir = os.environ.get("TIERD_TRACE_DIR")
+
+    def ttft(prompt, store=None, trace: str | None = None, **kw):
+        llm = LLM(model, kv_store=store, **dev, **kw)
         try:
-            out = llm.generate(prompt_token_ids=prompt, sampling_params=one)[0]
+            if trace and trace_dir:
+                from torch.profiler import ProfilerActivity, profile
+                os.makedirs(trace_dir, exist_ok=True)
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    out = llm.generate(prompt_token_ids=prompt, sampling_params=one)[0]
+                prof.export_chrome_trace(os.path.join(trace_dir, f"gpu_ttft_{trace}.json"))
+            else:
+                out = llm.generate(prompt_token_ids=prompt, sampling_params=one)[0]
             stats = llm.kv_connector_stats() if store is not None else {}
             if store is not None:
                 llm.connector.flush()
@@ -107,6 +119,12 @@ def main() -> int:
                 results.append(Result(name, p, t_hit * 1e3, "ms", "recompute TTFT ms", t_re * 1e3,
                                       higher_is_better=False))
                 if not hbm:
+                    t_cold, _ = ttft(prompt, store, warmup=False)     # an engine that did not warm up
+                    results.append(Result("TTFT host hit, engine not warmed up", p, t_cold * 1e3, "ms",
+                                          "recompute TTFT ms", t_re * 1e3, higher_is_better=False))
+                    if trace_dir:
+                        ttft(prompt, store, trace=f"host_hit_{n}")
+                        ttft(prompt, trace=f"recompute_{n}")
                     loaded = st["loaded_bytes"]
                     floor_s = loaded / (h2d_gbps(max(loaded, 1 << 20)) * 1e9)
                     results.append(Result("load part of host hit", {**p, "bytes": loaded}, st["load_s"] * 1e3, "ms",
