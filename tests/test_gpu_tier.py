@@ -43,6 +43,26 @@ def test_second_hit_copies_to_hbm_and_lease_views_are_exact(gstore):
     assert gstore.stats()["tiers"]["gpu"]["promotions"] == 4
 
 
+def test_a_lease_that_copies_blocks_up_waits_for_the_device_once(gstore, monkeypatch):
+    """The copies into HBM of one lease are all queued, then waited for once (a wait per block
+    cost one device round trip each)."""
+    ns = make_ns()
+    keys = put(gstore, ns, 3, n=6)
+    with gstore.acquire(ns, keys, gpu=True):
+        pass
+    waits = []
+    tier = gstore.gpu
+    real_wait = tier._wait
+    monkeypatch.setattr(tier, "_wait", lambda: (waits.append(1), real_wait()))
+    with gstore.acquire(ns, keys, gpu=True) as lease:
+        assert all(o >= 0 for o in lease.gpu_offsets)
+        assert [bytes(b.numpy()) for b in lease.gpu_buffers] == [block_for(ns, k).tobytes() for k in keys]
+    assert len(waits) == 1
+    with gstore.acquire(ns, keys, gpu=True):                        # all in HBM now: no copy, no wait
+        pass
+    assert len(waits) == 1
+
+
 def test_without_a_reader_of_hbm_copies_the_tier_costs_nothing(gstore):
     """Acquires that do not read HBM copies never copy a block up, lease nothing there, and
     leave the tier's counters at zero; a reader's acquire then does."""

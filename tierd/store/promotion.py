@@ -286,16 +286,9 @@ class Promotion:
     def _gpu_fill(self, lease: Lease, fills: list[int]) -> None:
         """Copy newly admitted blocks of `lease` into their HBM slots (no lock; the slots and the
         host copies are pinned by the lease), then make them visible to other leases."""
-        ok = []
-        for i in fills:
-            b = lease._blocks[i]
-            try:
-                self.gpu.write(b.gpu_slot, self.host.view(b.host_slot, b.st.block_bytes),
-                               b.st.meta(b.key, None))
-                ok.append(True)
-            except Exception as e:  # noqa: BLE001 -- the host copy still serves the block
-                log.warning("HBM tier: copy failed (%s); serving from host RAM", e)
-                ok.append(False)
+        blocks = [lease._blocks[i] for i in fills]
+        # every copy queued, one wait for the lease (a failed one: the host copy serves it)
+        ok = self.gpu.fill_many([(b.gpu_slot, self.host.view(b.host_slot, b.st.block_bytes)) for b in blocks])
         with self._cond:
             c = self._rg.counters
             for i, good in zip(fills, ok):

@@ -9,12 +9,16 @@ machines without a GPU.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..arena import SlabAllocator, plan_slabs
 from ..config import ALIGN
 from ..errors import ConfigError
 from .base import BlockMeta, Tier
+
+log = logging.getLogger("tierd.store")
 
 GPU_SLOT_ALIGN = ALIGN   # slots keep 4 KiB alignment, as on the host, so 16-byte accesses hold
 
@@ -61,8 +65,32 @@ class GpuTier(Tier):
 
     def fill(self, slot: int, src) -> None:
         """Copy a host buffer (numpy uint8) into a slot; returns when the copy is done."""
-        t = torch.from_numpy(src)
-        self.view(slot, t.numel()).copy_(t)
+        if not self.fill_many([(slot, src)])[0]:
+            raise RuntimeError(f"copying {src.nbytes} bytes into HBM slot {slot} failed")
+
+    def fill_many(self, items) -> list[bool]:
+        """Copy host buffers (numpy uint8) into slots: every copy queued, then one wait for
+        them all (not one per block). Per item, whether its bytes are there; an error at the
+        wait fails every item (the host copies still serve them)."""
+        ok = []
+        for slot, src in items:
+            try:
+                t = torch.from_numpy(src)
+                self.view(slot, t.numel()).copy_(t, non_blocking=True)
+                ok.append(True)
+            except Exception as e:  # noqa: BLE001 -- that block is served from host RAM
+                log.warning("HBM tier: copy into slot %d failed (%s)", slot, e)
+                ok.append(False)
+        if any(ok):
+            try:
+                self._wait()
+            except Exception as e:  # noqa: BLE001
+                log.warning("HBM tier: waiting for %d copies failed (%s)", sum(ok), e)
+                return [False] * len(ok)
+        return ok
+
+    def _wait(self) -> None:
+        """Until the copies queued on the device's current stream have run (one wait a fill)."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
