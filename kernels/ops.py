@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .loader import f32, i32, i64, launch, ptr
@@ -146,6 +147,66 @@ def _block_copy(kernel: str, k_caches: Sequence[torch.Tensor], v_caches: Sequenc
            (ptr(k_ptrs), ptr(v_ptrs), ptr(ids_slots), i32(n_tier), i32(ratio), i32(bs), i32(heads),
             i64(d * esize), i64(k0.stride(0) * esize), i64(k0.stride(1) * esize), i64(k0.stride(2) * esize),
             i32(planes)))
+
+
+def _geometry(k_caches, v_caches) -> tuple:
+    """(device, planes, block size, heads, row bytes, byte strides, unit bytes) of caches the
+    copy kernels take; ValueError otherwise."""
+    device = k_caches[0].device
+    k0 = k_caches[0]
+    _, bs, heads, d = k0.shape
+    planes = 1 if v_caches is None else 2
+    if not all(c.device == device and c.shape == k0.shape and c.stride() == k0.stride() and c.dtype == k0.dtype
+               for c in (*k_caches, *(v_caches or ()))) or k0.stride(-1) != 1:
+        raise ValueError("every K and V view needs one shape, one layout (head_dim contiguous) and one device")
+    esize = k0.element_size()
+    unit = bs * heads * d * esize
+    if unit >= 1 << 31:
+        raise ValueError(f"an engine block of {unit} bytes per layer (the kernel indexes below 2 GiB)")
+    strides = tuple(s * esize for s in k0.stride()[:3])
+    return device, planes, bs, heads, d * esize, strides, unit
+
+
+def scatter_from_host(k_caches, v_caches, block_ids: torch.Tensor, slot_addrs: Sequence[int], *,
+                      layered: bool, after_layer=None, launch_fn=None) -> int:
+    """Copy tier blocks straight from host memory the device can read (registered with the CUDA
+    runtime and mapped into its address space: `slot_addrs`, one whole tier block each) into the
+    caches: no staging buffer, no host-to-device copy of its own. The block ids and the slots'
+    addresses for every layer go to the device in one upload for the whole load; then one
+    launch per layer (`layered`: `after_layer(i)` after layer i's, to record its event), or one
+    for every layer. Returns the launches. (`launch_fn`: the launcher, for tests.)"""
+    launch_fn = launch_fn or launch
+    device, planes, bs, heads, row_bytes, (s_block, s_token, s_head), unit = _geometry(k_caches, v_caches)
+    n_tier, ratio = block_ids.shape
+    if n_tier == 0:
+        return 0
+    if len(slot_addrs) != n_tier:
+        raise ValueError(f"{len(slot_addrs)} slots for {n_tier} tier blocks")
+    layers = len(k_caches)
+    layer_bytes = planes * ratio * unit
+    ids = block_ids.to(torch.int64).reshape(-1).tolist()
+    addrs = [int(a) for a in slot_addrs]
+    if layered:   # per layer: the ids, then each slot's address of that layer's part
+        values = [v for i in range(layers) for v in (*ids, *(a + i * layer_bytes for a in addrs))]
+    else:
+        values = [*ids, *addrs]
+    table = _upload(values, device)
+    k_ptrs = _cache_ptrs(device, tuple(c.data_ptr() for c in k_caches))
+    v_ptrs = _cache_ptrs(device, tuple(c.data_ptr() for c in (v_caches or k_caches)))
+    common = (i32(n_tier), i32(ratio), i32(bs), i32(heads), i64(row_bytes), i64(s_block), i64(s_token),
+              i64(s_head), i32(planes))
+    if not layered:
+        launch_fn(device, "gather_scatter.cu", "scatter_blocks", (n_tier * ratio, planes * layers), (256,),
+                  (ptr(k_ptrs), ptr(v_ptrs), ptr(table), *common))
+        return 1
+    per = (n_tier * ratio + n_tier) * 8
+    for i in range(layers):
+        launch_fn(device, "gather_scatter.cu", "scatter_blocks", (n_tier * ratio, planes), (256,),
+                  (np.uint64(k_ptrs.data_ptr() + 8 * i), np.uint64(v_ptrs.data_ptr() + 8 * i),
+                   np.uint64(table.data_ptr() + per * i), *common))
+        if after_layer is not None:
+            after_layer(i)
+    return layers
 
 
 def gather_blocks(k_caches, v_caches, block_ids, slots) -> None:

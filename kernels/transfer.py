@@ -192,7 +192,8 @@ class LoadJob:
 
 class BlockTransfer:
     def __init__(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor] | None, ratio: int,
-                 *, pinning=None, streams=None, layer_groups: Sequence[int] | None = None):
+                 *, pinning=None, streams=None, layer_groups: Sequence[int] | None = None,
+                 direct: bool | None = None):
         # v_caches None: latent caches (MLA's: a row per token), one plane per layer in a tier block
         self.k, self.ratio = list(k_caches), ratio
         self.v = None if v_caches is None else list(v_caches)
@@ -219,6 +220,10 @@ class BlockTransfer:
         self._pin_lock = threading.Lock()              # loads and saves attach from several threads
         # streams: CUDA's on a CUDA device; none on CPU (copies run at once), or a test's stand-in
         self.streams = streams if streams is not None else (CudaStreams(self.device) if self.cuda else None)
+        # loads straight from the registered arena (no staging copy): None decides at the first
+        # load on CUDA by a check on this device (`_direct_usable`); False never
+        self._direct = direct if self.cuda and streams is None and layer_groups is None else False
+        self.direct_reason = "" if self._direct is None else ("on" if self._direct else "off")
         self._plan = None
         # the copy kernels (the C copy on CPU, CUDA's built by NVRTC) are built and checked now,
         # once per process and device, not in the first save or load (the first hit's TTFT)
@@ -410,6 +415,8 @@ class BlockTransfer:
         if sx is None:
             self._copy(scatter_blocks, block_ids, srcs)
             return LoadJob(device_blocks=n - len(up))
+        if len(up) == n and n and self._direct_from(block_ids, srcs):
+            return self._load_direct(block_ids, [s.data_ptr() for s in srcs], layered)
         staging: list = []
         events = []
 
@@ -450,6 +457,80 @@ class BlockTransfer:
                     sx.run(self.h2d, scatter(layer))
                     events.append(sx.record(self.h2d))
         return LoadJob(sx, events, layered, device_blocks=n - len(up))
+
+    # -- loads straight from the registered arena ----------------------------------------------------
+    def _direct_from(self, block_ids: torch.Tensor, srcs: Sequence[torch.Tensor]) -> bool:
+        """Whether this load scatters straight from host memory: every source a whole tier block
+        inside a range this transfer registered, ids on the host, and the path checked here."""
+        if self._direct is False or block_ids.device.type != "cpu":
+            return False
+        bb = self.block_bytes
+        for s in srcs:
+            a = s.data_ptr()
+            if s.numel() < bb or not any(p <= a and a + bb <= p + size for p, (size, _) in self._pinned.items()):
+                return False
+        if self._direct is None:
+            self._direct, self.direct_reason = self._direct_usable()
+            log.info("tierd transfer on %s: loads straight from the registered arena: %s", self.device,
+                     self.direct_reason)
+        return self._direct
+
+    def _direct_usable(self) -> tuple[bool, str]:
+        """Run the direct path once on this device: random bytes in host memory registered as the
+        arena is, scattered into scratch caches of this transfer's geometry, must equal what the
+        torch reference writes. (Its launches, uploads and layout are checked on the CPU:
+        tests/test_direct_scatter.py.)"""
+        from . import ops, reference
+        from .loader import available
+        if not available():
+            return False, "off: the CUDA kernels are not available"
+        try:
+            ops._geometry(self.k, self.v)
+        except ValueError as e:
+            return False, f"off: {e}"
+        try:
+            import cupy
+            dev = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            if cupy.cuda.runtime.deviceGetAttribute(91, dev) != 1:   # cudaDevAttrCanUseHostPointerForRegisteredMem
+                return False, "off: the device cannot read registered host memory at its host address"
+            k0, r = self.k[0], self.ratio
+            shape = (2 * r, *k0.shape[1:])
+            ks = [torch.zeros(shape, dtype=k0.dtype, device=self.device) for _ in range(2)]
+            vs = None if self.v is None else [torch.zeros_like(c) for c in ks]
+            bb = 2 * self.planes * r * k0[0].numel() * k0.element_size()
+            host = np.random.default_rng(0).integers(0, 256, 2 * bb, dtype=np.uint8)
+            pin = CudaHostPinning()
+            if not pin.register(host.ctypes.data, host.nbytes, tag="direct-check"):
+                return False, "off: host memory could not be registered"
+            try:
+                ids = torch.arange(2 * r, dtype=torch.int64).view(2, r).flip(1)
+                ops.scatter_from_host(ks, vs, ids, [host.ctypes.data, host.ctypes.data + bb], layered=True)
+                torch.cuda.synchronize(self.device)
+                want_k = [torch.zeros(shape, dtype=k0.dtype) for _ in range(2)]
+                want_v = None if vs is None else [torch.zeros_like(c) for c in want_k]
+                reference.scatter_blocks(want_k, want_v, ids, [torch.from_numpy(host[:bb]), torch.from_numpy(host[bb:])])
+                same = all(torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))
+                           for a, b in zip(ks + (vs or []), want_k + (want_v or [])))
+            finally:
+                pin.unregister(host.ctypes.data, tag="direct-check")
+        except Exception as e:  # noqa: BLE001 -- the staged copies serve instead
+            return False, f"off: its check raised {e!r}"
+        return (True, "on (checked on this device)") if same else (False, "off: its check read other bytes")
+
+    def _load_direct(self, block_ids: torch.Tensor, addrs: list[int], layered: bool) -> LoadJob:
+        """One upload, then a scatter launch per layer (or one) reading the registered arena."""
+        from . import ops
+        sx, events = self.streams, []
+
+        def work():
+            ops.scatter_from_host(self.k, self.v, block_ids, addrs, layered=layered,
+                                  after_layer=(lambda i: events.append(sx.record(self.h2d))) if layered else None)
+        with self._pin_lock:         # queued whole: an arena re-mapped meanwhile waits for it
+            sx.wait(self.h2d, sx.record(sx.current()))   # queued compute may still use these blocks
+            sx.run(self.h2d, work)
+            if not layered:
+                events.append(sx.record(self.h2d))
+        return LoadJob(sx, events, layered, device_blocks=0)
 
     def scatter_from(self, block_ids: torch.Tensor, buffers: Sequence[np.ndarray]):
         """Copy host buffers into engine blocks, all layers at once. On a device the compute
