@@ -221,8 +221,10 @@ class BlockTransfer:
         # streams: CUDA's on a CUDA device; none on CPU (copies run at once), or a test's stand-in
         self.streams = streams if streams is not None else (CudaStreams(self.device) if self.cuda else None)
         # loads straight from the registered arena (no staging copy): None decides at the first
-        # load on CUDA by a check on this device (`_direct_usable`); False never
-        self._direct = direct if self.cuda and streams is None and layer_groups is None else False
+        # load on CUDA by a check on this device (`_direct_usable`); False never. Only where the
+        # CUDA runtime itself registered the ranges (a stand-in's "pinned" memory is not mapped)
+        real = streams is None and isinstance(self.pinning, CudaHostPinning)
+        self._direct = direct if self.cuda and real and layer_groups is None else False
         self.direct_reason = "" if self._direct is None else ("on" if self._direct else "off")
         self._plan = None
         # the copy kernels (the C copy on CPU, CUDA's built by NVRTC) are built and checked now,
