@@ -180,7 +180,7 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: f
     b, heads, d = q.shape
     _, bs, kvh, _ = k_cache.shape
     group = heads // kvh
-    tables = block_tables.to(device=q.device, dtype=torch.int32)
+    tables = block_tables.to(device=q.device, dtype=torch.int32).contiguous()
     lens = seq_lens.to(device=q.device, dtype=torch.int32).contiguous()
     if max_seq_len is None:
         max_seq_len = int(lens.max()) if b else 0
