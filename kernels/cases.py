@@ -86,10 +86,8 @@ def triton_attention_case(device, fn):
                                   lambda shape: torch.empty(shape, dtype=dtype, device=device))
             k.copy_(a["k_cache"])
             v.copy_(a["v_cache"])
-        # (the kernel takes a fixed number of context spans; the reference has one way)
-        kw = {"splits": splits} if splits and "splits" in getattr(getattr(fn, "__code__", None), "co_varnames", ()) \
-            else {}
-        outs.append(fn(a["q"], k, v, a["block_tables"], a["seq_lens"], a["scale"], max_seq_len=700, **kw).float())
+        outs.append(fn(a["q"], k, v, a["block_tables"], a["seq_lens"], a["scale"], max_seq_len=700,
+                       splits=splits).float())
     return outs
 
 

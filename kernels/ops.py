@@ -113,42 +113,6 @@ def _cache_ptrs(device: torch.device, ptrs: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor(ptrs, dtype=torch.int64).to(device)
 
 
-def _block_copy(kernel: str, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor] | None,
-                block_ids: torch.Tensor, slots: Sequence[torch.Tensor]) -> None:
-    device = k_caches[0].device
-    k0 = k_caches[0]
-    nb, bs, heads, d = k0.shape
-    planes = 1 if v_caches is None else 2          # 1: latent caches (MLA), no V
-    if not all(c.device == device and c.shape == k0.shape and c.stride() == k0.stride() and c.dtype == k0.dtype
-               for c in (*k_caches, *(v_caches or ()))) or k0.stride(-1) != 1:
-        raise ValueError("every K and V view needs one shape, one layout (head_dim contiguous) and one device")
-    if not all(s.device == device and s.is_contiguous() for s in slots):
-        raise ValueError("slots must be contiguous device memory")
-    n_tier, ratio = block_ids.shape
-    if n_tier == 0:
-        return
-    if len(slots) != n_tier:
-        raise ValueError(f"{len(slots)} slots for {n_tier} tier blocks")
-    esize = k0.element_size()
-    unit = bs * heads * d * esize
-    if unit >= 1 << 31:
-        raise ValueError(f"an engine block of {unit} bytes per layer (the kernel indexes below 2 GiB)")
-    if any(s.numel() * s.element_size() < planes * len(k_caches) * ratio * unit for s in slots):
-        raise ValueError("a slot is smaller than a tier block")
-    k_ptrs = _cache_ptrs(device, tuple(c.data_ptr() for c in k_caches))
-    v_ptrs = _cache_ptrs(device, tuple(c.data_ptr() for c in (v_caches or k_caches)))
-    # the block ids and the slots' addresses in one upload that does not wait for the device
-    ids = block_ids.to(torch.int64).reshape(-1)
-    if ids.device.type == "cpu":
-        ids_slots = _upload([*ids.tolist(), *(s.data_ptr() for s in slots)], device)
-    else:
-        ids_slots = torch.cat([ids.to(device), _upload([s.data_ptr() for s in slots], device)])
-    launch(device, "gather_scatter.cu", kernel, (n_tier * ratio, planes * len(k_caches)), (256,),
-           (ptr(k_ptrs), ptr(v_ptrs), ptr(ids_slots), i32(n_tier), i32(ratio), i32(bs), i32(heads),
-            i64(d * esize), i64(k0.stride(0) * esize), i64(k0.stride(1) * esize), i64(k0.stride(2) * esize),
-            i32(planes)))
-
-
 def _geometry(k_caches, v_caches) -> tuple:
     """(device, planes, block size, heads, row bytes, byte strides, unit bytes) of caches the
     copy kernels take; ValueError otherwise."""
@@ -165,6 +129,31 @@ def _geometry(k_caches, v_caches) -> tuple:
         raise ValueError(f"an engine block of {unit} bytes per layer (the kernel indexes below 2 GiB)")
     strides = tuple(s * esize for s in k0.stride()[:3])
     return device, planes, bs, heads, d * esize, strides, unit
+
+
+def _block_copy(kernel: str, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor] | None,
+                block_ids: torch.Tensor, slots: Sequence[torch.Tensor]) -> None:
+    device, planes, bs, heads, row_bytes, (s_block, s_token, s_head), unit = _geometry(k_caches, v_caches)
+    if not all(s.device == device and s.is_contiguous() for s in slots):
+        raise ValueError("slots must be contiguous device memory")
+    n_tier, ratio = block_ids.shape
+    if n_tier == 0:
+        return
+    if len(slots) != n_tier:
+        raise ValueError(f"{len(slots)} slots for {n_tier} tier blocks")
+    if any(s.numel() * s.element_size() < planes * len(k_caches) * ratio * unit for s in slots):
+        raise ValueError("a slot is smaller than a tier block")
+    k_ptrs = _cache_ptrs(device, tuple(c.data_ptr() for c in k_caches))
+    v_ptrs = _cache_ptrs(device, tuple(c.data_ptr() for c in (v_caches or k_caches)))
+    # the block ids and the slots' addresses in one upload that does not wait for the device
+    ids = block_ids.to(torch.int64).reshape(-1)
+    if ids.device.type == "cpu":
+        ids_slots = _upload([*ids.tolist(), *(s.data_ptr() for s in slots)], device)
+    else:
+        ids_slots = torch.cat([ids.to(device), _upload([s.data_ptr() for s in slots], device)])
+    launch(device, "gather_scatter.cu", kernel, (n_tier * ratio, planes * len(k_caches)), (256,),
+           (ptr(k_ptrs), ptr(v_ptrs), ptr(ids_slots), i32(n_tier), i32(ratio), i32(bs), i32(heads),
+            i64(row_bytes), i64(s_block), i64(s_token), i64(s_head), i32(planes)))
 
 
 def scatter_from_host(k_caches, v_caches, block_ids: torch.Tensor, slot_addrs: Sequence[int], *,

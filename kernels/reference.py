@@ -21,10 +21,10 @@ PARTITION = 512  # tokens per split-K partition of paged_attention v2
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            k_scale: float = 1.0, v_scale: float = 1.0, *, version: str | None = None,
-                           max_seq_len: int | None = None) -> torch.Tensor:
+                           max_seq_len: int | None = None, splits: int | None = None) -> torch.Tensor:
     """Decode attention: q (B, heads, d) over each sequence's first seq_lens[b] cached tokens.
     Computed in float32 and returned in q's dtype. Reads nothing past a sequence's length.
-    (`version` and `max_seq_len` steer the kernel; the reference has one way.)"""
+    (`version`, `max_seq_len` and `splits` steer the kernels; the reference has one way.)"""
     B, heads, d = q.shape
     _, bs, kv_heads, _ = k_cache.shape
     group = heads // kv_heads

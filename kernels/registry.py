@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-
 import logging
 import threading
+
+import torch
 
 from . import cases, native, ops, reference, triton_decode
 from .dispatch import KernelOp, close, same_bytes
@@ -52,8 +52,8 @@ OPS = (reshape_and_cache, paged_attention_decode, paged_attention_decode_triton,
 class DecodeAttention:
     """Paged decode attention, chosen per shape: the Triton kernel where it takes the inputs and
     passed its self-check on the device, else the device's own kernel where it passed (CUDA; on
-    the CPU the C kernel), else the engine's batched torch decode. Same arguments as `paged_attention_decode`. Each choice
-    is logged once per shape and listed by `choices()`."""
+    the CPU the C kernel), else the engine's batched torch decode. Same arguments as
+    `paged_attention_decode`. Each choice is logged once per shape and listed by `choices()`."""
 
     def __init__(self):
         self._chosen: dict[tuple, str] = {}

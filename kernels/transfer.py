@@ -50,7 +50,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from . import gather_blocks, native, scatter_blocks
+from . import gather_blocks, native, ops, reference, scatter_blocks
+from .loader import available
 
 log = logging.getLogger("tierd.kernels")
 
@@ -482,8 +483,6 @@ class BlockTransfer:
         arena is, scattered into scratch caches of this transfer's geometry, must equal what the
         torch reference writes. (Its launches, uploads and layout are checked on the CPU:
         tests/test_direct_scatter.py.)"""
-        from . import ops, reference
-        from .loader import available
         if not available():
             return False, "off: the CUDA kernels are not available"
         try:
@@ -521,7 +520,6 @@ class BlockTransfer:
 
     def _load_direct(self, block_ids: torch.Tensor, addrs: list[int], layered: bool) -> LoadJob:
         """One upload, then a scatter launch per layer (or one) reading the registered arena."""
-        from . import ops
         sx, events = self.streams, []
 
         def work():

@@ -8,6 +8,8 @@ float8_e4m3fn and one scale per tensor (value = stored * scale).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -143,7 +145,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start
         lower_right = q.device.type != "cpu"
     if lower_right and sliding_window is None and q_start == ctx - n:
         from torch.nn.attention.bias import causal_lower_right
-        if gqa and q.device.type == "cuda" and not _flash_takes_gqa(qt, kt, vt):
+        if gqa and q.device.type == "cuda" and not _flash_takes_gqa(q.device, q.dtype, heads, kvh, d):
             # (the bias's memory-efficient kernel takes no GQA: the kv heads, repeated)
             kt, vt = (x.repeat_interleave(heads // kvh, dim=1) for x in (kt, vt))
             gqa = False
@@ -158,10 +160,14 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start
     return out[0].transpose(0, 1)
 
 
-def _flash_takes_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether torch's flash kernel runs these (1, heads, len, d) tensors with fewer kv heads."""
+@functools.lru_cache(maxsize=64)
+def _flash_takes_gqa(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, d: int) -> bool:
+    """Whether torch's flash kernel runs (1, heads, len, d) queries over fewer kv heads on
+    `device` (asked once per shape, not per layer and step)."""
     try:
-        params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, True)
+        q = torch.empty((1, heads, 2, d), dtype=dtype, device=device)
+        k = torch.empty((1, kv_heads, 2, d), dtype=dtype, device=device)
+        params = torch.backends.cuda.SDPAParams(q, k, k, None, 0.0, False, True)
         return bool(torch.backends.cuda.can_use_flash_attention(params))
     except (AttributeError, RuntimeError, TypeError):
         return False

@@ -185,9 +185,6 @@ class Holdings:
         if not token and self._staged.get(owner) is token:
             del self._staged[owner]
 
-    def staged_slots_of(self, owner) -> list[int]:
-        return [slot for slot, _ in self._staged.get(owner, {}).values()]
-
     def take_staged(self, owner, offsets: Sequence[int], st) -> list[int]:
         """The slots at `offsets` (-1: none) that `owner` staged for `st`, no longer staged; or
         LeaseError, changing nothing, if one is not (or is named twice)."""
