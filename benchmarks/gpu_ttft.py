@@ -5,6 +5,9 @@ hit beside its floor, the loaded bytes over a pinned host-to-device copy measure
 warm up when they start (every shape once: `LLM.warmup`); a host hit in an engine started
 without it is reported apart (the cold first hit). With $TIERD_TRACE_DIR set, one host hit and
 one recompute per length are also recorded with torch.profiler (Chrome traces there).
+Recompute is also set beside its compute floor (its FLOPs over this card's fp16 GEMM rate,
+measured here), and the one-token decode step's wall time, with CUDA graphs and without, beside
+its GPU time (the captured step replayed back to back).
 
 Needs CUDA (run by benchmarks/gpu_check.sh on a GPU machine); elsewhere it says so and exits 0.
 The model (16 layers, hidden 2048, 32 heads, 8 KV heads, 1.1B parameters, fp16 on disk) is
@@ -18,6 +21,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +58,75 @@ def h2d_gbps(nbytes: int) -> float:
     return nbytes / best / 1e9
 
 
+def gemm_tflops() -> float:
+    """fp16 dense matmul rate of this card, measured: the compute floor's rate."""
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.float16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.float16, device="cuda")
+    a @ b
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        a @ b
+        e1.record()
+        e1.synchronize()
+        best = min(best, e0.elapsed_time(e1) / 1e3)
+    return 2 * n ** 3 / best / 1e12
+
+
+def prefill_flops(n: int) -> float:
+    """FLOPs of a prefill of n tokens of MODEL_1B: every projection and the LM head, and causal
+    attention (QK^T and PV over half the n x n scores)."""
+    c = MODEL_1B
+    h, i, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    kv = h * c["num_key_value_heads"] // c["num_attention_heads"]
+    per_token = layers * 2 * (h * (h + 2 * kv) + h * h + 3 * h * i) + 2 * h * c["vocab_size"]
+    attention = layers * 2 * 2 * h * n * n / 2
+    return per_token * n + attention
+
+
+def step_times(model, dev: dict, batch: int, context: int, steps: int = 24) -> dict:
+    """Wall time of one-token steps of `batch` sequences at ~`context` tokens, with CUDA graphs
+    and without, and the GPU time of that step (its graph replayed back to back: no host
+    between launches)."""
+    from tierd.engine import LLM, SamplingParams
+    rng = np.random.default_rng(batch)
+    prompts = [rng.integers(100, 32000, context - steps - 8).tolist() for _ in range(batch)]   # ends at `context`
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    out = {}
+    for graphs in (False, True):
+        llm = LLM(model, **dev, max_num_seqs=max(batch, 2), cuda_graphs=graphs)
+        try:
+            for p in prompts:
+                llm.add_request(prompt_token_ids=p, params=params)
+            walls = []
+            while llm.has_unfinished_requests():
+                t0 = time.perf_counter()
+                llm.step()
+                walls.append(time.perf_counter() - t0)
+            out["graph" if graphs else "eager"] = float(np.median(walls[-steps:]))
+            if graphs:
+                g = llm.graphs
+                out["graphs"] = g.stats()
+                if g._graphs:
+                    graph = g._graphs[g.bucket(batch, context)][0]
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    for _ in range(20):
+                        graph.replay()
+                    e1.record()
+                    e1.synchronize()
+                    out["gpu"] = e0.elapsed_time(e1) / 1e3 / 20
+        finally:
+            llm.close()
+            torch.cuda.empty_cache()
+    return out
+
+
 def main() -> int:
     args = parse_args(__doc__.splitlines()[0])
     if not torch.cuda.is_available():
@@ -65,13 +138,13 @@ def main() -> int:
     cache = os.environ.get("TIERD_CACHE_DIR")
     tmp = tempfile.TemporaryDirectory(prefix="tierd-gpu-ttft-")
     model = model_dir(Path(cache) if cache else Path(tmp.name))
-    dev = dict(device="cuda", dtype="float16", kv_cache_bytes="4GiB", max_num_batched_tokens=2048,
-               kv_block_tokens=TIER_TOKENS)
+    dev = dict(device="cuda", dtype="float16", kv_cache_bytes="4GiB", max_num_batched_tokens=2048)
 
     trace_dir = os.environ.get("TIERD_TRACE_DIR")
 
     def ttft(prompt, store=None, trace: str | None = None, **kw):
-        llm = LLM(model, kv_store=store, **dev, **kw)
+        # (one token each: no decode step, so no CUDA graphs to capture)
+        llm = LLM(model, kv_store=store, kv_block_tokens=TIER_TOKENS, cuda_graphs=False, **dev, **kw)
         try:
             if trace and trace_dir:
                 from torch.profiler import ProfilerActivity, profile
@@ -105,6 +178,12 @@ def main() -> int:
     lengths = (2048,) if args.quick else (2048, 8192)
     prompts = {n: rng.integers(100, 32000, n).tolist() for n in lengths}
     recompute = {n: ttft(prompts[n])[0] for n in lengths}          # no tierd
+    rate = gemm_tflops()
+    for n in lengths:
+        floor = prefill_flops(n) / (rate * 1e12)
+        results.append(Result("recompute TTFT", {"prompt_tokens": n, "gemm_tflops": round(rate, 1)},
+                              recompute[n] * 1e3, "ms", "floor ms (FLOPs / measured fp16 GEMM rate)",
+                              floor * 1e3, higher_is_better=False))
     for hbm in (False, True):
         extra = dict(gpu_bytes="4GiB", gpu_slab_bytes="256MiB", gpu_device="cuda", gpu_admit_hits=0) if hbm else {}
         store = TieredStore(host_bytes="8GiB", host_slab_bytes="256MiB", **extra)
@@ -131,6 +210,15 @@ def main() -> int:
                                           "floor ms (bytes / pinned H2D)", floor_s * 1e3, higher_is_better=False))
         finally:
             store.close()
+    # the one-token step: its wall time with CUDA graphs and without, beside its GPU time
+    for batch in ((1,) if args.quick else (1, 16)):
+        t = step_times(model, dev, batch, 2048)
+        p = {"batch": batch, "context_tokens": 2048, "graphs": t.get("graphs", {}).get("state", "")}
+        gpu = t.get("gpu", 0.0) * 1e3
+        results.append(Result("one-token step wall, eager", p, t["eager"] * 1e3, "ms",
+                              "GPU time of the step ms (graph replays)", gpu, higher_is_better=False))
+        results.append(Result("one-token step wall, CUDA graph", p, t["graph"] * 1e3, "ms",
+                              "GPU time of the step ms (graph replays)", gpu, higher_is_better=False))
     report("gpu_ttft", results, args.json)
     tmp.cleanup()
     return 0

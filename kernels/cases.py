@@ -291,3 +291,56 @@ def int4_case(device, fn):
         outs.append(fn(a["q"], a["k_q"], a["k_min"], a["k_step"], a["v_q"], a["v_min"], a["v_step"], a["k_own"],
                        a["block_tables"], a["seq_lens"], a["scale"]).float())
     return outs
+
+
+def _activations(rows: int, width: int, dtype, device, g, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn((rows, width), generator=g) * scale).to(dtype).to(device)
+
+
+def norm_case(device, fn):
+    """RMSNorm with and without the residual add: float16, bfloat16 and float32, hidden sizes
+    that are and are not powers of two, rows that are views of a wider tensor. Outputs: the
+    normed rows and the residual (the sum, in place)."""
+    outs = []
+    g = _gen(31)
+    for dtype, hidden, rows in ((torch.float16, 2048, 5), (torch.bfloat16, 576, 3), (torch.float32, 96, 4)):
+        if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+            dtype = torch.float16   # (Triton's interpreter computes bfloat16 wrongly: a GPU checks it)
+        wide = _activations(rows, hidden + 8, dtype, device, g, 3.0)
+        x = wide[:, 4:4 + hidden]
+        w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(device)
+        res = _activations(rows, hidden, dtype, device, g, 10.0)
+        outs += [fn(x, w, 1e-5), fn(x, w, 1e-6, residual=res), res]
+    return outs
+
+
+def rotary_case(device, fn):
+    """RoPE in place on queries and keys that are views of one fused projection's rows (GQA),
+    positions up to 32K, head sizes 64 and 128. Outputs: the rotated q and k."""
+    outs = []
+    g = _gen(37)
+    for dtype, heads, kv_heads, d in ((torch.float16, 8, 2, 64), (torch.bfloat16, 4, 4, 128),
+                                      (torch.float32, 8, 1, 64)):
+        if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+            dtype = torch.float16
+        t = 6
+        qkv = _activations(t, (heads + 2 * kv_heads) * d, dtype, device, g, 2.0)
+        q = qkv[:, :heads * d].view(t, heads, d)
+        k = qkv[:, heads * d:(heads + kv_heads) * d].view(t, kv_heads, d)
+        positions = torch.tensor([0, 1, 7, 500, 8191, 32767]).to(device)
+        inv = (1.0 / (500000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))).float().to(device)
+        fn(q, k, positions, inv)
+        outs += [q.clone(), k.clone()]
+    return outs
+
+
+def silu_mul_case(device, fn):
+    """silu(gate) * up of a fused gate/up projection's rows: float16, bfloat16, float32, widths
+    that are no multiple of the kernel's block."""
+    outs = []
+    g = _gen(41)
+    for dtype, width, rows in ((torch.float16, 8192, 3), (torch.bfloat16, 1000, 2), (torch.float32, 2500, 4)):
+        if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+            dtype = torch.float16
+        outs.append(fn(_activations(rows, 2 * width, dtype, device, g, 4.0)))
+    return outs

@@ -156,46 +156,73 @@ def _block_copy(kernel: str, k_caches: Sequence[torch.Tensor], v_caches: Sequenc
             i64(row_bytes), i64(s_block), i64(s_token), i64(s_head), i32(planes)))
 
 
+class AddressScatter:
+    """Tier blocks copied into the caches from memory the device reads at these addresses
+    (`slot_addrs`, one whole tier block each): host memory registered with the CUDA runtime and
+    mapped into the device's address space, or device memory (the HBM tier's copies, a load's
+    staging buffer) -- no host-to-device copy of its own. Made on the stream that copies: the
+    block ids and the slots' addresses for every layer go to the device in one upload for the
+    whole load. Then `launch(i)` per layer (`layered`), or `launch()` once for every layer.
+    (`launch_fn`: the launcher, for tests.)"""
+
+    def __init__(self, k_caches, v_caches, block_ids: torch.Tensor, slot_addrs: Sequence[int], *,
+                 layered: bool, launch_fn=None):
+        self.launch_fn = launch_fn or launch
+        self.device, planes, bs, heads, row_bytes, (s_block, s_token, s_head), unit = _geometry(k_caches, v_caches)
+        n_tier, ratio = block_ids.shape
+        if len(slot_addrs) != n_tier:
+            raise ValueError(f"{len(slot_addrs)} slots for {n_tier} tier blocks")
+        self.layers, self.layered, self.n_tier, self.ratio, self.planes = len(k_caches), layered, n_tier, ratio, planes
+        self.launches = 0
+        if n_tier == 0:
+            return
+        layer_bytes = planes * ratio * unit
+        ids = block_ids.to(torch.int64).reshape(-1).tolist()
+        addrs = [int(a) for a in slot_addrs]
+        if layered:   # per layer: the ids, then each slot's address of that layer's part
+            values = [v for i in range(self.layers) for v in (*ids, *(a + i * layer_bytes for a in addrs))]
+        else:
+            values = [*ids, *addrs]
+        self.table = _upload(values, self.device)
+        self.k_ptrs = _cache_ptrs(self.device, tuple(c.data_ptr() for c in k_caches))
+        self.v_ptrs = _cache_ptrs(self.device, tuple(c.data_ptr() for c in (v_caches or k_caches)))
+        self.common = (i32(n_tier), i32(ratio), i32(bs), i32(heads), i64(row_bytes), i64(s_block), i64(s_token),
+                       i64(s_head), i32(planes))
+
+    def launch(self, layer: int | None = None) -> None:
+        """Layer `layer`'s copy (layered), or every layer's (`layer` None, not layered)."""
+        if self.n_tier == 0:
+            return
+        if (layer is None) == self.layered:
+            raise ValueError("a layered scatter launches per layer, another once for every layer")
+        rows = self.n_tier * self.ratio
+        if layer is None:
+            self.launch_fn(self.device, "gather_scatter.cu", "scatter_blocks", (rows, self.planes * self.layers),
+                           (256,), (ptr(self.k_ptrs), ptr(self.v_ptrs), ptr(self.table), *self.common))
+        else:
+            per = (rows + self.n_tier) * 8
+            self.launch_fn(self.device, "gather_scatter.cu", "scatter_blocks", (rows, self.planes), (256,),
+                           (np.uint64(self.k_ptrs.data_ptr() + 8 * layer), np.uint64(self.v_ptrs.data_ptr() + 8 * layer),
+                            np.uint64(self.table.data_ptr() + per * layer), *self.common))
+        self.launches += 1
+
+
 def scatter_from_host(k_caches, v_caches, block_ids: torch.Tensor, slot_addrs: Sequence[int], *,
                       layered: bool, after_layer=None, launch_fn=None) -> int:
-    """Copy tier blocks straight from host memory the device can read (registered with the CUDA
-    runtime and mapped into its address space: `slot_addrs`, one whole tier block each) into the
-    caches: no staging buffer, no host-to-device copy of its own. The block ids and the slots'
-    addresses for every layer go to the device in one upload for the whole load; then one
-    launch per layer (`layered`: `after_layer(i)` after layer i's, to record its event), or one
-    for every layer. Returns the launches. (`launch_fn`: the launcher, for tests.)"""
-    launch_fn = launch_fn or launch
-    device, planes, bs, heads, row_bytes, (s_block, s_token, s_head), unit = _geometry(k_caches, v_caches)
-    n_tier, ratio = block_ids.shape
-    if n_tier == 0:
+    """`AddressScatter` run whole: one upload, then one launch per layer (`layered`;
+    `after_layer(i)` after layer i's, to record its event) or one for every layer. Returns the
+    launches."""
+    scatter = AddressScatter(k_caches, v_caches, block_ids, slot_addrs, layered=layered, launch_fn=launch_fn)
+    if scatter.n_tier == 0:
         return 0
-    if len(slot_addrs) != n_tier:
-        raise ValueError(f"{len(slot_addrs)} slots for {n_tier} tier blocks")
-    layers = len(k_caches)
-    layer_bytes = planes * ratio * unit
-    ids = block_ids.to(torch.int64).reshape(-1).tolist()
-    addrs = [int(a) for a in slot_addrs]
-    if layered:   # per layer: the ids, then each slot's address of that layer's part
-        values = [v for i in range(layers) for v in (*ids, *(a + i * layer_bytes for a in addrs))]
-    else:
-        values = [*ids, *addrs]
-    table = _upload(values, device)
-    k_ptrs = _cache_ptrs(device, tuple(c.data_ptr() for c in k_caches))
-    v_ptrs = _cache_ptrs(device, tuple(c.data_ptr() for c in (v_caches or k_caches)))
-    common = (i32(n_tier), i32(ratio), i32(bs), i32(heads), i64(row_bytes), i64(s_block), i64(s_token),
-              i64(s_head), i32(planes))
     if not layered:
-        launch_fn(device, "gather_scatter.cu", "scatter_blocks", (n_tier * ratio, planes * layers), (256,),
-                  (ptr(k_ptrs), ptr(v_ptrs), ptr(table), *common))
+        scatter.launch()
         return 1
-    per = (n_tier * ratio + n_tier) * 8
-    for i in range(layers):
-        launch_fn(device, "gather_scatter.cu", "scatter_blocks", (n_tier * ratio, planes), (256,),
-                  (np.uint64(k_ptrs.data_ptr() + 8 * i), np.uint64(v_ptrs.data_ptr() + 8 * i),
-                   np.uint64(table.data_ptr() + per * i), *common))
+    for i in range(scatter.layers):
+        scatter.launch(i)
         if after_layer is not None:
             after_layer(i)
-    return layers
+    return scatter.layers
 
 
 def gather_blocks(k_caches, v_caches, block_ids, slots) -> None:

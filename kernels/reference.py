@@ -14,6 +14,7 @@ from ctypes import memmove as _memmove
 import torch
 
 from tierd.engine.attention import FP8_MAX, dequantize_fp8, quantize_fp8, reshape_and_cache  # noqa: F401
+from tierd.engine.model import add_rms_norm, rotary, silu_mul  # noqa: F401
 
 PARTITION = 512  # tokens per split-K partition of paged_attention v2
 

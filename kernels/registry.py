@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from . import cases, native, ops, reference, triton_decode
+from . import cases, native, ops, reference, triton_decode, triton_fused
 from .dispatch import KernelOp, close, same_bytes
 from .loader import available
 
@@ -45,8 +45,31 @@ paged_attention_int4_decode = KernelOp("paged_attention_int4_decode", reference.
                                        ops.paged_attention_int4_decode, case=cases.int4_case,
                                        compare=close(atol=2e-2, rtol=1e-2), available=available)
 
+
+
+def ulps(n: int):
+    """Outputs within n units in the last place of their dtype (relative, and absolute near 0):
+    fused element-wise kernels sum in another order than torch and may round a value the other way."""
+    def cmp(a: torch.Tensor, b: torch.Tensor) -> bool:
+        eps = torch.finfo(a.dtype).eps * n
+        return a.shape == b.shape and a.dtype == b.dtype and \
+            bool(torch.allclose(a.float().cpu(), b.float().cpu(), atol=eps, rtol=eps))
+    return cmp
+
+
+def _fused(name: str, reference_fn, kernel, case):
+    # Triton on CUDA, and on the CPU only under its interpreter (the tests' way to run it)
+    return KernelOp(name, reference_fn, {"cuda": kernel, "cpu": kernel}, case=case, compare=ulps(4),
+                    available={"cuda": triton_fused.available,
+                               "cpu": lambda: triton_fused.available() and triton_fused.interpreted()})
+
+
+add_rms_norm = _fused("add_rms_norm", reference.add_rms_norm, triton_fused.add_rms_norm, cases.norm_case)
+rotary = _fused("rotary", reference.rotary, triton_fused.rotary, cases.rotary_case)
+silu_mul = _fused("silu_mul", reference.silu_mul, triton_fused.silu_mul, cases.silu_mul_case)
+
 OPS = (reshape_and_cache, paged_attention_decode, paged_attention_decode_triton, gather_blocks, scatter_blocks,
-       quantize_fp8, dequantize_fp8, paged_attention_int4_decode)
+       quantize_fp8, dequantize_fp8, paged_attention_int4_decode, add_rms_norm, rotary, silu_mul)
 
 
 class DecodeAttention:

@@ -194,7 +194,7 @@ class LoadJob:
 class BlockTransfer:
     def __init__(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor] | None, ratio: int,
                  *, pinning=None, streams=None, layer_groups: Sequence[int] | None = None,
-                 direct: bool | None = None):
+                 direct: bool | None = None, launcher=None):
         # v_caches None: latent caches (MLA's: a row per token), one plane per layer in a tier block
         self.k, self.ratio = list(k_caches), ratio
         self.v = None if v_caches is None else list(v_caches)
@@ -225,7 +225,11 @@ class BlockTransfer:
         # load on CUDA by a check on this device (`_direct_usable`); False never. Only where the
         # CUDA runtime itself registered the ranges (a stand-in's "pinned" memory is not mapped)
         real = streams is None and isinstance(self.pinning, CudaHostPinning)
-        self._direct = direct if self.cuda and real and layer_groups is None else False
+        # launches of the copy kernel: CuPy's on CUDA; `launcher` (tests) runs them elsewhere, as
+        # the kernel's semantics on CPU addresses, and then `direct` is taken as given
+        self._launcher = launcher
+        self._geometry_ok: bool | None = None
+        self._direct = direct if (self.cuda and real or launcher is not None) and layer_groups is None else False
         self.direct_reason = "" if self._direct is None else ("on" if self._direct else "off")
         self._plan = None
         # the copy kernels (the C copy on CPU, CUDA's built by NVRTC) are built and checked now,
@@ -410,18 +414,23 @@ class BlockTransfer:
         if self.streams is None and not device_buffers and self._planned(scatter_blocks, block_ids, buffers):
             return LoadJob(device_blocks=0)
         srcs: list = []
+        up = []                                       # host tier blocks (to copy up, or read there)
         for t in range(n):
             d = device_buffers[t] if device_buffers is not None and t < len(device_buffers) else None
-            srcs.append(d.reshape(-1) if d is not None and d.device == self.device else host_tensor(buffers[t]))
-        up = [i for i, src in enumerate(srcs) if src.device != self.device]   # host blocks to copy up
+            if d is not None and d.device == self.device:
+                srcs.append(d.reshape(-1))
+            else:
+                srcs.append(host_tensor(buffers[t]))
+                up.append(t)
         sx = self.streams
         if sx is None:
             self._copy(scatter_blocks, block_ids, srcs)
             return LoadJob(device_blocks=n - len(up))
-        if len(up) == n and n and self._direct_from(block_ids, srcs):
-            return self._load_direct(block_ids, [s.data_ptr() for s in srcs], layered)
+        if n and self._addressed(block_ids):
+            return self._load_addressed(block_ids, srcs, up, layered)
         staging: list = []
         events = []
+        host = set(up)
 
         def copy_up(lo: int, size: int):
             def work():
@@ -436,8 +445,8 @@ class BlockTransfer:
             def work():
                 slots, j = [], 0
                 lo, size = (0, self.block_bytes) if layer is None else (layer * self.layer_bytes, self.layer_bytes)
-                for src in srcs:
-                    if src.device == self.device:
+                for t, src in enumerate(srcs):
+                    if t not in host:
                         slots.append(src[lo:lo + size])
                     else:
                         slots.append(staging[0][j])
@@ -461,17 +470,31 @@ class BlockTransfer:
                     events.append(sx.record(self.h2d))
         return LoadJob(sx, events, layered, device_blocks=n - len(up))
 
-    # -- loads straight from the registered arena ----------------------------------------------------
-    def _direct_from(self, block_ids: torch.Tensor, srcs: Sequence[torch.Tensor]) -> bool:
-        """Whether this load scatters straight from host memory: every source a whole tier block
-        inside a range this transfer registered, ids on the host, and the path checked here."""
-        if self._direct is False or block_ids.device.type != "cpu":
+    # -- loads through one scatter over the tier blocks' addresses ------------------------------------
+    def _addressed(self, block_ids: torch.Tensor) -> bool:
+        """Whether this load goes through `ops.scatter_from_host`: the copy kernel in use on this
+        device (or a test's launcher), caches in a layout it takes, one layer group, ids on the
+        host (read without waiting for the device)."""
+        if block_ids.device.type != "cpu" or self.layer_groups is not None:
             return False
-        bb = self.block_bytes
-        for s in srcs:
-            a = s.data_ptr()
-            if s.numel() < bb or not any(p <= a and a + bb <= p + size for p, (size, _) in self._pinned.items()):
-                return False
+        if self._launcher is None and not (self.cuda and scatter_blocks.use_kernel(self.device)):
+            return False
+        if self._geometry_ok is None:
+            try:
+                ops._geometry(self.k, self.v)
+                self._geometry_ok = True
+            except ValueError:
+                self._geometry_ok = False
+        return self._geometry_ok
+
+    def _reads_host(self, src: torch.Tensor) -> bool:
+        """Whether the device reads this host tier block where it is: a whole block inside a
+        range this transfer registered, and the path checked on this device (at its first use)."""
+        if self._direct is False:
+            return False
+        a, bb = src.data_ptr(), self.block_bytes
+        if src.numel() < bb or not any(p <= a and a + bb <= p + size for p, (size, _) in self._pinned.items()):
+            return False
         if self._direct is None:
             self._direct, self.direct_reason = self._direct_usable()
             log.info("tierd transfer on %s: loads straight from the registered arena: %s", self.device,
@@ -518,19 +541,52 @@ class BlockTransfer:
             return False, f"off: its check raised {e!r}"
         return (True, "on (checked on this device)") if same else (False, "off: its check read other bytes")
 
-    def _load_direct(self, block_ids: torch.Tensor, addrs: list[int], layered: bool) -> LoadJob:
-        """One upload, then a scatter launch per layer (or one) reading the registered arena."""
-        sx, events = self.streams, []
+    LOAD_CHUNKS = 4     # layer-by-layer loads copy staged blocks up in this many ranges of layers
 
-        def work():
-            ops.scatter_from_host(self.k, self.v, block_ids, addrs, layered=layered,
-                                  after_layer=(lambda i: events.append(sx.record(self.h2d))) if layered else None)
+    def _load_addressed(self, block_ids: torch.Tensor, srcs: Sequence[torch.Tensor], up: Sequence[int],
+                        layered: bool) -> LoadJob:
+        """One upload of the ids and every tier block's address, then one scatter launch per
+        layer (or one for all): blocks on the device (the HBM tier's) and in registered host
+        memory the device reads are read where they are; the others are copied up into one
+        staging buffer, a range of layers at a time (at most `LOAD_CHUNKS` copies per block),
+        each range before the launches of its layers, so the first layer's compute waits for
+        its range only. Copies, uploads and launches do not grow with layers x blocks."""
+        sx, events = self.streams, []
+        staged = [i for i in up if not self._reads_host(srcs[i])]
+        lb, layers = self.layer_bytes, self.layers
+        parts = min(layers, self.LOAD_CHUNKS) if layered else 1
+        ends = {layers * c // parts: layers * (c + 1) // parts for c in range(parts)}   # first layer -> end
+        held: dict = {}
+
+        def upload():
+            # allocated on the load stream, used only there: freed after the last launch
+            buf = torch.empty((len(staged), self.block_bytes), dtype=torch.uint8, device=self.device) \
+                if staged else None
+            addrs = [s.data_ptr() for s in srcs]
+            for j, i in enumerate(staged):
+                addrs[i] = buf[j].data_ptr()
+            held["buf"] = buf
+            held["scatter"] = ops.AddressScatter(self.k, self.v, block_ids, addrs, layered=layered,
+                                                 launch_fn=self._launcher)
+
+        def launch(layer: int | None):
+            def work():
+                buf, end = held["buf"], ends.get(layer or 0)
+                if end is not None:       # the first layer of a range: its part of each staged block up
+                    lo, hi = (layer or 0) * lb, end * lb
+                    for j, i in enumerate(staged):
+                        buf[j, lo:hi].copy_(srcs[i][lo:hi], non_blocking=True)
+                held["scatter"].launch(layer)
+                if layer is None or layer == layers - 1:
+                    held.clear()
+            return work
         with self._pin_lock:         # queued whole: an arena re-mapped meanwhile waits for it
             sx.wait(self.h2d, sx.record(sx.current()))   # queued compute may still use these blocks
-            sx.run(self.h2d, work)
-            if not layered:
+            sx.run(self.h2d, upload)
+            for layer in (range(layers) if layered else (None,)):
+                sx.run(self.h2d, launch(layer))
                 events.append(sx.record(self.h2d))
-        return LoadJob(sx, events, layered, device_blocks=0)
+        return LoadJob(sx, events, layered, device_blocks=len(srcs) - len(up))
 
     def scatter_from(self, block_ids: torch.Tensor, buffers: Sequence[np.ndarray]):
         """Copy host buffers into engine blocks, all layers at once. On a device the compute

@@ -76,6 +76,11 @@ def test_embedded_hits_from_host_and_from_disk_match_the_cold_run(model_dir, col
         disk, _ = run(model_dir, store)
         assert disk.num_cached_tokens == 192 and disk.metrics["tier_sources"] == ["disk"]
         assert_same(disk, cold)
+        # decode steps through the static buffers a CUDA graph captures: a hit's first step
+        # (loads in flight) runs the forward, its decodes the static step
+        graphs, _ = run(model_dir, store, cuda_graphs=True)
+        assert graphs.num_cached_tokens == 192
+        assert_same(graphs, cold)
     finally:
         store.close()
 

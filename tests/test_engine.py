@@ -400,11 +400,11 @@ def test_the_device_path_runs_the_kernel_ops_on_cpu_with_the_same_outputs(model_
     for fp8 in (False, True):
         llm = LLM(model_dir, kv_cache_bytes="4MiB", device="cpu", kv_cache_dtype="fp8" if fp8 else "auto",
                   max_num_batched_tokens=48)
-        llm.model._ops = (K.reshape_and_cache, K.paged_attention_decode)    # what CUDA would call
+        llm.model._ops = (K.reshape_and_cache, K.paged_attention_decode, *llm.model.ops()[2:])   # what CUDA would call
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         own = LLM(model_dir, kv_cache_bytes="4MiB", kv_cache_dtype="fp8" if fp8 else "auto",
                   max_num_batched_tokens=48)
-        own.model._ops = (attention.reshape_and_cache, None)    # the engine's own torch decode attention
+        own.model._ops = (attention.reshape_and_cache, None, *own.model.ops()[2:])   # the engine's own torch decode
         plain = own.generate(prompt_token_ids=prompts, sampling_params=params)
         for a, b in zip(outs, plain):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -439,6 +439,8 @@ def test_gpu_engine_on_cuda_matches_transformers_in_fp16(tmp_path, name):
     got = llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(temperature=0, max_tokens=16,
                                                                                logprobs=0))[0]
     toks = got.outputs[0].token_ids
+    if llm.graphs is not None:      # its decode steps were replayed CUDA graphs (windowed models: none)
+        assert llm.graphs.replays >= 15 and llm.graphs.enabled, llm.graphs.stats()
     agree = next((i for i, (a, b) in enumerate(zip(toks, ref_tokens)) if a != b), len(toks))
     assert max(abs(a - b) for a, b in zip(our_logprobs(got)[:agree], ref_lps[:agree])) < 5e-2
     # along transformers' own path (each step from its tokens): every reference token's logprob
@@ -509,3 +511,44 @@ def test_cpu_fp32_projections_run_prepacked_and_equal_plain_linear(model_dir):
     x = torch.randn(7, m.cfg.hidden_size)
     want = torch.nn.functional.linear(x, torch.cat([ref["q"], ref["k"], ref["v"]]))
     torch.testing.assert_close(m.linear(x, layer, "qkv"), want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_steps_through_the_static_buffers_serve_what_the_forward_serves(model_dir, tmp_path):
+    """The decode step a CUDA graph captures (tierd/engine/graphs.py), run eagerly through the
+    same static buffers on the CPU: padded batches, every context bucket, fp8 caches, batches
+    that shrink and grow, preemption: the tokens and logprobs of the plain forward."""
+    from tierd.engine.graphs import DecodeGraphs, batch_buckets, context_buckets
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (int(n),), generator=gen).tolist() for n in (17, 40, 63, 90, 5, 33, 70)]
+    params = [SamplingParams(temperature=0, max_tokens=m, logprobs=0) for m in (12, 30, 20, 25, 40, 8, 16)]
+    for kv in ("auto", "fp8"):
+        plain = LLM(model_dir, kv_cache_bytes="4MiB", kv_cache_dtype=kv, max_num_seqs=6)
+        static = LLM(model_dir, kv_cache_bytes="4MiB", kv_cache_dtype=kv, max_num_seqs=6, cuda_graphs=True)
+        assert plain.graphs is None and isinstance(static.graphs, DecodeGraphs)
+        want = plain.generate(prompt_token_ids=prompts, sampling_params=params)
+        got = static.generate(prompt_token_ids=prompts, sampling_params=params)
+        for a, b in zip(got, want):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert max(abs(x - y) for x, y in zip(our_logprobs(a), our_logprobs(b))) < 1e-5
+        assert static.graphs.eager_steps > 20 and static.graphs.replays == 0
+    # under memory pressure (preemption, recompute) too
+    small = dict(kv_cache_bytes="320KiB", max_num_seqs=6)
+    want = LLM(model_dir, **small).generate(prompt_token_ids=prompts, sampling_params=params)
+    tight = LLM(model_dir, cuda_graphs=True, **small)
+    got = tight.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [a.outputs[0].token_ids for a in got] == [b.outputs[0].token_ids for b in want]
+    # buckets: batch sizes up to max_num_seqs, context bounds of whole blocks up to max_model_len
+    assert batch_buckets(6) == [1, 2, 4, 6] and batch_buckets(64)[-3:] == [32, 48, 64]
+    assert context_buckets(16, 2048) == [1024, 2048] and context_buckets(16, 5000) == [1024, 2048, 4096, 5008]
+    assert context_buckets(256, 300) == [512]
+    g = tight.graphs
+    assert g.bucket(5, 1500) == (6, 2048) and g.bucket(7, 10) is None and g.bucket(1, 4096) is None
+    assert g.run([1] * 7, [0] * 7, [-1] * 7, [[0]] * 7, [1] * 7) is None     # no bucket: the forward runs
+    # what cannot run through them is refused when asked for, and left out by default
+    with pytest.raises(ConfigError, match="cuda_graphs: an int4"):
+        LLM(model_dir, kv_cache_bytes="4MiB", kv_cache_dtype="int4", cuda_graphs=True)
+    with pytest.raises(ConfigError, match="cuda_graphs: StreamingLLM"):
+        LLM(model_dir, kv_cache_bytes="4MiB", window=32, attention_sinks=4, cuda_graphs=True)
+    windowed = write_random_model(tmp_path / "window", seed=1, architecture="mistral", sliding_window=24)
+    with pytest.raises(ConfigError, match="cuda_graphs: sliding-window"):
+        LLM(windowed, kv_cache_bytes="4MiB", cuda_graphs=True)

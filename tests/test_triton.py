@@ -26,6 +26,23 @@ def test_the_triton_decode_kernel_matches_the_reference_under_the_interpreter(tm
     print(r.stdout, file=sys.stderr)
 
 
+def test_the_gpu_op_set_and_the_static_decode_step_under_the_interpreter(tmp_path):
+    """The engine with what a GPU runs (fused Triton norm, rotary and gate kernels, the Triton
+    decode kernel, decode steps through the static buffers a CUDA graph captures) gives the
+    torch path's greedy tokens, and one decode step's launches are a constant per layer (at
+    most 11, against about 40 for torch's element-wise ops), the same for any batch and
+    context: tests/step_check.py, in a process under the interpreter."""
+    pytest.importorskip("triton", reason="triton is installed by `make venv` (the test extra)")
+    pytest.importorskip("transformers")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path),
+               TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
+    r = subprocess.run([sys.executable, "-m", "tests.step_check"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "step check: OK" in r.stdout
+    print(r.stdout, file=sys.stderr)
+
+
 def test_without_a_gpu_or_the_interpreter_the_triton_kernel_is_never_chosen():
     """Here (no CUDA, no interpreter) the dispatcher says why it does not choose Triton, and
     the engine's CPU path is what runs."""

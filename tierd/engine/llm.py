@@ -60,7 +60,7 @@ class LLM:
                  kv_tier_codec: str = "", kv_scales: str = "auto",
                  calibration_prompts: list[list[int]] | None = None, int4_group: int = 32,
                  attention_sinks: int = 0, window: int | None = None, kv_budget: int | None = None,
-                 device: str = "cpu", warmup: bool | None = None):
+                 device: str = "cpu", warmup: bool | None = None, cuda_graphs: bool | None = None):
         from ..config import parse_size
         self.model_dir = Path(model)
         self.config = cfg = ModelConfig.from_dir(self.model_dir)
@@ -190,8 +190,30 @@ class LLM:
         self._seqs: dict[str, Sequence] = {}
         self.evicted_blocks = 0
         self.warmup_seconds = 0.0
+        # steps of decodes only through static buffers: replayed CUDA graphs on CUDA (the
+        # default there), run eagerly elsewhere (cuda_graphs=True on the CPU: the tests' way)
+        self.graphs = None
+        if cuda_graphs if cuda_graphs is not None else self.device.type == "cuda":
+            why = self._graphs_decline()
+            if why is None:
+                from .graphs import DecodeGraphs
+                self.graphs = DecodeGraphs(self.model, self.kv_caches, self.kv_scales, block_size=block_size,
+                                           max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+                                           capture=self.device.type == "cuda")
+            elif cuda_graphs:
+                raise ConfigError(f"cuda_graphs: {why}")
         if warmup if warmup is not None else self.device.type == "cuda":
             self.warmup()
+
+    def _graphs_decline(self) -> str | None:
+        """Why decode steps cannot run through static buffers with this engine, or None."""
+        if self.int4:
+            return "an int4 KV cache"
+        if self.streaming is not None or self.kv_budget is not None:
+            return "StreamingLLM or block eviction"
+        if self.config.sliding_window is not None or any(w is not None for w in self.config.layer_windows):
+            return "sliding-window layers"
+        return None
 
     # -- warm-up ---------------------------------------------------------------------------------
     def warmup(self) -> float:
@@ -232,6 +254,8 @@ class LLM:
                 ctx = list(range(n - batch + 1, n + 1))
                 seqs = [(i, 1, c, table) for i, c in enumerate(ctx)]
                 run(prompt[-batch:], 0, seqs, list(range(batch)))
+            if self.graphs is not None and self.graphs.capture:
+                self.graphs.capture_all()           # (they write nothing: every slot is padding)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             idx = table.to(dev)
@@ -390,14 +414,22 @@ class LLM:
                 sampled.append(seq)
         dev = self.device
         conn = self.connector
-        inputs = (torch.tensor(tokens).to(dev, non_blocking=True), torch.tensor(positions).to(dev, non_blocking=True),
-                  torch.tensor(slots).to(dev, non_blocking=True))
         t2 = time.perf_counter()
         self.phase_seconds["inputs"] += t2 - t1
         try:
-            logits = self.model.forward(*inputs, seqs, self.kv_caches, torch.tensor(logits_rows, dtype=torch.long).to(dev),
-                                        self.kv_scales, streaming=self.streaming, mass=mass,
-                                        before_layer=conn.wait_layer if conn is not None and conn.loading else None)
+            logits = None
+            if self.graphs is not None and q0 == len(batch) == len(sampled) and not (conn is not None and conn.loading):
+                # decodes only: the static buffers' step (a replayed CUDA graph on CUDA)
+                logits = self.graphs.run(tokens, positions, slots, [seq.block_table for seq, _ in batch],
+                                         [s[2] for s in seqs])
+            if logits is None:
+                inputs = (torch.tensor(tokens).to(dev, non_blocking=True),
+                          torch.tensor(positions).to(dev, non_blocking=True),
+                          torch.tensor(slots).to(dev, non_blocking=True))
+                logits = self.model.forward(*inputs, seqs, self.kv_caches,
+                                            torch.tensor(logits_rows, dtype=torch.long).to(dev), self.kv_scales,
+                                            streaming=self.streaming, mass=mass,
+                                            before_layer=conn.wait_layer if conn is not None and conn.loading else None)
         finally:
             # the loaded blocks' copies have run and their leases end; a sequence whose lease was
             # lost meanwhile may have read overwritten bytes: its step is discarded, recomputed

@@ -67,6 +67,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+# The element-wise steps of a layer, as the forward runs them in torch (the CPU path, and the
+# references of the fused Triton kernels in tierd.kernels, which a GPU runs instead).
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """rms_norm(x); with `residual`: residual += x in place, then rms_norm of the sum."""
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    return rms_norm(x, weight, eps)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """(cos, sin) of RoPE at positions (T,), each (T, 1, head_dim) in `dtype`."""
+    freqs = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)        # (T, d/2)
+    emb = torch.cat((freqs, freqs), dim=-1)                                 # (T, d)
+    return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> None:
+    """RoPE of q (T, heads, d) and k (T, kv_heads, d) at positions (T,), in place."""
+    cos, sin = rope_tables(positions, inv_freq, q.dtype)
+    for x in (q, k):
+        x.copy_(x * cos + rotate_half(x) * sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, where gate_up (T, 2 * I) holds gate then up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class LlamaModel:
     """Weights and forward of a Llama/Mistral/Qwen2 decoder."""
 
@@ -140,34 +172,37 @@ class LlamaModel:
         return F.linear(x, holder[name], bias)
 
     def ops(self):
-        """(reshape_and_cache, decode) for this device: tierd.kernels' self-checked kernels where
-        they passed on this device (CUDA: the Triton or the CUDA decode kernel, chosen per shape
-        by `tierd.kernels.decode_attention`; on the CPU the C decode attention), else the
-        engine's own batched decode (the same arguments)."""
+        """(reshape_and_cache, decode, add_rms_norm, rotary, silu_mul) for this device:
+        tierd.kernels' self-checked kernels where they passed on this device (CUDA: the Triton
+        or the CUDA decode kernel, chosen per shape by `tierd.kernels.decode_attention`, and the
+        fused Triton norm, rotary and gate kernels; on the CPU the C decode attention), else the
+        engine's own torch code (the same arguments). The fused ops are `KernelOp`s everywhere:
+        on the CPU they run their torch references, and Triton only under its interpreter (tests)."""
         if self._ops is None:
             import tierd.kernels as K   # not at import time: tierd.kernels imports the engine's references
             if self.device.type == "cuda":
                 usable = (K.paged_attention_decode_triton.use_kernel(self.device)
                           | K.paged_attention_decode.use_kernel(self.device))   # (both checked, and said)
                 decode = K.decode_attention if usable else None
+            elif K.paged_attention_decode_triton.use_kernel(self.device):      # (the interpreter: tests)
+                decode = K.decode_attention
             else:
                 decode = K.paged_attention_decode if K.paged_attention_decode.use_kernel(self.device) else None
-            if decode is not None and self.device.type == "cpu":
-                kernel = decode
+                if decode is not None:
+                    kernel = decode
 
-                def decode(q, k_cache, v_cache, *args, **kwargs):
-                    # caches the C kernel does not take (fp8) go to the engine's batched decode,
-                    # not to the kernel's per-sequence reference
-                    if k_cache.dtype in (torch.float32, torch.bfloat16):
-                        return kernel(q, k_cache, v_cache, *args, **kwargs)
-                    return decode_attention(q, k_cache, v_cache, *args, **kwargs)
-            self._ops = (K.reshape_and_cache if self.device.type == "cuda" else reshape_and_cache, decode)
+                    def decode(q, k_cache, v_cache, *args, **kwargs):
+                        # caches the C kernel does not take (fp8) go to the engine's batched decode,
+                        # not to the kernel's per-sequence reference
+                        if k_cache.dtype in (torch.float32, torch.bfloat16):
+                            return kernel(q, k_cache, v_cache, *args, **kwargs)
+                        return decode_attention(q, k_cache, v_cache, *args, **kwargs)
+            self._ops = (K.reshape_and_cache if self.device.type == "cuda" else reshape_and_cache, decode,
+                         K.add_rms_norm, K.rotary, K.silu_mul)
         return self._ops
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)   # (T, d/2)
-        emb = torch.cat((freqs, freqs), dim=-1)                                 # (T, d)
-        return emb.cos().to(self.dtype).unsqueeze(1), emb.sin().to(self.dtype).unsqueeze(1)
+        return rope_tables(positions, self.inv_freq, self.dtype)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -186,20 +221,19 @@ class LlamaModel:
         c, w = self.cfg, self.w
         T = tokens.shape[0]
         h = w["embed"][tokens]                                                  # (T, hidden)
-        cos, sin = self.rope(positions)                                         # (T, 1, d)
         block_size = (kv_caches[0].block_size if isinstance(kv_caches[0], Int4LayerCache)
                       else kv_caches[0][0].shape[1])
         meta = AttentionMetadata(seqs, block_size, self.device)
-        cache_op, decode = self.ops()
-        for i, layer in enumerate(w["layers"]):
-            x = rms_norm(h, layer["in_norm"], c.rms_norm_eps)
+        cache_op, decode, norm, rotary_, silu_mul_ = self.ops()
+        eps, layers = c.rms_norm_eps, w["layers"]
+        x = norm(h, layers[0]["in_norm"], eps)
+        for i, layer in enumerate(layers):
             qkv = self.linear(x, layer, "qkv")                                 # one GEMM for q, k, v
             q, k, v = qkv.split(self.qkv_sizes, dim=-1)
-            q = q.reshape(T, c.num_heads, c.head_dim)
-            k = k.reshape(T, c.num_kv_heads, c.head_dim)
-            v = v.reshape(T, c.num_kv_heads, c.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q = q.view(T, c.num_heads, c.head_dim)
+            k = k.view(T, c.num_kv_heads, c.head_dim)
+            v = v.view(T, c.num_kv_heads, c.head_dim)
+            rotary_(q, k, positions, self.inv_freq)                              # in place, in qkv
             if observe is not None:
                 observe(i, k, v)
             window = c.layer_windows[i] if c.layer_windows else c.sliding_window
@@ -221,12 +255,55 @@ class LlamaModel:
                     a = paged_attention(q, k_cache, v_cache, meta, self.scale, *ks, sliding_window=window,
                                         decode=decode, new_kv=(k, v))
             self.attention_seconds += time.perf_counter() - ta
-            h = h + self.linear(a.reshape(T, c.num_heads * c.head_dim), layer, "o")
-            x = rms_norm(h, layer["post_norm"], c.rms_norm_eps)
-            gate, up = self.linear(x, layer, "gate_up").chunk(2, dim=-1)
-            h = h + self.linear(F.silu(gate) * up, layer, "down")
-        h = rms_norm(h[logits_index], w["norm"], c.rms_norm_eps)
+            x = norm(self.linear(a.reshape(T, c.num_heads * c.head_dim), layer, "o"), layer["post_norm"], eps,
+                     residual=h)                                                 # h += attention
+            x = self._mlp(x, layer, silu_mul_)
+            if i + 1 < len(layers):
+                x = norm(x, layers[i + 1]["in_norm"], eps, residual=h)          # h += mlp
+            else:
+                h.add_(x)
+        h = norm(h[logits_index], w["norm"], eps)
         return self.linear(h, w, "lm_head").float()
+
+    def _mlp(self, x: torch.Tensor, layer: dict, silu_mul_) -> torch.Tensor:
+        return self.linear(silu_mul_(self.linear(x, layer, "gate_up")), layer, "down")
+
+    @torch.inference_mode()
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kv_scales: list[tuple[float, float]] | None,
+                    max_seq_len: int) -> torch.Tensor:
+        """One new token for each of B sequences, with every shape fixed by the arguments: tokens,
+        positions, slot_mapping, seq_lens (B,) and block_tables (B, max_blocks) on the device
+        (a padding row: slot -1, length 1), no sequence longer than max_seq_len. The same
+        computation as `forward` for a batch of decodes, with no host work per sequence and no
+        wait for the device: what a CUDA graph captures (tierd.engine.graphs). Caches of
+        float or fp8 values (not int4), no sliding window, no StreamingLLM. Returns the
+        logits (B, vocab) in float32."""
+        c, w = self.cfg, self.w
+        B = tokens.shape[0]
+        cache_op, decode, norm, rotary_, silu_mul_ = self.ops()
+        decode = decode or decode_attention
+        eps, layers = c.rms_norm_eps, w["layers"]
+        h = w["embed"][tokens]
+        x = norm(h, layers[0]["in_norm"], eps)
+        for i, layer in enumerate(layers):
+            q, k, v = self.linear(x, layer, "qkv").split(self.qkv_sizes, dim=-1)
+            q = q.view(B, c.num_heads, c.head_dim)
+            k = k.view(B, c.num_kv_heads, c.head_dim)
+            v = v.view(B, c.num_kv_heads, c.head_dim)
+            rotary_(q, k, positions, self.inv_freq)
+            k_cache, v_cache = kv_caches[i]
+            ks = kv_scales[i] if kv_scales is not None else (1.0, 1.0)
+            cache_op(k, v, k_cache, v_cache, slot_mapping, *ks)
+            a = decode(q, k_cache, v_cache, block_tables, seq_lens, self.scale, *ks, max_seq_len=max_seq_len)
+            x = norm(self.linear(a.reshape(B, c.num_heads * c.head_dim), layer, "o"), layer["post_norm"], eps,
+                     residual=h)
+            x = self._mlp(x, layer, silu_mul_)
+            if i + 1 < len(layers):
+                x = norm(x, layers[i + 1]["in_norm"], eps, residual=h)
+        x = norm(x, w["norm"], eps, residual=h)
+        return self.linear(x, w, "lm_head").float()
 
 
 def load_weights(cfg: ModelConfig, d: Path, dtype: torch.dtype, device: torch.device | None = None) -> dict:
