@@ -57,6 +57,7 @@ class EngineConnector:
             except STORE_ERRORS as e:
                 self.link.failed(e, "page-locking the arena")
         self.stats.setdefault("hbm_hit_blocks", 0)
+        self.stats.setdefault("load_device_s", 0.0)    # loads' copies on the device (CUDA: timed by events)
         self._loading: list = []     # (seq, lease, job, hold) of loads whose copies may still run
         self.stats.setdefault("lost_leases", 0)
 
@@ -174,6 +175,9 @@ class EngineConnector:
             try:
                 job.wait_all()
                 job.synchronize()
+                took = job.device_seconds()
+                if took is not None:
+                    self.stats["load_device_s"] += took
                 self._confirm(self.link.store, lease)
             except STORE_ERRORS as e:
                 self.stats["lost_leases"] += 1

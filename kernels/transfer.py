@@ -161,6 +161,12 @@ class CudaStreams:
         ev.record(stream)
         return ev
 
+    def timer(self, stream):
+        """An event that times: a load's device time runs from one to the next."""
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        return ev
+
     def wait(self, stream, event) -> None:
         stream.wait_event(event)
 
@@ -174,9 +180,17 @@ class LoadJob:
     until every copy has run (then the leased buffers may go). On CPU everything is already done."""
 
     def __init__(self, streams=None, events: Sequence | None = None, layered: bool = False,
-                 device_blocks: int = 0):
+                 device_blocks: int = 0, timers: tuple | None = None):
         self.streams, self.events, self.layered = streams, list(events or ()), layered
         self.device_blocks = device_blocks     # tier blocks copied device-to-device (HBM tier)
+        self.timers = timers                   # (start, end) timing events on the load stream
+
+    def device_seconds(self) -> float | None:
+        """The load's time on the device, from its first copy or launch to its last (after
+        `synchronize`); None where it was not timed (the CPU, a stand-in)."""
+        if not self.timers:
+            return None
+        return self.timers[0].elapsed_time(self.timers[1]) / 1e3
 
     def wait_layer(self, layer: int) -> None:
         if self.events:
@@ -455,8 +469,10 @@ class BlockTransfer:
                            whole=layer is None)
             return work
 
+        timer = getattr(sx, "timer", None)
         with self._pin_lock:         # queued whole: an arena re-mapped meanwhile waits for it
             sx.wait(self.h2d, sx.record(sx.current()))   # queued compute may still use these blocks
+            start = timer(self.h2d) if timer else None
             if not layered:
                 if up:
                     sx.run(self.h2d, copy_up(0, self.block_bytes))
@@ -468,7 +484,8 @@ class BlockTransfer:
                         sx.run(self.h2d, copy_up(layer * self.layer_bytes, self.layer_bytes))
                     sx.run(self.h2d, scatter(layer))
                     events.append(sx.record(self.h2d))
-        return LoadJob(sx, events, layered, device_blocks=n - len(up))
+            end = timer(self.h2d) if timer else None
+        return LoadJob(sx, events, layered, device_blocks=n - len(up), timers=(start, end) if timer else None)
 
     # -- loads through one scatter over the tier blocks' addresses ------------------------------------
     def _addressed(self, block_ids: torch.Tensor) -> bool:
@@ -580,13 +597,17 @@ class BlockTransfer:
                 if layer is None or layer == layers - 1:
                     held.clear()
             return work
+        timer = getattr(sx, "timer", None)
         with self._pin_lock:         # queued whole: an arena re-mapped meanwhile waits for it
             sx.wait(self.h2d, sx.record(sx.current()))   # queued compute may still use these blocks
+            start = timer(self.h2d) if timer else None
             sx.run(self.h2d, upload)
             for layer in (range(layers) if layered else (None,)):
                 sx.run(self.h2d, launch(layer))
                 events.append(sx.record(self.h2d))
-        return LoadJob(sx, events, layered, device_blocks=len(srcs) - len(up))
+            end = timer(self.h2d) if timer else None
+        return LoadJob(sx, events, layered, device_blocks=len(srcs) - len(up),
+                       timers=(start, end) if timer else None)
 
     def scatter_from(self, block_ids: torch.Tensor, buffers: Sequence[np.ndarray]):
         """Copy host buffers into engine blocks, all layers at once. On a device the compute

@@ -324,6 +324,7 @@ def test_gpu_engine_hits_on_cuda_match_the_cold_run(model_dir, hbm):
         run(model_dir, store, **kw)
         out, st = run(model_dir, store, **kw)
         assert out.num_cached_tokens == 192 and st["hbm_hit_blocks"] == (3 if hbm else 0)
+        assert st["load_device_s"] > 0          # the copies' device time, between CUDA events
         assert out.outputs[0].token_ids == cold_gpu.outputs[0].token_ids
         assert max(abs(x - y) for x, y in zip(lps(out), lps(cold_gpu))) < 1e-2
     finally:
