@@ -576,10 +576,12 @@ class LLM:
         return dict(self.connector.stats) if self.connector is not None else {}
 
     def close(self) -> None:
-        """Finish handing blocks to the store and stop the connector."""
+        """Finish handing blocks to the store and stop the connector; let go of the captured
+        decode graphs (their memory returns with the engine's)."""
         if self.connector is not None:
             self.connector.close()
             self.connector = None
+        self.graphs = None
 
     def kv_cache_stats(self) -> dict:
         """Blocks allocated, token slots used, waste = allocated-but-unused slots / allocated."""
