@@ -15,15 +15,20 @@ import torch
 from .daemon import ROOT
 
 
-def test_the_triton_decode_kernel_matches_the_reference_under_the_interpreter(tmp_path):
+def interpreted(tmp_path, module: str, done: str, timeout: int) -> None:
+    """Run tests.<module> in a process under Triton's interpreter; it must print `done`."""
     pytest.importorskip("triton", reason="triton is installed by `make venv` (the test extra)")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path),
                TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
-    r = subprocess.run([sys.executable, "-m", "tests.triton_check"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", f"tests.{module}"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    assert "triton decode: OK" in r.stdout
+    assert done in r.stdout
     print(r.stdout, file=sys.stderr)
+
+
+def test_the_triton_decode_kernel_matches_the_reference_under_the_interpreter(tmp_path):
+    interpreted(tmp_path, "triton_check", "triton decode: OK", 600)
 
 
 def test_the_gpu_op_set_and_the_static_decode_step_under_the_interpreter(tmp_path):
@@ -32,15 +37,8 @@ def test_the_gpu_op_set_and_the_static_decode_step_under_the_interpreter(tmp_pat
     torch path's greedy tokens, and one decode step's launches are a constant per layer (at
     most 11, against about 40 for torch's element-wise ops), the same for any batch and
     context: tests/step_check.py, in a process under the interpreter."""
-    pytest.importorskip("triton", reason="triton is installed by `make venv` (the test extra)")
     pytest.importorskip("transformers")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path),
-               TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
-    r = subprocess.run([sys.executable, "-m", "tests.step_check"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    assert "step check: OK" in r.stdout
-    print(r.stdout, file=sys.stderr)
+    interpreted(tmp_path, "step_check", "step check: OK", 900)
 
 
 def test_without_a_gpu_or_the_interpreter_the_triton_kernel_is_never_chosen():
