@@ -302,7 +302,13 @@ class BlockTransfer:
             self.drain()             # no copy queued from the old range may still be running
             self.pinning.unregister(old[0], tag=self._pinned.pop(old[0])[1])
         self._mapping[id(store)] = now
-        return self.register_host(array, tag)
+        ok = self.register_host(array, tag)
+        if ok and self._direct is None and self.cuda:
+            # reading the arena in place is checked now, when a connector starts, not at the first hit
+            self._direct, self.direct_reason = self._direct_usable()
+            log.info("tierd transfer on %s: loads straight from the registered arena: %s", self.device,
+                     self.direct_reason)
+        return ok
 
     def drain(self) -> None:
         """Wait on the host for every copy queued on this transfer's streams (after a failed

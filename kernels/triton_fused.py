@@ -6,8 +6,8 @@ a one-token step is bound by how many kernels it launches, and torch runs each o
   residual). One launch where torch takes eight (and one more for the add).
 - `rotary(q, k, positions, inv_freq)`: RoPE (the rotate_half convention of HF checkpoints) on
   queries and keys in place, the angles computed from the positions in the kernel: one launch
-  (where k follows q in each row, as in the fused projection's output; else two) where torch
-  takes about sixteen (the cos and sin tables included).
+  over both (k follows q in each row, as in the fused projection's output) where torch takes
+  about sixteen (the cos and sin tables included).
 - `silu_mul(gate_up)`: silu(gate) * up of the fused gate/up projection's halves: one launch for
   two (and no chunk copies).
 
@@ -124,23 +124,25 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> None:
-    """RoPE of q (T, heads, d) and k (T, kv_heads, d) at positions (T,), in place."""
+    """RoPE of q (T, heads, d) and k (T, kv_heads, d) at positions (T,), in place. k must follow
+    q in each row (views of one fused projection's output), so that one launch covers both: an
+    op that changes its inputs in place is never left half done (else ValueError, and the
+    dispatcher runs the reference)."""
     for x in (q, k):
         _check(x, x.shape[-1])
-        if x.shape[-1] % 2 or x.stride(-1) != 1:
-            raise ValueError("rotary needs an even head_dim, contiguous")
     half = q.shape[-1] // 2
+    follows = ((k.stride(0) == q.stride(0) or q.shape[0] == 1) and k.stride(1) == q.stride(1) == q.shape[-1]
+               and k.shape[-1] == q.shape[-1] and k.shape[0] == q.shape[0] and k.stride(-1) == 1
+               and q.dtype == k.dtype
+               and k.data_ptr() == q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size())
+    if not follows or q.shape[-1] % 2:
+        raise ValueError("rotary needs k right after q in each row and an even head_dim")
     if inv_freq.shape != (half,) or inv_freq.dtype != torch.float32:
         raise ValueError(f"inv_freq needs {half} float32 values")
-    if not q.shape[0]:
-        return
-    pos = positions.contiguous()
-    # k right after q in each row (views of one fused projection): one launch over both
-    follows = ((k.stride(0) == q.stride(0) or q.shape[0] == 1) and k.stride(1) == q.stride(1) == q.shape[-1]
-               and k.shape[-1] == q.shape[-1] and k.stride(-1) == 1
-               and q.dtype == k.dtype and k.data_ptr() == q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size())
-    for x, heads in (((q, q.shape[1] + k.shape[1]),) if follows else ((q, q.shape[1]), (k, k.shape[1]))):
-        _rotary[(x.shape[0], heads)](x, pos, inv_freq, x.stride(0), x.stride(1), heads, HALF=half, BLOCK=_pow2(half))
+    if q.shape[0]:
+        heads = q.shape[1] + k.shape[1]
+        _rotary[(q.shape[0], heads)](q, positions.contiguous(), inv_freq, q.stride(0), q.stride(1), heads,
+                                     HALF=half, BLOCK=_pow2(half))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
