@@ -18,7 +18,7 @@ export PYTHONUNBUFFERED=1
 TESTS_S=${GPU_TESTS_S:-180}
 TEST_S=${GPU_TEST_S:-90}
 KERNELS_S=${GPU_KERNELS_S:-120}
-TTFT_S=${GPU_TTFT_S:-180}
+TTFT_S=${GPU_TTFT_S:-210}
 # Run from a copy of the tests outside the checkout, so that `tierd` is the installed package
 # (tierd.kernels is a package-dir mapping that a source tree on sys.path would hide).
 WORK=$(mktemp -d /tmp/tierd-gpu.XXXXXX)
