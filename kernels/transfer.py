@@ -256,6 +256,10 @@ class BlockTransfer:
                     self._plan = native.CopyPlan(self.k, self.v, layer_groups=layer_groups)
                 except ValueError:
                     pass     # caches the C copy does not take: the ops decide per call
+        elif self.cuda and all(kernels):
+            # the layers' cache addresses on the device: uploaded (with a wait) once now, not in a hit
+            ops._cache_ptrs(self.device, tuple(c.data_ptr() for c in self.k))
+            ops._cache_ptrs(self.device, tuple(c.data_ptr() for c in (self.v or self.k)))
         if self.streams is not None:
             self.d2h = self.streams.stream()
             self.h2d = self.streams.stream()
