@@ -307,11 +307,8 @@ class BlockTransfer:
             self.pinning.unregister(old[0], tag=self._pinned.pop(old[0])[1])
         self._mapping[id(store)] = now
         ok = self.register_host(array, tag)
-        if ok and self._direct is None and self.cuda:
-            # reading the arena in place is checked now, when a connector starts, not at the first hit
-            self._direct, self.direct_reason = self._direct_usable()
-            log.info("tierd transfer on %s: loads straight from the registered arena: %s", self.device,
-                     self.direct_reason)
+        if ok and self.cuda:
+            self._decide_direct()    # when a connector starts, not at the first hit
         return ok
 
     def drain(self) -> None:
@@ -522,6 +519,10 @@ class BlockTransfer:
         a, bb = src.data_ptr(), self.block_bytes
         if src.numel() < bb or not any(p <= a and a + bb <= p + size for p, (size, _) in self._pinned.items()):
             return False
+        return self._decide_direct()
+
+    def _decide_direct(self) -> bool:
+        """Whether loads read the registered arena in place: checked on the device once (`_direct_usable`)."""
         if self._direct is None:
             self._direct, self.direct_reason = self._direct_usable()
             log.info("tierd transfer on %s: loads straight from the registered arena: %s", self.device,

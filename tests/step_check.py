@@ -44,11 +44,8 @@ class Launches(TorchDispatchMode):
         contiguous rows): it ran no kernel. In-place ops (name_) return their input and do."""
         if name.endswith("_") or not isinstance(out, torch.Tensor):
             return False
-        def storage(t):
-            try:
-                return t.untyped_storage().data_ptr()
-            except (RuntimeError, NotImplementedError):      # (oneDNN's packed weights have none)
-                return None
+        def storage(t):     # (oneDNN's packed weights have no storage)
+            return None if t.is_mkldnn else t.untyped_storage().data_ptr()
         return storage(out) in {storage(a) for a in args if isinstance(a, torch.Tensor)} - {None}
 
     def one(self, name, fn):

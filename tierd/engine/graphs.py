@@ -35,6 +35,8 @@ log = logging.getLogger("tierd.engine")
 BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 FIRST_CONTEXT = 1024
 WARM_CONTEXT = 8192          # the warm-up captures the buckets up to this context bound
+# a padding row of the inputs: token 0, position 0, slot -1 (nothing written), length 1
+PADDING = np.array([[0], [0], [-1], [1]], dtype=np.int32)
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -110,7 +112,7 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.synchronize()      # the last step's copies up have read the host buffers
         head = self._host_head.numpy()
-        head[:, n:b] = np.array([[0], [0], [-1], [1]], dtype=np.int32)          # padding rows
+        head[:, n:b] = PADDING
         head[0, :n], head[1, :n], head[2, :n], head[3, :n] = tokens, positions, slots, lengths
         ht = self._host_tables[c].numpy()
         width = ht.shape[1]
@@ -149,7 +151,7 @@ class DecodeGraphs:
         lengths and tables for the check."""
         head = self._host_head.numpy()
         if rng is None:
-            head[:, :b] = np.array([[0], [0], [-1], [1]], dtype=np.int32)
+            head[:, :b] = PADDING
             self._host_tables[c][:b] = 0
         else:
             head[0, :b] = rng.integers(0, self.model.cfg.vocab_size, b)
