@@ -11,7 +11,7 @@ import pytest
 
 from tierd import TieredStore
 from tierd.client import Client
-from tierd.errors import TierdError
+from tierd.errors import LeaseError, TierdError
 from tierd.tiers.host_records import _DATA_OFF, REC_BYTES, read_records
 
 from .daemon import SMALL_TOML, DaemonProc
@@ -122,7 +122,8 @@ def test_a_flushed_block_never_comes_back_after_a_kill(tmp_path):
         d.start()
         assert c.lookup(ns, keys) == 0 and c.lookup(ns, other) == 0
         assert c.stats()["tiers"]["host"]["adopted_blocks"] == 0
-        lease.__exit__(None, None, None)   # the dead daemon's lease: nothing to give back
+        with pytest.raises(LeaseError, match="lost"):
+            lease.__exit__(None, None, None)   # the dead daemon's lease: lost, and it says so
     finally:
         c.close()
         assert d.stop() == 0

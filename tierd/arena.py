@@ -10,6 +10,7 @@ Neither class knows about blocks, keys or policy.
 from __future__ import annotations
 
 import errno
+import fcntl
 import heapq
 import mmap
 import os
@@ -199,6 +200,10 @@ class SharedArena:
             self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
         else:
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            # a shared lock from the first instant the file exists, for as long as this arena
+            # lives: `tierd clean` (tierd.leftovers) never removes a locked arena, so not one of
+            # a daemon still starting up either (before its own lock on it, a disk scan may run)
+            fcntl.flock(self.fd, fcntl.LOCK_SH)
         try:
             if path is not None:
                 os.fchmod(self.fd, mode)  # not subject to the umask

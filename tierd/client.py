@@ -81,12 +81,20 @@ class ClientLease:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def release(self, *, confirm: bool = True) -> None:
+        """End the lease. With `confirm` (the default), raise LeaseError if it was lost before
+        now — the daemon restarted or stopped, or ended the connection — so that bytes read
+        under it are not to be trusted (see `Client.release`)."""
+        self._client.release(self, confirm=confirm)
+
     def __enter__(self) -> "ClientLease":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        """Leaving the `with` ends the lease and confirms it: LeaseError when it was lost while
+        the block was read (what was read must be thrown away), unless the block already raised."""
         if self._open:
-            self._client.release(self)
+            self._client.release(self, confirm=exc_type is None)
 
 
 def _report_hits_when_due(ref, cv: threading.Condition) -> None:
@@ -118,8 +126,10 @@ class Client(DaemonConnection):
     def __init__(self, path: str, *, timeout_s: float = 60.0, name: str | None = None,
                  connect_timeout_s: float = 5.0, retries: int = 1, spin_us: float = 100.0,
                  use_index: bool = True, index_lookups: bool = True, hbm: bool | None = None, prefault: bool = False,
-                 stage_bytes: int = 64 << 20):
+                 stage_bytes: int = 64 << 20, data_plane: bool = True):
         self.path = path
+        # False: a control client (ping, stats, sync, flush) that maps nothing of the daemon's
+        self.data_plane = data_plane
         self._spin_s = max(0.0, spin_us) / 1e6   # busy-poll for a reply this long (0: never)
         self._spin_skip = 0
         self.timeout_s = timeout_s
@@ -248,7 +258,10 @@ class Client(DaemonConnection):
         The reservation holds its connection open until `commit` or `abort` (see `acquire`)."""
         keys = check_keys(keys)          # bad input is refused before anything is asked
         nsobj = self._namespace(ns)
-        staged = self._reserve_staged(nsobj, keys)
+        # (staged only where its put will fit in one request: over the daemon's limits, the
+        # reserve request below is refused before it is sent)
+        fits = len(keys) <= self._put_step(nsobj, token_ids is not None)
+        staged = self._reserve_staged(nsobj, keys) if fits else None
         if staged is not None:
             staged._parent = None if parent is None else check_keys([parent])[0]
             staged._tokens = [int(t) for t in token_ids] if token_ids is not None and self.events else None
@@ -372,7 +385,20 @@ class Client(DaemonConnection):
             if "slots" in r:
                 self._stage_pool.setdefault(name, []).extend(r["slots"])
 
-        if not self._send_deferred(msg, done):
+        try:
+            sent = self._send_deferred(msg, done)
+        except E.RequestTooLargeError:
+            # nothing was sent: the keys are not in flight, and the slots are still this
+            # connection's (back into its pool)
+            for k in written:
+                left = putting.get(k, 0) - 1
+                if left > 0:
+                    putting[k] = left
+                else:
+                    putting.pop(k, None)
+            self._stage_pool.setdefault(name, []).extend(o for o in res._staged if o >= 0)
+            raise
+        if not sent:
             raise E.LeaseError(f"lost the tierd daemon at {self.path} before this put was sent; nothing was stored")
         self._deferred_commits += 1
 
@@ -402,6 +428,11 @@ class Client(DaemonConnection):
 
     def _check_held(self, held, link: _Link | None, what: str) -> None:
         """(Lock held.) LeaseError unless `held` was made on the current, live connection."""
+        if link is not None and link is self._link and not link.dead and not link.intact():
+            # the daemon ended this connection (it stopped, restarted, or refused a frame): its
+            # slots are not this client's any more; new requests go to a new connection, and this
+            # socket closes once no other thread holds it
+            self._disconnect()
         if link is None or link is not self._link or link.dead or held._generation != self._generation:
             raise E.LeaseError(f"this {what} ({held.id}) was lost with its connection to the daemon "
                                "(the daemon restarted, or a request on another thread timed out)")
@@ -431,6 +462,18 @@ class Client(DaemonConnection):
         nsobj = self._namespace(ns)
         if len(blocks) != len(keys):
             raise E.TierdError(f"put: {len(keys)} keys but {len(blocks)} blocks")
+        if token_ids is not None and len(token_ids) != len(keys) * nsobj.block_tokens:
+            raise E.TierdError(f"put: {len(token_ids)} token ids for {len(keys)} blocks of {nsobj.block_tokens} tokens")
+        step = self._put_step(nsobj, token_ids is not None)
+        if len(keys) > step:
+            # over what one request may carry (the daemon's limits from its hello): several puts,
+            # each chained to the one before
+            n, bt = 0, nsobj.block_tokens
+            for i in range(0, len(keys), step):
+                n += self.put(nsobj, keys[i:i + step], blocks[i:i + step],
+                              parent=parent if i == 0 else keys[i - 1],
+                              token_ids=None if token_ids is None else token_ids[i * bt:(i + step) * bt])
+            return n
         views = [as_u8(b, nsobj.block_bytes, nsobj.kv_dtype) for b in blocks]
         res = self.reserve(nsobj, keys, parent=parent, token_ids=token_ids)
         fill_reservation(self, res, views, hashed=self._checksums)
@@ -451,6 +494,15 @@ class Client(DaemonConnection):
                 return res.num_reserved
         finally:
             self._unpin(link)
+
+    def _put_step(self, nsobj: Namespace, tokens: bool) -> int:
+        """How many blocks one put request may name within the daemon's limits: a key, a slot
+        offset and a checksum each (about 40 bytes of msgpack), and their token ids where they
+        are sent (up to 5 bytes each), within `max_frame_bytes` less room for the rest."""
+        limits = getattr(self, "limits", None) or {}
+        per_key = 48 + (5 * nsobj.block_tokens if tokens and self.events else 0)
+        room = limits.get("max_frame_bytes", P.DEFAULT_MAX_FRAME_BYTES) - 1024
+        return max(1, min(limits.get("max_keys_per_request", P.DEFAULT_MAX_KEYS), room // per_key))
 
     def acquire(self, ns, keys: Sequence[bytes]) -> ClientLease:
         """Lease the longest present prefix of `keys`; read `lease.buffers`, then `release`.
@@ -490,7 +542,12 @@ class Client(DaemonConnection):
         link, lease._link = lease._link, None
         try:
             if confirm and (link is None or not link.intact()):
-                raise E.LeaseError(f"lease {lease.id} was lost with its connection to the daemon")
+                with self._lock:
+                    if link is not None and link is self._link:
+                        self._disconnect()   # (closes once no other thread holds it)
+                raise E.LeaseError(f"lease {lease.id} was lost with its connection to the daemon (it "
+                                   "restarted or ended the connection): the bytes read under it may not be "
+                                   "the block's; read it again")
             with self._lock:
                 if link is not None and link is self._link and not link.dead:
                     # Not waited for: a release cannot fail for a lease this client holds, and it

@@ -193,6 +193,13 @@ def default_socket_path() -> str:
     return os.path.join(base, "tierd", "tierd.sock")
 
 
+def default_arena_dir() -> str:
+    """A directory of the daemon's own under /dev/shm (never /dev/shm itself, which every user
+    may write: another job emptying it would take the arena with it): /dev/shm/tierd for the
+    service (root, or systemd's tmpfiles.d), /dev/shm/tierd-UID for a user's own daemon."""
+    return "/dev/shm/tierd" if os.geteuid() == 0 else f"/dev/shm/tierd-{os.geteuid()}"
+
+
 def default_state_dir() -> str:
     if os.environ.get("STATE_DIRECTORY"):  # set by systemd's StateDirectory=
         return os.environ["STATE_DIRECTORY"].split(":")[0]
@@ -307,7 +314,7 @@ class ServeConfig:
 
     socket: str = field(default_factory=default_socket_path)
     socket_mode: int = 0o660
-    arena_dir: str = "/dev/shm"
+    arena_dir: str = field(default_factory=default_arena_dir)
     metrics_addr: str = "127.0.0.1:9464"
     allowed_uids: list[int] = field(default_factory=list)
     allowed_gids: list[int] = field(default_factory=list)

@@ -180,6 +180,11 @@ class DaemonConnection:
             self._noreply = reply.get("noreply") is True   # releases may go unanswered
             self._checksums = reply.get("checksums") is True   # it records blocks: put hashes as it copies
             self.limits = reply.get("limits", {})
+            if not self.data_plane:
+                # control only (`tierd ping`, `stats`, `sync`, `flush`): no arena, index or HBM
+                # mapping, so these answer even where the arena cannot be mapped
+                self._map_index(None)
+                return
             self._map_arena(reply["arenas"][0])
             self._map_index(reply.get("index"))
             # reads without a lease: a daemon that takes their reports, its index (whose version
@@ -376,6 +381,23 @@ class DaemonConnection:
         """Changes with every new connection: slots obtained under an older one are gone."""
         return self._generation
 
+    def _encode(self, msg: dict) -> bytes:
+        """`msg` as a frame, or RequestTooLargeError (nothing sent) when it is over the limits the
+        daemon's hello gave: a daemon cannot read past a frame over its `max_frame_bytes` and ends
+        the connection, so a request over it is never sent (`put` splits what it can)."""
+        limits = getattr(self, "limits", None) or {}
+        keys = msg.get("keys")
+        max_keys = limits.get("max_keys_per_request", P.DEFAULT_MAX_KEYS)
+        if isinstance(keys, list) and len(keys) > max_keys:
+            raise E.RequestTooLargeError(f"{msg.get('op')}: {len(keys)} keys in one request, over the daemon's "
+                                         f"max_keys_per_request ({max_keys}); nothing was sent")
+        frame = P.encode(msg)
+        max_bytes = limits.get("max_frame_bytes", P.DEFAULT_MAX_FRAME_BYTES)
+        if len(frame) - P.HEADER.size > max_bytes:
+            raise E.RequestTooLargeError(f"{msg.get('op')}: a {len(frame) - P.HEADER.size}-byte request, over the "
+                                         f"daemon's max_frame_bytes ({max_bytes}); nothing was sent")
+        return frame
+
     def _send_deferred(self, msg: dict, on_reply=None, *, answered: bool = True) -> bool:
         """Send a request whose reply is read later (before the next reply), then handed to
         `on_reply` (an error reply too); or, not `answered`, one the daemon does not answer at
@@ -384,8 +406,9 @@ class DaemonConnection:
         msg["id"] = next(self._ids)
         if not answered:
             msg["noreply"] = True
+        frame = self._encode(msg)
         try:
-            self._send(P.encode(msg), time.monotonic() + self.timeout_s)
+            self._send(frame, time.monotonic() + self.timeout_s)
             if answered:
                 self._deferred.append((msg, on_reply))
             return True
@@ -466,8 +489,9 @@ class DaemonConnection:
         req_id = next(self._ids)
         msg["id"] = req_id
         deadline = time.monotonic() + self.timeout_s
+        frame = self._encode(msg)
         try:
-            self._send(P.encode(msg), deadline)
+            self._send(frame, deadline)
             self._drain_deferred(deadline)
             reply = self._read_reply(deadline)
         except (OSError, EOFError) as e:

@@ -106,3 +106,10 @@ class ForbiddenError(TierdError, PermissionError):
     """The daemon refused an operator action (flush) to a peer that is not an operator."""
 
     code = "forbidden"
+
+
+class RequestTooLargeError(TierdError):
+    """A request is over a limit the daemon's `hello` reply gave (`max_frame_bytes`,
+    `max_keys_per_request`): the client refuses it before sending, and nothing changes."""
+
+    code = "frame_too_large"

@@ -75,11 +75,29 @@ def remove(group: ArenaFiles) -> list[Path]:
         raise RuntimeError(f"{group.base}: {group.live_because}")
     gone = []
     for f in group.files:
+        # each file is removed under an exclusive lock taken on it (and only if the path still
+        # names the file locked): a daemon that started on it since the check above holds a
+        # shared lock from the file's first instant (tierd.arena), so this cannot remove it
         try:
+            fd = os.open(f, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise RuntimeError(f"{group.base}: {f.name} is locked by a running daemon") from None
+            except OSError:
+                pass   # a filesystem without flock: the checks above stand
+            st, now = os.fstat(fd), os.stat(f)
+            if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):
+                continue   # replaced since: not the file that was checked
             os.unlink(f)
             gone.append(f)
         except FileNotFoundError:
             pass
+        finally:
+            os.close(fd)
     return gone
 
 

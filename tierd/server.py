@@ -90,6 +90,7 @@ class _Conn(asyncio.Protocol):
         self._frame_started = 0.0   # when the incomplete frame at the head of _buf began (0: none)
         self._timer = None
         self._stop_left: int | None = None   # stopping: bytes sent before the stop, not read yet
+        self._ending = False        # the daemon ended it; its slots wait for the client's end to close
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -123,8 +124,8 @@ class _Conn(asyncio.Protocol):
         self._arm_timer()
 
     def data_received(self, data: bytes) -> None:
-        if self._closed:
-            return
+        if self._closed or self._ending:
+            return   # (ended by the daemon: what comes now is read only to see the client's end close)
         self._buf += data
         if self._stop_left is not None:
             self._stop_left -= len(data)
@@ -148,6 +149,9 @@ class _Conn(asyncio.Protocol):
             self._timer.cancel()
         if self.d.conns.pop(self.id, None) is None:
             return
+        if self._ending:
+            self.d.ending_conns -= 1
+            self._buf.clear()   # read after the daemon ended it: never served
         self._leave()
 
     def _leave(self) -> None:
@@ -198,7 +202,7 @@ class _Conn(asyncio.Protocol):
     def _pump(self) -> None:
         """Serve every complete frame in the buffer, in order, until one must wait."""
         buf = self._buf
-        while not self._busy and not self._paused_write and not self._closed:
+        while not self._busy and not self._paused_write and not self._closed and not self._ending:
             try:
                 body = self._take_frame()
             except P.FrameTooLarge as e:
@@ -262,8 +266,11 @@ class _Conn(asyncio.Protocol):
         def settle(f) -> None:
             d._inflight -= 1
             reply = f.result()   # _reply never raises
-            if state["answered"] or self._closed:
+            if state["answered"] or self._closed or self._ending:
                 d._undo_late(reply, self)   # nobody will use what it took
+                if self._ending:
+                    self._busy = False
+                    self._end_if_empty()
                 return
             finish(reply)
 
@@ -271,7 +278,7 @@ class _Conn(asyncio.Protocol):
         fut.add_done_callback(done)
 
     def _write(self, reply: dict) -> None:
-        if self._closed or self.transport is None:
+        if self._closed or self._ending or self.transport is None:
             return
         if "_obj" in reply or "_staged" in reply:
             reply = _strip_private(reply)
@@ -281,7 +288,7 @@ class _Conn(asyncio.Protocol):
             self._close()
 
     def _set_reading(self) -> None:
-        if self.transport is None or self._closed:
+        if self.transport is None or self._closed or self._ending:
             return
         want_pause = (self._paused_write or (self._stop_left is not None and self._stop_left <= 0)
                       or (self._busy and len(self._buf) >= self.BUSY_BUFFER_FRAMES * self.d.cfg.max_frame_bytes))
@@ -307,11 +314,48 @@ class _Conn(asyncio.Protocol):
     @property
     def draining(self) -> bool:
         """Stopping, and requests sent before the stop are still to be read or served."""
-        if self._closed or self._stop_left is None:
+        if self._closed or self._ending or self._stop_left is None:
             return False
         return self._busy or (self._stop_left > 0 and not self._paused_write)
 
     def _close(self) -> None:
+        """The daemon ends this connection (an oversize or broken frame, a timeout, a failed
+        write, a refused peer, a stop): every close the daemon makes goes through here.
+
+        The rule (tierd/store/ownership.py, "Slots and the client's process"): a slot this
+        connection staged, reserved or leased is handed on only once the client's end of the
+        socket is closed — the client's process has exited, or it closed the socket itself, which
+        tierd's client does only once no thread copies through the connection's slots. So a
+        connection that holds slots is not closed here but half-closed: the daemon writes what
+        it had to say and an end-of-stream (the client sees POLLRDHUP at once and stops using
+        the connection), serves nothing more, and takes the slots back when the client's end
+        closes (`connection_lost` → `_leave`). One that holds nothing closes at once."""
+        if self._closed or self._ending or self.transport is None:
+            return
+        self._buf.clear()
+        if (self.held or self._busy or self.d.store.staged_slots(self.id)) and self.transport.can_write_eof():
+            self._ending = True
+            self.d.ending_conns += 1
+            if self._timer is not None:
+                self._timer.cancel()
+            self.transport.write_eof()
+            if self._paused_read:   # keep reading: the client's end closing is the signal
+                self.transport.resume_reading()
+                self._paused_read = False
+            return
+        self._closed = True
+        self.transport.close()
+
+    def _end_if_empty(self) -> None:
+        """(Ended by the daemon.) Close at once once it holds nothing and nothing runs for it."""
+        if (self._ending and not self._closed and not self._busy and not self.held
+                and not self.d.store.staged_slots(self.id)):
+            self._closed = True
+            self.transport.close()
+
+    def _abort(self) -> None:
+        """Close at once, whatever the connection holds: the daemon is stopping, and its arena
+        file is never served again (a restart maps a new one: tierd/store/keeping.py)."""
         if not self._closed and self.transport is not None:
             self._closed = True
             self.transport.close()
@@ -392,6 +436,27 @@ def check_socket_dir(path: str) -> None:
         raise ConfigError(f"socket directory {d} belongs to uid {st.st_uid}, not this user ({os.geteuid()})")
 
 
+def prepare_arena_dir(path: str) -> None:
+    """Make `arena_dir` where it is missing (mode 0750: the daemon's group reads it), and refuse
+    one other users may write without the sticky bit (they could remove or replace the arena)."""
+    try:
+        os.makedirs(path, mode=0o750, exist_ok=True)
+        st = os.stat(path)
+    except OSError as e:
+        raise ConfigError(f"arena_dir {path}: cannot create or use it ({e.strerror or e}); set arena_dir to a "
+                          "directory on a tmpfs that this user may write (the default: /dev/shm/tierd for "
+                          "the service, /dev/shm/tierd-UID for a user's own daemon)") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"arena_dir {path} is not a directory")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise ConfigError(f"arena_dir {path} is world-writable (any user could remove the arena); use a "
+                          "directory of the daemon's own such as /dev/shm/tierd")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"arena_dir {path} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}) is "
+                          f"not writable by uid {os.geteuid()}; set arena_dir to a directory of this user's "
+                          "own, or run the daemon as its owner")
+
+
 class Daemon(Ops):
     """The daemon: one store served on one socket. Construction takes the instance lock first
     (tierd.instance) and touches no path before it holds it; `close` gives back everything it
@@ -402,6 +467,7 @@ class Daemon(Ops):
         self.flags = flags or {}
         self.store = self.index = self.events = self.executor = self.metrics = None
         self._closed = False
+        self.exit_status = 0     # what `tierd serve` exits with (2: the arena was lost)
         check_socket_dir(cfg.socket)
         self.lock = InstanceLock(cfg.socket + ".lock", cfg.socket)
         try:
@@ -416,6 +482,7 @@ class Daemon(Ops):
 
     def _open(self) -> None:
         cfg = self.cfg
+        prepare_arena_dir(cfg.arena_dir)
         tag = hashlib.blake2b(os.path.abspath(cfg.socket).encode(), digest_size=6).hexdigest()
         self.arena_path = os.path.join(cfg.arena_dir, f"tierd-{os.geteuid()}-{tag}.host")
         if not cfg.store.host_keep:
@@ -473,6 +540,7 @@ class Daemon(Ops):
         self.uid_namespaces: dict[int, set[str]] = {}   # what each uid registered (see _register)
         self._next_conn = 0
         self._inflight = 0
+        self.ending_conns = 0   # connections the daemon ended, waiting for their client's end to close
         self._server: asyncio.AbstractServer | None = None
         self._stop = None
         self.started = time.time()
@@ -484,6 +552,7 @@ class Daemon(Ops):
         st = self.store.stats()
         st["daemon"] = {"version": __version__, "pid": os.getpid(), "uptime_s": time.time() - self.started,
                         "socket": self.cfg.socket, "clients": len(self.conns), "requests_running": self._inflight,
+                        "ended_waiting": self.ending_conns,
                         **self.counters,
                         **(self.events.counters if self.events is not None else {}),
                         "settings": {k: setting_value(self.cfg, k) for k in sorted(RELOADABLE)},
@@ -499,6 +568,7 @@ class Daemon(Ops):
     # cached block (a node's engines staging 1/8 each left the shared pool 60% of its blocks)
     STAGE_POOL_SHARE = 1 / 16
     SYNC_ON_STOP_S = 60.0    # how long a stop waits for sync_on_stop (a hung disk: not longer)
+    ARENA_CHECK_S = 1.0      # how often the heartbeat checks that the arena file is still there
 
     async def run(self) -> None:
         """Serve until SIGTERM/SIGINT, then stop. Whatever happens, `close` runs: the socket,
@@ -525,12 +595,19 @@ class Daemon(Ops):
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload_async()))
-        if self.index is not None:
-            def beat():
+        arena_every = max(1, round(self.ARENA_CHECK_S / BEAT_S))
+        beats = 0
+
+        def beat():
+            nonlocal beats
+            if self.index is not None:
                 self.index.beat()
-                self.store.refresh_health()   # lock-free: reads the disk's calls in flight only
-                self._beat_handle = loop.call_later(BEAT_S, beat)
-            beat()
+            self.store.refresh_health()   # lock-free: reads the disk's calls in flight only
+            beats += 1
+            if beats % arena_every == 0 and not self._arena_intact():
+                return
+            self._beat_handle = loop.call_later(BEAT_S, beat)
+        beat()
         wd = watchdog_interval_s()
         self._wd_task = asyncio.create_task(self._watchdog(wd)) if wd else None
         status = f"serving {path}" + (f", metrics on {metrics_at[0]}:{metrics_at[1]}" if metrics_at else "") \
@@ -539,6 +616,30 @@ class Daemon(Ops):
         print(f"tierd: {status}", flush=True)
         notify(f"READY=1\nSTATUS={status}\nMAINPID={os.getpid()}")
         await self._stop.wait()
+
+    def _arena_intact(self) -> bool:
+        """The heartbeat's check that the host arena file is still the one this daemon serves.
+        Removed (an operator's cleanup, another job emptying /dev/shm) or replaced, no new client
+        can map it (`hello` hands out its path) while the metrics and the watchdog look healthy:
+        the daemon stops with exit status 2 and one clear line, so systemd or the kubelet starts
+        it again, on a new arena. Its blocks are not kept (the arena they were in is gone)."""
+        try:
+            st = os.stat(self.arena_path)
+            same = (st.st_dev, st.st_ino) == self.store.host.arena.identity()
+        except FileNotFoundError:
+            same, st = False, None
+        except OSError:
+            return True   # cannot tell (a transient error): look again at the next check
+        if same:
+            return True
+        what = "removed" if st is None else "replaced by another file"
+        log.error("the host arena %s was %s under the running daemon; no new client can map it: "
+                  "stopping (exit status 2) so that the service manager starts it again on a new arena",
+                  self.arena_path, what)
+        self.exit_status = 2
+        self.store.config.host_keep = False   # (the store's own copy of the settings: nothing to keep)
+        self._stop.set()
+        return False
 
     async def _stop_serving(self) -> None:
         """No new connections; requests still running finish (or fail: the store refuses new
@@ -563,7 +664,7 @@ class Daemon(Ops):
             log.warning("stopping with %d requests still running (a hung disk?); they will fail",
                         self._inflight)
         for c in list(self.conns.values()):
-            c._close()
+            c._abort()
         if self.cfg.sync_on_stop and self.store.disk is not None:
             try:
                 n = await asyncio.wait_for(loop.run_in_executor(self.executor, self.store.sync),
@@ -738,10 +839,15 @@ class Daemon(Ops):
     def _undo_late(self, reply: dict, conn: "_Conn") -> None:
         """A request of `conn` answered with a timeout finished later: give back what it took."""
         if reply.get("_staged"):
-            # Only the slots this request took, which its client never saw: the connection may
-            # still be open, and the slots already in the client's pool stay its own (it writes
-            # through them with no request). A connection that is gone lost them all already.
-            self.store.unstage(conn.id, reply.get("slots", ()))
+            if conn._closed:
+                # the connection is gone (its slots were taken back with it): whatever this
+                # late stage made — its slots, and the connection's count as a writer — goes
+                self.store.unstage(conn.id, None)
+            else:
+                # Only the slots this request took, which its client never saw: the connection
+                # is still open, and the slots already in the client's pool stay its own (it
+                # writes through them with no request).
+                self.store.unstage(conn.id, reply.get("slots", ()))
         obj = reply.get("_obj")
         conn.held.discard(("lease" if isinstance(obj, Lease) else "res", getattr(obj, "id", 0)))
         try:
@@ -781,11 +887,11 @@ def serve(config_path: str | None = None, flags: dict[str, Any] | None = None) -
     run = _loop_runner(cfg.event_loop)
     daemon = Daemon(cfg, flags)
     run(daemon.run())
-    _exit_past_stuck_threads()
-    return 0
+    _exit_past_stuck_threads(daemon.exit_status)
+    return daemon.exit_status
 
 
-def _exit_past_stuck_threads(grace_s: float = 2.0) -> None:
+def _exit_past_stuck_threads(status: int = 0, grace_s: float = 2.0) -> None:
     """A thread still stuck in a disk call (a hung disk) would keep the interpreter from
     exiting; the daemon has closed and removed everything by now, so leave at once."""
     deadline = time.monotonic() + grace_s
@@ -798,7 +904,7 @@ def _exit_past_stuck_threads(grace_s: float = 2.0) -> None:
         log.warning("exiting with %d threads stuck in I/O (%s)", len(stuck), ", ".join(stuck[:4]))
         logging.shutdown()
         sys.stdout.flush()
-        os._exit(0)
+        os._exit(status)
 
 
 def _loop_runner(choice: str):

@@ -10,7 +10,7 @@ import time
 
 from . import __version__
 from . import protocol as P
-from .errors import ForbiddenError, NamespaceLimitError
+from .errors import ForbiddenError, NamespaceLimitError, TierdError
 from .namespace import Namespace
 
 log = logging.getLogger("tierd.server")
@@ -169,10 +169,17 @@ class Ops:
         except Exception:
             self.store.unstage(conn.id, [o for o in offsets if o >= 0])
             raise
-        refilled = self.store.stage(ns, refill, owner=conn.id, inline=True,
-                                    limit_bytes=self.stage_limit_bytes,
-                                    pool_bytes=self.stage_pool_bytes) if refill else []
-        return {"n": n, "slots": refilled}
+        reply = {"n": n, "slots": []}
+        if refill:
+            # the put is stored: a refill that fails says so beside it (and stages nothing: `stage`
+            # gives back what it took before it raises), never as the put's failure
+            try:
+                reply["slots"] = self.store.stage(ns, refill, owner=conn.id, inline=True,
+                                                  limit_bytes=self.stage_limit_bytes,
+                                                  pool_bytes=self.stage_pool_bytes)
+            except TierdError as e:
+                reply["refill_error"] = {"code": e.code, "message": str(e)}
+        return reply
 
     def _op_commit(self, conn, msg: dict) -> dict:
         rid = P.field(msg, "res", int)

@@ -16,7 +16,24 @@ The client writes into its staged slots with no request at all, so the daemon mu
 one back while the client may still write through it: only a `put` that names it (the client
 gave it up when it sent the put), `unstage` of slots the client never saw (a `stage` whose
 reply came too late: `Daemon._undo_late`), or the connection's end (`drop_owner`; the client's
-pool is that connection's and dies with it) hand a staged slot on."""
+pool is that connection's and dies with it) hand a staged slot on.
+
+**Slots and the client's process.** A client's process maps the arena read-write and may go on
+copying through a slot after its connection is gone: another thread of it mid-copy when the
+daemon refused a frame, timed the connection out or stopped reading it. So a connection's end
+is not the end of what it holds. The rule, for every slot a connection staged, reserved or
+leased: the daemon hands it on only once **the client's end of the socket is closed** — its
+process exited (the kernel closes its sockets), or the client closed the socket itself, which is
+how it confirms that it dropped the connection's slots (tierd's client closes a connection only
+once no thread holds it: `tierd.connection._Link`). Every close the daemon makes goes through
+`_Conn._close` (tierd/server.py): a connection that holds slots is half-closed (the daemon
+writes its last reply and an end-of-stream, which the client sees at once, and serves nothing
+more) and its slots are taken back (`drop_owner`) when the client's end closes. A request that
+reaches the store after that (a worker still running it) gives back all it made for the
+connection, its count as a staging writer included (`Daemon._undo_late`). A stopping daemon
+closes at once: a restart maps a new arena file (tierd/store/keeping.py), so no slot of the old
+one is ever handed on; a client's lease or reservation from before it then ends with LeaseError
+(tierd.client), never quietly."""
 
 from __future__ import annotations
 
@@ -107,6 +124,10 @@ class Lease:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def release(self, *, confirm: bool = True) -> None:
+        """End the lease (as `TieredStore.release`; embedded, a lease cannot be lost)."""
+        self._store.release(self, confirm=confirm)
+
     def __enter__(self) -> "Lease":
         return self
 
@@ -126,7 +147,8 @@ class Holdings:
     def __init__(self):
         self._reservations: dict[int, Reservation] = {}
         self._leases: dict[int, Lease] = {}
-        self._staged: dict[object, dict[int, tuple[int, object]]] = {}   # owner -> {offset: (slot, NsState)}
+        self._staged: dict[object, dict[int, tuple[int, object, int]]] = {}   # owner -> {offset: (slot, NsState, bytes)}
+        self._staged_bytes: dict[object, int] = {}   # owner -> bytes of its staged slots (kept as they change)
         self._writers: set = set()   # owners that asked to stage, until all theirs are given back
 
     # -- reservations and leases ---------------------------------------------------------------
@@ -174,16 +196,26 @@ class Holdings:
         self._writers.add(owner)
         return self._staged.setdefault(owner, {})
 
-    def add_staged(self, owner, token: dict, offset: int, slot: int, st) -> bool:
+    def add_staged(self, owner, token: dict, offset: int, slot: int, st, nbytes: int) -> bool:
         if self._staged.get(owner) is not token:
             return False
-        token[offset] = (slot, st)
+        token[offset] = (slot, st, nbytes)
         st.staged += 1
+        self._staged_bytes[owner] = self._staged_bytes.get(owner, 0) + nbytes
         return True
 
     def end_staging(self, owner, token: dict) -> None:
         if not token and self._staged.get(owner) is token:
             del self._staged[owner]
+            self._staged_bytes.pop(owner, None)
+
+    def _gone(self, owner, entries) -> None:
+        """`entries` of `owner` are no longer staged: its byte count follows."""
+        left = self._staged_bytes.get(owner, 0) - sum(e[2] for e in entries)
+        if left > 0 and owner in self._staged:
+            self._staged_bytes[owner] = left
+        else:
+            self._staged_bytes.pop(owner, None)
 
     def take_staged(self, owner, offsets: Sequence[int], st) -> list[int]:
         """The slots at `offsets` (-1: none) that `owner` staged for `st`, no longer staged; or
@@ -200,11 +232,11 @@ class Holdings:
                                  f"{st.name} (or is named twice)")
             seen.add(off)
             slots.append(held[0])
-        for off in seen:
-            del mine[off]
+        gone = [mine.pop(off) for off in seen]
         st.staged -= len(seen)
         if not mine:
             self._staged.pop(owner, None)
+        self._gone(owner, gone)
         return slots
 
     def unstage(self, owner, offsets: Sequence[int] | None) -> list[int]:
@@ -218,20 +250,24 @@ class Holdings:
             return []
         gone = list(mine) if offsets is None else [o for o in dict.fromkeys(offsets)
                                                    if isinstance(o, int) and o in mine]
-        slots = []
+        slots, entries = [], []
         for off in gone:
-            slot, st = mine.pop(off)
-            st.staged -= 1
-            slots.append(slot)
+            e = mine.pop(off)
+            e[1].staged -= 1
+            slots.append(e[0])
+            entries.append(e)
         if not mine:
             self._staged.pop(owner, None)
+        self._gone(owner, entries)
         return slots
 
-    def staged_bytes(self, size_of) -> tuple[dict, int]:
-        """(bytes of staged slots per owner holding some, `size_of(slot)` a slot's bytes; how
-        many owners stage: those that asked to, until all theirs were given back at once)."""
-        return ({owner: sum(size_of(slot) for slot, _ in mine.values()) for owner, mine in self._staged.items()},
-                len(self._writers))
+    def staged_bytes(self) -> tuple[int, int, int]:
+        """(bytes of staged slots of all owners, how many owners stage: those that asked to,
+        until all theirs were given back at once) — O(owners)."""
+        return sum(self._staged_bytes.values()), len(self._writers)
+
+    def staged_bytes_of(self, owner) -> int:
+        return self._staged_bytes.get(owner, 0)
 
     def staged_count(self, owner=...) -> int:
         if owner is ...:
@@ -326,21 +362,35 @@ class Ownership:
             st = self._ns(ns)
             sb = st.host_slot_bytes
             token = self._held.staging(owner)
-            n = min(n, self._stage_room(owner, limit_bytes, pool_bytes) // sb)
-            offsets = []
-            for _ in range(max(0, n)):
-                if inline:        # free slots, or clean blocks dropped: no I/O, no wait
-                    slot = self.host.alloc_slot(sb) if self._host_room_inline(st, 1) else None
-                else:
-                    slot = self._host_alloc(st)   # may let go of the lock
-                if slot is None:
-                    break
-                st = self._namespaces.live(st)   # (forgotten while the lock was let go: the table's own)
-                off = self.host.alloc.offset(slot)
-                if not self._held.add_staged(owner, token, off, slot, st):
-                    self.host.free_slot(slot)   # dropped (drop_owner) while the lock was let go
-                    return []
-                offsets.append(off)
+            offsets: list[int] = []
+            try:
+                for _ in range(max(0, n)):
+                    # the room is looked at again for every slot, under the same hold of the lock
+                    # as the slot's staging: `_host_alloc` may let go of it, and concurrent stages
+                    # then take their slots from the same pool
+                    if self._stage_room(owner, limit_bytes, pool_bytes) < sb:
+                        break
+                    if inline:        # free slots, or clean blocks dropped: no I/O, no wait
+                        slot = self.host.alloc_slot(sb) if self._host_room_inline(st, 1) else None
+                    else:
+                        slot = self._host_alloc(st)   # may let go of the lock
+                    if slot is None:
+                        break
+                    st = self._namespaces.live(st)   # (forgotten while the lock was let go: the table's own)
+                    if self._stage_room(owner, limit_bytes, pool_bytes) < sb:
+                        self.host.free_slot(slot)     # others staged while the lock was let go
+                        break
+                    off = self.host.alloc.offset(slot)
+                    if not self._held.add_staged(owner, token, off, slot, st, self.host.alloc.slot_bytes_of(slot)):
+                        self.host.free_slot(slot)   # dropped (drop_owner) while the lock was let go
+                        return []
+                    offsets.append(off)
+            except BaseException:
+                # nothing reached the client: the slots this call staged go back, and the error
+                # says it staged none
+                self._unstage_locked(owner, offsets)
+                self._held.end_staging(owner, token)
+                raise
             self._held.end_staging(owner, token)
             return offsets
 
@@ -349,12 +399,11 @@ class Ownership:
         room = 1 << 62
         if limit_bytes is None and pool_bytes is None:
             return room
-        held, writers = self._held.staged_bytes(self.host.alloc.slot_bytes_of)
-        mine = held.get(owner, 0)
+        mine = self._held.staged_bytes_of(owner)
         if limit_bytes is not None:
             room = limit_bytes - mine
         if pool_bytes is not None:
-            total = sum(held.values())
+            total, writers = self._held.staged_bytes()
             room = min(room, pool_bytes // max(1, writers) - mine, pool_bytes - total)
         return max(0, room)
 
