@@ -644,9 +644,11 @@ class BlockTransfer:
         return len(todo)
 
     def load(self, store, ns, keys: Sequence[bytes], block_ids: torch.Tensor) -> int:
-        """Acquire the leading present blocks, scatter them, release. Returns how many."""
+        """Acquire the leading present blocks, scatter them, release. Returns how many; LeaseError
+        when the lease was lost during the copies (a daemon restart: the blocks scattered are
+        not to be used)."""
         lease = store.acquire(ns, keys)
-        try:
+        with lease:                  # its end confirms it: LeaseError if it was lost meanwhile
             self.attach(store)       # after the acquire: a reconnect there re-maps the arena
             n = len(lease)
             if n:
@@ -654,6 +656,4 @@ class BlockTransfer:
                 job = self.load_layers(block_ids[:n], lease.buffers[:n], gpu, layered=False)
                 job.wait_all()
                 job.synchronize()            # the lease ends below; the copies must be done
-            return n
-        finally:
-            lease.__exit__(None, None, None)
+        return n

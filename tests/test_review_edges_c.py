@@ -36,13 +36,16 @@ def fill(res, value: int) -> None:
 
 # -- F-C: a close the daemon makes while another thread of the client copies ------------------
 
-def test_a_close_the_daemon_makes_keeps_the_slots_until_the_client_lets_go(tmp_path):
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_a_close_the_daemon_makes_keeps_the_slots_until_the_client_lets_go(tmp_path, loop):
     """One client, two threads: thread 1 copies into staged slots; thread 2's request makes the
     daemon end the connection (a frame over max_frame_bytes, as a client that does not check
     the limits would send). Another client's puts meanwhile must never get those slots: thread
     1's late bytes (0xAB) must land in no other client's block. Once thread 1 lets go, the
     daemon takes the slots back."""
-    d = DaemonProc(tmp_path, host_bytes="2MiB").start()
+    if loop == "uvloop":
+        pytest.importorskip("uvloop")
+    d = DaemonProc(tmp_path, host_bytes="2MiB", toml=f'event_loop = "{loop}"\n' + SMALL_TOML).start()
     ns = make_ns()
     try:
         a = Client(d.socket, name="a", stage_bytes=1 << 20)

@@ -536,6 +536,10 @@ class DaemonConnection:
             for attempt in range(self.retries + 1):
                 if self._hits:
                     self._report_hits()   # counted before what this request may show
+                if self._sock is not None and self._hup.poll(0):
+                    # the daemon ended this connection (it stopped, or refused a frame): a new one,
+                    # rather than a request it would never read
+                    self._disconnect()
                 if self._sock is None:
                     self._connect()
                     self.reconnects += 1
