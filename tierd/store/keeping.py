@@ -2,19 +2,31 @@
 blocks at open. Part of `TieredStore` (its one lock guards the queue and the blocks; the records
 file is the host tier's, `tiers/host_records.py`).
 
-**Recording.** A block that becomes READY in host RAM with a known checksum (`put` hashes each
-block as it copies it, where the bytes are still in the CPU's caches; a disk read verifies a raw
-block's checksum as it copies it into the slot; `Block.csum`) is recorded there and then, under
-the lock: a record is a memory write into the records file, a few microseconds, where handing
-the block to a thread cost a wake-up, a pin, a second hold of the lock and that thread's turns
-with the GIL, taken from the requests being served. Any other block (decoded from a disk codec,
-fetched from the remote tier, or one whose namespace or record page is not on file yet) is
-queued: the keeper thread pins a batch, makes what needs file work (the namespace file, the
-record's page), checksums the blocks outside the lock (xxh3, which lets go of the GIL), and
-writes each record under the lock only if the block is still READY in the same slot and not
-flushed. A record is cleared before its slot is freed (`HostTier.free_slot`) and when a flush
-dooms the block. A block that was not yet recorded when the daemon died is simply not
-re-adopted; a clean close records the backlog first (bounded by `KEEP_CLOSE_S`).
+**Recording.** A put acknowledged is a put recorded. A block that becomes READY in host RAM
+with a known checksum (`put` hashes each block as it copies it, where the bytes are still in
+the CPU's caches, and a daemon's client sends those checksums with its put or commit; a disk
+read verifies a raw block's checksum as it copies it into the slot; `Block.csum`) is recorded
+there and then, under the lock, before the commit returns: a record is a memory write into the
+records file, a few microseconds. Nothing it needs is left to file work at that point: the
+record's page is reserved as the slot is handed out (`HostTier.alloc_slot`: reserve, stage, a
+promotion's slot), and the namespace's description goes into the records' namespace log by a
+memory write too, at the commit of its first block (`HostRecords.note_namespace`). So such a
+block never waits for a thread, and a kill -9 right after its put was acknowledged keeps it,
+however busy the machine.
+
+The keeper thread is left with the blocks whose checksum is not known (a writer that did not
+hash, e.g. a GPU copy; a block decoded from a disk codec or fetched from the remote tier: those
+two also have a copy below) and the rare ones whose record page could not be reserved (a full
+tmpfs) or whose namespace found no room in the log: it pins a batch, reserves what they need,
+checksums them outside the lock (xxh3, which lets go of the GIL), and writes each record under
+the lock only if the block is still READY in the same slot and not flushed. It runs at the
+lowest priority (`KEEP_NICE`), so a busy machine can starve it: what it left waiting longer than
+`KEEP_DUE_S` is recorded by a second thread at normal priority (`_keep_due_loop`), so a block
+without its checksum is recorded within about KEEP_DUE_S of its commit plus the hash at a fair
+share of the CPU (stats: `keep_pending`, `records_due`). A record is cleared before its slot
+is freed (`HostTier.free_slot`) and when a flush dooms the block. A block that was not yet
+recorded when the daemon died is simply not re-adopted; a clean close records the backlog first
+(bounded by `KEEP_CLOSE_S`).
 
 **Re-adoption.** The earlier arena and its records are moved aside, and a fresh arena is made
 (a new file: a client of the dead daemon still copying through its old mapping can never touch
@@ -97,44 +109,53 @@ class HostKeeping:
     KEEP_BATCH_BYTES = 16 << 20   # most bytes the keeper pins and checksums at a time
     KEEP_SETTLE_BLOCKS = 16       # records it writes per hold of the store lock
     KEEP_CLOSE_S = 30.0           # how long a close waits for the keeper's backlog
+    KEEP_DUE_S = 1.0              # queued longer than this: recorded at normal priority (_keep_due_loop)
 
     def _keep_init(self) -> None:
-        self._keep_queue: collections.deque | None = (
+        # blocks waiting for the keeper, oldest first, each with when it was queued
+        self._keep_queue: collections.deque[tuple[Block, float]] | None = (
             collections.deque() if self.host.records is not None else None)
         self._keep_wake = threading.Event()
+        self._keep_due_wake = threading.Event()   # (only to stop the due thread at once)
         self._keep_seqs = itertools.count(1)   # records' sequence numbers (next() is atomic)
-        self._keep_busy = 0           # blocks of the batch being checksummed
+        self._keep_busy = 0           # blocks of the batches being checksummed
         self._keep_stop = False
         self._keep_failing = False
         self._keep_stats = {"adopted_blocks": 0, "adopted_bytes": 0, "adopt_dropped": 0,
                             "adopt_seconds": 0.0, "records_written": 0, "records_hashed": 0,
-                            "unrecorded": 0}
-        self._keeper = None
+                            "records_due": 0, "unrecorded": 0}
+        self._keeper = self._keep_due = None
 
     def _keep_start(self) -> None:
         if self._keep_queue is not None:
             self._keeper = threading.Thread(target=self._keep_loop, name="tierd-keeper", daemon=True)
             self._keeper.start()
+            self._keep_due = threading.Thread(target=self._keep_due_loop, name="tierd-keeper-due",
+                                              daemon=True)
+            self._keep_due.start()
 
     def _keep_note(self, b: Block) -> None:
         """(Lock held.) `b` became READY in host RAM: record it now when its writer gave its
-        checksum and its record has room (a few microseconds: a memory write into the records
-        file), else soon, off the critical path (the keeper)."""
+        checksum (a few microseconds: memory writes into the records files), else soon, off the
+        critical path (the keeper; within about KEEP_DUE_S on a busy machine)."""
         if self._keep_queue is not None:
             if b.csum >= 0 and self._keep_now(b):
                 return
-            self._keep_queue.append(b)
+            self._keep_queue.append((b, time.monotonic()))
             if not self._keep_wake.is_set():   # (once per wake-up, not per block: set() takes a lock)
                 self._keep_wake.set()
 
     def _keep_now(self, b: Block) -> bool:
-        """(Lock held.) Write `b`'s record with the checksum its writer gave; False when that
-        needs file work, which the keeper does outside the lock: its namespace not yet in the
-        records' namespace file, or its record's page not yet reserved. Handing the block to the
-        keeper costs more than this: a wake-up, a pin, a second hold of the lock, and the keeper's
-        turns with the GIL, taken from the requests being served."""
+        """(Lock held.) Write `b`'s record with the checksum its writer gave, its namespace's
+        description first if it is not on file yet: memory writes, no file work. False only when
+        one of them has no room (a full tmpfs, or a full namespace log): the keeper then tries
+        again and reports it. (Handing the block to the keeper would cost more than this: a
+        wake-up, a pin, a second hold of the lock, and the keeper's turns with the GIL, taken
+        from the requests being served; and it would leave the block unrecorded after its put
+        was acknowledged.)"""
         rec = self.host.records
-        if b.st.ns_id not in rec.namespaces:
+        st = b.st
+        if rec.namespaces.get(st.ns_id) is not st.desc and not rec.note_namespace(st.ns_id, st.desc):
             return False
         off = self.host.alloc.offset(b.host_slot)
         if not rec.write_packed(off, self._record_of(b, b.host_slot, b.csum)):
@@ -174,32 +195,53 @@ class HostKeeping:
             if self._keep_stop:
                 return
 
-    def _keep_round(self) -> bool:
-        """Record one batch of queued blocks; False when the queue was empty."""
+    def _keep_due_loop(self) -> None:
+        """Record, at normal priority, what waited on the keeper longer than KEEP_DUE_S (a busy
+        machine starves the keeper): the bound on how long a block stays unrecorded. Idle, this
+        thread wakes once per KEEP_DUE_S to look at the oldest queued block."""
+        while True:
+            with self._cond:
+                if self._keep_stop:
+                    return
+                q = self._keep_queue
+                wait = self.KEEP_DUE_S if not q else q[0][1] + self.KEEP_DUE_S - time.monotonic()
+            if wait > 0:
+                self._keep_due_wake.wait(wait)
+                continue
+            try:
+                while self._keep_round(due=time.monotonic() - self.KEEP_DUE_S):
+                    pass
+            except Exception:  # noqa: BLE001 -- records are best effort; serving goes on
+                log.exception("host tier: recording overdue blocks failed")
+                return
+
+    def _keep_round(self, due: float | None = None) -> bool:
+        """Record one batch of queued blocks (with `due`: only those queued before it); False
+        when there was none."""
         rec = self.host.records
         batch = []
         nbytes = 0
         with self._cond:
             q = self._keep_queue
-            while q and nbytes < self.KEEP_BATCH_BYTES:
-                b = q.popleft()
+            while q and nbytes < self.KEEP_BATCH_BYTES and (due is None or q[0][1] <= due):
+                b, _ = q.popleft()
                 if b.host_state != READY or b.doomed & DOOM_HOST or b.host_slot < 0:
                     continue
                 b.host_pins += 1
                 batch.append((b, b.host_slot, b.csum))
                 nbytes += b.st.block_bytes
-            need = {b.st.ns_id: b.st.desc for b, _, _ in batch if b.st.ns_id not in rec.namespaces}
-            self._keep_busy = len(batch)
+            self._keep_busy += len(batch)
+            if due is not None:
+                self._keep_stats["records_due"] += len(batch)
         if not batch:
             return False
         named = True
         try:
-            if need:
-                rec.remember_namespaces(need)
             rec.reserve_pages(rec.pages_for(self.host.alloc.offset(slot) for _, slot, _ in batch))
         except OSError as e:
             named = False
-            self._keep_stats["unrecorded"] += len(batch)
+            with self._cond:
+                self._keep_stats["unrecorded"] += len(batch)
             if not self._keep_failing:    # once per episode (stats count every block)
                 self._keep_failing = True
                 log.error("host tier: cannot write block records (%s); blocks stored meanwhile will not "
@@ -232,15 +274,18 @@ class HostKeeping:
                     b.host_pins -= 1
                     if (data is not None and not self._keep_stop and b.host_slot == slot
                             and b.host_state == READY and not b.doomed & DOOM_HOST):
-                        if rec.write_packed(self.host.alloc.offset(slot), data):
+                        if (rec.note_namespace(b.st.ns_id, b.st.desc)
+                                and rec.write_packed(self.host.alloc.offset(slot), data)):
                             self._keep_stats["records_written"] += 1
+                        else:
+                            self._keep_stats["unrecorded"] += 1
                     self._reap(b)
                     self._keep_busy -= 1
                 self._cond.notify_all()
         return True
 
     def _keep_close(self) -> None:
-        """Record the backlog (at most KEEP_CLOSE_S), then stop the keeper."""
+        """Record the backlog (at most KEEP_CLOSE_S), then stop the keeper and the due thread."""
         if self._keeper is None:
             return
         deadline = time.monotonic() + self.KEEP_CLOSE_S
@@ -254,7 +299,10 @@ class HostKeeping:
             left = len(self._keep_queue)
             self._keep_stop = True
         self._keep_wake.set()
+        self._keep_due_wake.set()
         self._keeper.join(max(0.1, deadline - time.monotonic()))
+        if self._keep_due is not None:
+            self._keep_due.join(max(0.1, deadline - time.monotonic()))
         if left:
             log.warning("host tier: %d blocks were not recorded before the close; they will not be "
                         "re-adopted", left)
@@ -382,13 +430,13 @@ class HostKeeping:
                     nbytes += r.length
                     if r.ns_id in descs:
                         named[r.ns_id] = descs[r.ns_id]
-            try:
-                if named:
-                    rec.remember_namespaces(named)
+            try:   # (reserved as their slots were taken, unless the tmpfs was full)
                 rec.reserve_pages(rec.pages_for(self.host.alloc.offset(b.host_slot) for b, _ in adopted))
             except OSError as e:
                 log.error("host tier: cannot write the re-adopted blocks' records (%s); the keeper retries", e)
             with self._cond:
+                for ns_id, desc in named.items():   # the descriptions on file, also of namespaces known
+                    rec.note_namespace(ns_id, desc)  # only from these records (a memory write each)
                 self._keep_queue.clear()
                 for b, _ in reversed(adopted):                       # oldest first: eviction order
                     self._rh.policy.insert(b.ikey)

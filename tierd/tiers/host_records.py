@@ -14,8 +14,14 @@ Rules (the store keeps them, `tierd/store/keeping.py`):
   flushed. A valid record therefore always describes bytes a client committed.
 - Writes to a tmpfs mapping survive the writer's death (SIGKILL included), not a reboot: a record
   is there for the next daemon or it is not; a torn one fails its checksum.
-- The namespace descriptions the records name are in a third file (`.ns`, msgpack, replaced
-  atomically), written before the first record of each namespace.
+- The namespace descriptions the records name are in a third file (`.ns`), a log of entries
+  appended by memory writes into its mapping, like the records (so the store writes a new
+  namespace's entry under its lock, at the commit of its first block), each before the first
+  record that names it. The log's room is reserved ahead (`NS_ROOM_BYTES` at open, as much
+  again when it runs out; a page at a time on a nearly full tmpfs) and the file is sparse
+  beyond it. An entry is checksummed: a torn
+  last entry is dropped alone. A `.ns` file of the earlier format (one msgpack map, replaced
+  atomically) is still read.
 - The header names the arena file's identity (device, inode): records are only ever read
   against the arena they describe.
 
@@ -49,6 +55,16 @@ _REC = struct.Struct("<8sHHI16s16s16sQQQ")
 _CSUM = struct.Struct("<Q")
 _DATA_OFF = ALIGN            # records start after the header page
 _ZERO16 = b"\0" * 16
+
+NS_MAGIC = b"TIERDHNS"       # the namespace log (`.ns`)
+NS_VERSION = 1
+NS_FILE_BYTES = 64 << 20     # the log's size (sparse): some hundred thousand namespaces
+NS_ROOM_BYTES = 256 << 10    # room reserved at a time (about a thousand descriptions)
+NS_ENTRY_MAX = 1 << 20       # a description larger than this is not logged (its blocks are not kept)
+# log header: magic, version, padding; entry: payload length (0: end of the log), padding,
+# xxh3-64 of the payload, then the payload (msgpack [namespace id, description]), 8-aligned
+_NS_HEAD = struct.Struct("<8sHHI")
+_NS_ENT = struct.Struct("<IIQ")
 
 
 class RecordsBusyError(TierdError):
@@ -99,9 +115,12 @@ def _unpack(raw: bytes, offset: int) -> HostRecord | None:
 
 
 class HostRecords:
-    """The records file of one host arena, mapped read-write. Record calls are memory writes
-    into a tmpfs mapping (made under the store's lock); `remember_namespaces` writes a small
-    file (made outside it)."""
+    """The records file of one host arena and its namespace log, both mapped read-write.
+    Record and namespace calls are memory writes into tmpfs mappings, made under the store's
+    lock (which also orders the log's appends); the file calls that reserve their pages
+    (`reserve_pages`, `prepare`, and the log's growth by `NS_ROOM_BYTES` once per some thousand
+    namespaces) are one `posix_fallocate` each, about 2 µs a page on tmpfs: cheaper than the
+    page fault a first write into an unreserved page costs."""
 
     def __init__(self, path: str, capacity_bytes: int, arena_identity: tuple[int, int], *, mode: int = 0o600):
         self.path = path
@@ -120,12 +139,31 @@ class HostRecords:
             self._mm = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             self._mm[:_HEAD.size] = _HEAD.pack(MAGIC, FORMAT_VERSION, REC_BYTES, 0, capacity_bytes,
                                                *arena_identity)
-            if os.path.exists(self.ns_path):
-                os.unlink(self.ns_path)
+            self._open_ns_log()
         except BaseException:
+            if getattr(self, "_mm", None) is not None:
+                self._mm.close()
             os.close(self.fd)
             _unlink(path)
+            _unlink(self.ns_path)
             raise
+
+    def _open_ns_log(self) -> None:
+        """A fresh namespace log: sparse, its first room reserved, mapped whole. Mode 0600
+        whatever the arena's: descriptions hold cache salts (tenants' secrets), and only the
+        daemon reads them."""
+        _unlink(self.ns_path)
+        self._ns_fd = os.open(self.ns_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(self._ns_fd, NS_FILE_BYTES)
+            self._ns_mm = mmap.mmap(self._ns_fd, NS_FILE_BYTES, mmap.MAP_SHARED,
+                                    mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self._ns_fd)
+            raise
+        self._ns_room = 0                          # bytes of the log reserved (its header goes in first)
+        self._ns_end = _NS_HEAD.size               # where the next entry goes
+        self._grow_ns_log(_NS_HEAD.size)           # (a full tmpfs: later, as namespaces come)
 
     def _at(self, offset: int) -> int:
         i = offset // ALIGN
@@ -176,29 +214,63 @@ class HostRecords:
         if at // ALIGN in self._ready and self._mm[at:at + 8] != b"\0" * 8:
             self._mm[at:at + 8] = b"\0" * 8
 
-    def remember_namespaces(self, descs: dict[bytes, dict]) -> None:
-        """Add namespace descriptions (atomic replace of the `.ns` file) before records name them."""
-        known = {**self.namespaces, **descs}
-        if known == self.namespaces:
-            return
-        tmp = self.ns_path + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, msgpack.packb(known, use_bin_type=True))
-        finally:
-            os.close(fd)
-        os.rename(tmp, self.ns_path)
-        self.namespaces = known
+    def note_namespace(self, ns_id: bytes, desc: dict) -> bool:
+        """Put a namespace's description on file (before any record names it): an entry
+        appended to the namespace log, a memory write. (The store's lock held: it orders the
+        appends.) True when the namespace is on file; False when the log has no room left (a
+        full tmpfs, or a full log), and then nothing was written. A known namespace costs a
+        dict look-up; an empty description never replaces a known one, a new one is appended
+        (the later entry wins when the log is read)."""
+        known = self.namespaces.get(ns_id)
+        if known is not None:
+            if known is desc or not desc:
+                return True
+            if known == desc:
+                self.namespaces[ns_id] = desc   # (the caller's own dict: found by identity next time)
+                return True
+        payload = msgpack.packb([ns_id, desc], use_bin_type=True)
+        if len(payload) > NS_ENTRY_MAX:
+            return False
+        at = self._ns_end
+        end = at + _NS_ENT.size + (len(payload) + 7) // 8 * 8
+        if end > self._ns_room and not self._grow_ns_log(end):
+            return False
+        mm = self._ns_mm
+        mm[at + _NS_ENT.size:at + _NS_ENT.size + len(payload)] = payload
+        mm[at:at + _NS_ENT.size] = _NS_ENT.pack(len(payload), 0, xxhash.xxh3_64_intdigest(payload))
+        self._ns_end = end
+        self.namespaces[ns_id] = desc
+        return True
+
+    def _grow_ns_log(self, end: int) -> bool:
+        """Reserve the log's room up to at least `end`, NS_ROOM_BYTES at a time (once per some
+        thousand namespaces), or only the pages `end` needs where the tmpfs has no more. False
+        when the tmpfs or the log is full."""
+        if end > NS_FILE_BYTES:
+            return False
+        for step in (NS_ROOM_BYTES, ALIGN):
+            room = min(NS_FILE_BYTES, (end + step - 1) // step * step)
+            try:
+                os.posix_fallocate(self._ns_fd, self._ns_room, room - self._ns_room)
+            except OSError:
+                continue
+            if self._ns_room == 0:    # the first page reserved: the header
+                self._ns_mm[:_NS_HEAD.size] = _NS_HEAD.pack(NS_MAGIC, NS_VERSION, 0, 0)
+            self._ns_room = room
+            return True
+        return False
 
     def close(self, *, keep: bool) -> None:
         """Unmap; the files stay for the next daemon when `keep`, else they are removed."""
         if self.fd < 0:
             return
         self._mm.close()
+        self._ns_mm.close()
         if not keep:
             _unlink(self.path)
             _unlink(self.ns_path)
         os.close(self.fd)
+        os.close(self._ns_fd)
         self.fd = -1
 
 
@@ -235,18 +307,67 @@ def read_records(path: str, arena_fd: int) -> tuple[list[HostRecord], dict[bytes
                 r = _unpack(raw[j * REC_BYTES:(j + 1) * REC_BYTES], off)
                 if r is not None and r.length > 0 and off + r.length <= capacity:
                     out.append(r)
-        descs: dict[bytes, dict] = {}
-        try:
-            with open(path + ".ns", "rb") as f:
-                descs = {bytes(k): v for k, v in
-                         msgpack.unpackb(f.read(), raw=False, strict_map_key=False).items()}
-        except FileNotFoundError:
-            pass
-        except Exception:  # noqa: BLE001 -- names are lost, blocks are not
-            descs = {}
-        return out, descs, ""
+        return out, read_namespaces(path + ".ns"), ""
     finally:
         os.close(fd)
+
+
+def read_namespaces(ns_path: str) -> dict[bytes, dict]:
+    """The namespace descriptions of a namespace file (a log, or the earlier format's one
+    msgpack map); {} where there is none or it cannot be read (names are lost, blocks are not:
+    a block whose namespace has no description is adopted as its namespace's, known from disk
+    or registered later)."""
+    try:
+        fd = os.open(ns_path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return {}
+    try:
+        head = os.pread(fd, _NS_HEAD.size, 0)
+        size = os.fstat(fd).st_size
+        if head[:8] == b"\0" * 8:     # a log that never had room (a full tmpfs)
+            return {}
+        if head[:8] != NS_MAGIC:      # the earlier format: one msgpack map
+            if size > NS_FILE_BYTES:
+                return {}
+            try:
+                raw = os.pread(fd, size, 0)
+                return {bytes(k): v for k, v in
+                        msgpack.unpackb(raw, raw=False, strict_map_key=False).items()}
+            except Exception:  # noqa: BLE001
+                return {}
+        if _NS_HEAD.unpack(head)[1] != NS_VERSION:
+            return {}
+        return _read_ns_log(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _read_ns_log(fd: int, size: int) -> dict[bytes, dict]:
+    """The entries of a namespace log up to its end (a zero length) or its first torn entry."""
+    out: dict[bytes, dict] = {}
+    pos = _NS_HEAD.size
+    buf, buf_at = b"", pos               # read ahead in 64 KiB pieces
+    while True:
+        if pos + _NS_ENT.size > buf_at + len(buf):
+            buf, buf_at = os.pread(fd, max(64 << 10, _NS_ENT.size), pos), pos
+        if pos + _NS_ENT.size > buf_at + len(buf):
+            break
+        n, _, csum = _NS_ENT.unpack_from(buf, pos - buf_at)
+        if n == 0 or n > NS_ENTRY_MAX or pos + _NS_ENT.size + n > size:
+            break
+        start = pos + _NS_ENT.size
+        if start + n > buf_at + len(buf):
+            buf, buf_at = os.pread(fd, max(64 << 10, _NS_ENT.size + n), pos), pos
+        payload = buf[start - buf_at:start - buf_at + n]
+        if len(payload) != n or xxhash.xxh3_64_intdigest(payload) != csum:
+            break                        # torn: the last entry being written when it died
+        try:
+            ns_id, desc = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+            out[bytes(ns_id)] = desc
+        except Exception:  # noqa: BLE001 -- a checksummed entry of another shape: skipped
+            pass
+        pos = start + (n + 7) // 8 * 8
+    return out
 
 
 def _data_extents(fd: int, start: int, end: int):
