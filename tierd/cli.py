@@ -38,8 +38,14 @@ def _socket_default() -> str:
 
 
 def _client(args):
+    """A control client: it maps nothing of the daemon's (a daemon whose arena cannot be mapped
+    here still answers), and waits at most --timeout where the command has one."""
     from .client import Client
-    return Client(args.socket, name="tierd-cli")
+    timeout = getattr(args, "timeout", None)
+    if timeout is None:
+        return Client(args.socket, name="tierd-cli", data_plane=False)
+    return Client(args.socket, name="tierd-cli", data_plane=False, timeout_s=timeout,
+                  connect_timeout_s=min(5.0, timeout), retries=0)
 
 
 def cmd_serve(args) -> int:
@@ -101,25 +107,34 @@ def cmd_flush(args) -> int:
 
 
 def cmd_sync(args) -> int:
+    """Write every host-only block down to disk durably. Exit 0 only when all that were there
+    when it began are on disk (the daemon's full `sync` fails, naming how many are not, when
+    the disk cannot take them); on a terminal, bounded steps draw progress first."""
     tty = sys.stdout.isatty()
     total_written = 0
     with _client(args) as c:
         if args.remote and "remote" not in c.stats().get("tiers", {}):
             raise ConfigError(f"the daemon at {args.socket} has no remote tier ([remote] url): --remote has "
                               "nowhere to send blocks; nothing was done")
-        if not tty:
-            total_written = c.sync()
-        else:
-            remaining = None
-            while True:
-                written, remaining = c.sync_step(256)
-                total_written += written
-                done = total_written / max(1, total_written + remaining)
-                bar = "#" * int(30 * done)
-                print(f"\rsync [{bar:<30}] {total_written} written, {remaining} to go", end="", flush=True)
-                if remaining == 0 or written == 0:
-                    break
-            print()
+        if tty:
+            # progress: steps of 256 until what was there at the start is written (blocks put
+            # meanwhile do not keep it going), or a step writes nothing
+            target = None
+            try:
+                while True:
+                    written, remaining = c.sync_step(256)
+                    total_written += written
+                    target = total_written + remaining if target is None else target
+                    done = total_written / max(1, total_written + remaining)
+                    bar = "#" * int(30 * done)
+                    print(f"\rsync [{bar:<30}] {total_written} written, {remaining} to go", end="", flush=True)
+                    if remaining == 0 or written == 0 or total_written >= target:
+                        break
+            finally:
+                print()   # (a failure's line goes below the bar)
+        # the full sync answers for every block: it returns only once all that were there
+        # before it are on disk, else fails with the reason (one line, exit 1)
+        total_written += c.sync()
     print(f"synced: {total_written} blocks written to disk durably")
     if args.remote:
         with _client(args) as c:
@@ -302,14 +317,27 @@ def cmd_size(args) -> int:
 REDIS_VALUE_OVERHEAD = 256   # bytes per value besides header and payload: key, hash, allocator (estimate)
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not v > 0 or v != v:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds above 0")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tierd", description="Tiered KV-cache daemon for LLM inference.")
     ap.add_argument("--version", action="version", version=f"tierd {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    def client_cmd(name, help_, fn):
+    def client_cmd(name, help_, fn, timeout: float | None = None):
         p = sub.add_parser(name, help=help_)
         p.add_argument("--socket", default=_socket_default(), help="daemon socket (default %(default)s)")
+        if timeout is not None:
+            p.add_argument("--timeout", type=_positive_seconds, default=timeout, metavar="SECONDS",
+                           help="how long to wait for the daemon's answer (default %(default)s)")
         p.set_defaults(fn=fn)
         return p
 
@@ -323,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(fn=cmd_serve)
 
-    p = client_cmd("stats", "show tiers, namespaces and clients", cmd_stats)
+    p = client_cmd("stats", "show tiers, namespaces and clients", cmd_stats, timeout=10.0)
     p.add_argument("--json", action="store_true", help="machine-readable output (docs/operations.md)")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS")
     p = client_cmd("flush", "drop blocks", cmd_flush)
@@ -334,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = client_cmd("sync", "write host blocks to disk so a restart keeps them", cmd_sync)
     p.add_argument("--remote", action="store_true",
                    help="also send the remote tier every host block it lacks (before draining a node)")
-    client_cmd("ping", "check that the daemon answers", cmd_ping)
+    client_cmd("ping", "check that the daemon answers", cmd_ping, timeout=5.0)
     p = sub.add_parser("clean", help="remove the host arenas of daemons that are not running")
     p.add_argument("--config", help="TOML config whose arena_dir to look in (default /etc/tierd/tierd.toml "
                    "when present, else the default arena_dir)")

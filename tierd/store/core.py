@@ -59,6 +59,25 @@ from .residency import Residency, Resident
 log = logging.getLogger("tierd.store")
 
 
+class FlushWalk:
+    """A flush under way (`TieredStore.flush`), as the rest of the store sees it. It drops what
+    its scope (a namespace, or all: `ns_id` None) held when it began; its walk lets go of the
+    lock between chunks, so puts land meanwhile. Those are not its to drop: every block of its
+    scope committed after it began goes into `born` (`_commit_locked`), and the walk skips
+    them. A `fenced` flush (disk or all) also holds back the write-down of the blocks of its
+    scope it may still walk, all but `born` (`Demotion._flush_hold`); `drops_host`: it drops
+    host copies too (host or all). Guarded by the store's lock."""
+
+    __slots__ = ("ns_id", "fenced", "drops_host", "born")
+
+    def __init__(self, ns_id: bytes | None, *, fenced: bool, drops_host: bool):
+        self.ns_id, self.fenced, self.drops_host = ns_id, fenced, drops_host
+        self.born: set[Block] = set()
+
+    def covers(self, b: Block) -> bool:
+        return self.ns_id is None or b.st.ns_id == self.ns_id
+
+
 class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, DiskHealth, RemoteLink,
                   Promotion, Demotion, HostKeeping):
     """Embedded tiered block store (host RAM + optional disk, HBM and remote tiers). Thread-safe."""
@@ -81,9 +100,14 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Dis
         # Changes when the disk tier's copies are forgotten (its directory vanished,
         # `_forget_disk`): writes begun before settle as the dead tier's, whenever they return
         self._disk_epoch = 0
-        # Namespaces (None: all) whose disk copies a flush is dropping right now (see `flush`):
-        # no write-down of their blocks starts until it is done
-        self._flushing: list[bytes | None] = []
+        # The flushes under way (see `flush`): the blocks of a fenced one's scope that it has
+        # yet to walk are not written down until it is done; what was committed since it began
+        # is not its to drop
+        self._flushing: list[FlushWalk] = []
+        self._flushes_begun = 0       # fenced flushes begun so far (a sync re-plans after one)
+        # One set per sync under way: the blocks whose disk copy (or write) a flush dropped
+        # meanwhile. The flush came after: the sync does not write them again (demotion.py)
+        self._syncing: list[set[Block]] = []
         self._demote_wanted = False   # set past the host high watermark: wakes the demoter
         # One residency record per tier (see _Resident): the tiers themselves are storage only.
         self._rh = Resident("host", make_policy(cfg.eviction_policy), slot_of=lambda b: b.host_slot,
@@ -296,6 +320,9 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Dis
             b.st.counters["put_bytes"] += b.st.block_bytes
             self._rh.counters["bytes_in"] += b.st.block_bytes
             n += 1
+            for f in self._flushing:   # committed after these flushes began: not theirs to drop
+                if f.covers(b):
+                    f.born.add(b)
         self._relink(pid, res.keys, res._parent)
         if self._events is not None:
             bt = len(res._tokens) // len(res.keys) if res._tokens else 0
@@ -393,9 +420,11 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Dis
             return copy_out(lease, dsts, out)
 
     def flush(self, tier: str = "all", namespace=None) -> int:
-        """Drop blocks from `tier` ("gpu", "host", "disk" or "all"), of one namespace or all.
-        A copy that is pinned (leased, being read in, being written down) is dropped as soon as
-        its pins go and never served meanwhile. Returns the number of blocks dropped."""
+        """Drop blocks from `tier` ("gpu", "host", "disk" or "all"), of one namespace or all:
+        those held when the flush begins; what is committed while it runs is kept (and written
+        down as usual). A copy that is pinned (leased, being read in, being written down) is
+        dropped as soon as its pins go and never served meanwhile. Returns the number of
+        blocks dropped."""
         if tier not in ("host", "disk", "all", "gpu", "remote"):
             raise TierdError(f"flush: unknown tier {tier!r}; use gpu, host, disk, remote or all")
         absent = {"gpu": not self.config.gpu_bytes and "an HBM tier ([gpu] bytes)",
@@ -417,14 +446,20 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Dis
                 # left valid headers behind): recovery and write settles check the fence. A
                 # write's number is taken when its slot is chosen, under this lock, so one
                 # chosen before now is below the fence wherever it lands. The walk below lets
-                # go of the lock between chunks: until it is done no write-down of this scope
-                # starts (`_write_down_batch`), else a block not yet walked could be written
-                # with a number above the fence and then dropped from memory only.
+                # go of the lock between chunks: until it is done no write-down of a block of
+                # this scope it may still walk starts (`_write_down_batch`), else such a block
+                # could be written with a number above the fence and then dropped from memory
+                # only. Blocks committed from now on are not walked, so they are written down.
                 disk.set_fence(ns_id)
-                self._flushing.append(ns_id)
+                self._flushes_begun += 1
+            walk = FlushWalk(ns_id, fenced=fence, drops_host=tier in ("host", "all"))
+            self._flushing.append(walk)
+        born = walk.born
 
         def one(b: Block) -> None:
             nonlocal dropped
+            if b in born:                 # committed after the flush began: not its to drop
+                return
             hit = False
             if tier == "gpu" and b.gpu_slot >= 0 and b.gpu_pins == 0:
                 self._drop_gpu(b, evicted=False)
@@ -440,14 +475,16 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Dis
                     self._drop_disk(b, evicted=False)   # its slot may be reused at once
                 else:
                     self._doom(b, DOOM_DISK)
+                for dropped_for in self._syncing:
+                    dropped_for.add(b)
                 hit = True
             dropped += hit
         try:
             self._each_block(one, ns_id)
         finally:
-            if fence:
-                with self._cond:
-                    self._flushing.remove(ns_id)
+            with self._cond:
+                self._flushing.remove(walk)
+                self._cond.notify_all()   # a sync or an allocation waits for it (demotion.py)
         # Gone from the index now; the fence is made durable outside the lock.
         if fence:
             try:
@@ -460,12 +497,16 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Dis
         return dropped
 
     def sync(self, max_blocks: int | None = None) -> int:
-        """Write every host-only block (at most `max_blocks`) to disk and make all disk
-        writes durable; a reopen then serves them. With a remote tier, also wait (up to
-        REMOTE_DRAIN_S) until its write-behind queue has gone to the server (`remote_pending`
-        says what is left). Returns the number of blocks written to disk.
-        Raises DiskDegradedError when the disk tier cannot take them (nothing is acknowledged
-        durable that is not)."""
+        """Write every host-only block (the first `max_blocks` of them) to disk and make all
+        disk writes durable; a reopen then serves them. Returns only once every such block
+        there when it was called is on disk (a flush under way is waited for, up to
+        SYNC_WAIT_S: it holds back the writes of its scope), or one a flush or an eviction has
+        dropped since. With a remote tier, also wait (up to REMOTE_DRAIN_S) until its
+        write-behind queue has gone to the server (`remote_pending` says what is left).
+        Returns the number of blocks written to disk. Raises DiskDegradedError when the disk
+        tier is failing, DiskTierError when it could not take every block (no room, or a
+        flush that did not end in time), naming how many are in host RAM only: nothing is
+        acknowledged durable that is not."""
         written = self._sync_disk(max_blocks)
         if self.remote is not None:
             with self._cond:
@@ -534,7 +575,10 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Dis
         are lost unless `sync=True` (or `sync()` was called). Always completes: a disk that
         hangs or fails is left without a checkpoint (the next open scans its headers)."""
         if sync and not self._closed:
-            self.sync()
+            try:
+                self.sync()
+            except TierdError as e:   # (what it could not write is lost; the close still happens)
+                log.error("close: %s", e)
         with self._cond:
             if self._closed:
                 return

@@ -7,9 +7,10 @@ from __future__ import annotations
 import logging
 import time
 
-from ..errors import DiskDegradedError
+from ..config import format_size
+from ..errors import DiskDegradedError, DiskTierError
 from ..tiers.disk import DiskEntry
-from .records import DOOM_DISK, Block, NsState
+from .records import DOOM_DISK, DOOM_HOST, READY, Block, NsState
 
 log = logging.getLogger("tierd.store")
 
@@ -41,6 +42,10 @@ class Demotion:
         (if admitted) first. Returns True if the host slot was freed."""
         if self.disk is not None and b.disk is None and not b.disk_writing:
             if self._admission.admit(b.hits):
+                if self._flush_hold(b) == self.HELD_KEEP:
+                    # a disk flush holds its write back but keeps its host copy: dropped now,
+                    # unwritten, it would be lost; the flush's walk is short (bounded wait)
+                    self._wait_for_flushes(time.monotonic() + self.ALLOC_WAIT_S, b)
                 self._write_down(b)
             else:
                 self._rd.counters["admission_rejected"] += 1
@@ -79,8 +84,8 @@ class Demotion:
         for b in blocks:
             if not self._unsynced(b):      # written meanwhile, or flushed while it waited
                 continue
-            if flushing and (None in flushing or b.st.ns_id in flushing):
-                continue                   # a flush is dropping this scope's disk copies (see `flush`)
+            if flushing and self._flush_hold(b):
+                continue                   # a flush has yet to walk it (see `flush`)
             st = b.st
             slot = self._disk_alloc(st)   # no I/O: slab headers are queued
             if slot is None:
@@ -169,6 +174,50 @@ class Demotion:
         self._cond.notify_all()
         return written
 
+    HELD_DROP, HELD_KEEP = 1, 2
+
+    def _flush_hold(self, b: Block) -> int:
+        """(Lock held.) 0 when no flush under way holds back a write-down of `b`; else a fenced
+        flush of its scope has yet to walk it (it was there before the flush began, see
+        `flush`): HELD_DROP when such a flush drops its host copy too (tier all: dropping it
+        now, unwritten, is what the flush does), HELD_KEEP when none does (tier disk: it
+        stays, and must be written once the flush is done)."""
+        held = 0
+        for f in self._flushing:
+            if f.fenced and f.covers(b) and b not in f.born:
+                if f.drops_host:
+                    return self.HELD_DROP
+                held = self.HELD_KEEP
+        return held
+
+    def _wait_for_flushes(self, deadline: float, b: Block | None = None) -> bool:
+        """(Lock held; let go while waiting.) Wait until no fenced flush is under way (or none
+        holds back `b`), until `deadline`. True when none is (any more)."""
+        while any(f.fenced for f in self._flushing) and (b is None or self._flush_hold(b)):
+            left = deadline - time.monotonic()
+            if left <= 0 or self._closed:
+                return False
+            self._cond.wait(min(0.05, left))
+        return True
+
+    def _not_durable(self, blocks: list[Block], skip: set[Block]) -> list[Block]:
+        """(Lock held; let go between chunks.) Those of `blocks` still indexed and READY in host
+        RAM (not dropped by a flush) with no disk copy that stays, but those in `skip`: what a
+        sync has yet to write."""
+        out = []
+        for i in range(0, len(blocks), self.SCAN_CHUNK):
+            if i:
+                self._cond.release()
+                try:
+                    time.sleep(self.SCAN_YIELD_S)
+                finally:
+                    self._cond.acquire()
+            for b in blocks[i:i + self.SCAN_CHUNK]:
+                if (self._blocks.get(b.ikey) is b and b.host_state == READY and not b.doomed & DOOM_HOST
+                        and (b.disk is None or b.doomed & DOOM_DISK) and b not in skip):
+                    out.append(b)
+        return out
+
     def unsynced_blocks(self) -> int:
         """Host blocks without a disk copy: what `sync()` would write."""
         n = 0
@@ -179,7 +228,13 @@ class Demotion:
         self._each_block(count)
         return n
 
+    SYNC_WAIT_S = 30.0   # longest a sync waits for flushes under way to let it write their scope
+
     def _sync_disk(self, max_blocks: int | None) -> int:
+        """`sync`'s disk part: plan (the host-only blocks there now), write them in batches,
+        then settle: whatever of the plan is still not on disk (held back by a flush that
+        began meanwhile, or its new copy dropped by one) is written again once the flush is
+        done; what cannot be written fails the sync."""
         if self.disk is None:
             return 0
         written = 0
@@ -190,6 +245,11 @@ class Demotion:
             # an explicit sync probes the disk at once (outside the lock): a disk that is back
             # takes the sync now, not at the maintainer's next probe
             self._probe_disk(disk)
+        deadline = time.monotonic() + self.SYNC_WAIT_S
+        with self._cond:
+            # a flush under way holds back the write-down of what it has yet to walk: what it
+            # drops need not be written, what it keeps is written after it
+            self._wait_for_flushes(deadline)
         todo: list[Block] = []   # insertion order: a chain's ancestors before its descendants
         self._each_block(lambda b: todo.append(b) if self._unsynced(b) else None)
         todo = todo[:max_blocks] if max_blocks is not None else todo
@@ -197,22 +257,49 @@ class Demotion:
             self._check_open()
             if self._disk_health.fault is not None:
                 self._disk_health.retry_at = 0.0       # the sync's first write batch probes too
-            for i in range(0, len(todo), self.WRITE_BATCH):
-                written += self._write_down_batch(todo[i:i + self.WRITE_BATCH])
-                if self._disk_health.fault is not None:
-                    break
-            while self._writes_in_flight and not self._note_stall():
-                self._cond.wait(0.05)
+            flushed: set[Block] = set()    # their disk copy (or write) a flush dropped meanwhile
+            self._syncing.append(flushed)
+            try:
+                while True:
+                    begun = self._flushes_begun
+                    for i in range(0, len(todo), self.WRITE_BATCH):
+                        written += self._write_down_batch(todo[i:i + self.WRITE_BATCH])
+                        if self._disk_health.fault is not None:
+                            break
+                    while self._writes_in_flight and not self._note_stall():
+                        self._cond.wait(0.05)
+                    # (a flush that dropped a copy this sync wrote, or was writing, came after it)
+                    todo = self._not_durable(todo, flushed)
+                    if not todo or self._disk_health.fault is not None:
+                        break
+                    if begun == self._flushes_begun and not any(f.fenced for f in self._flushing):
+                        break            # no flush in the way: the disk had no room for them
+                    if not self._wait_for_flushes(deadline):   # it held them back: written after it
+                        break
+            finally:
+                # (by identity: two syncs' sets may be equal)
+                self._syncing[:] = [s for s in self._syncing if s is not flushed]
             fault, disk = self._disk_health.fault, self.disk
+            if todo and fault is None:
+                flushing = [f for f in self._flushing if f.fenced]
+                if flushing:
+                    scope = "every namespace" if any(f.ns_id is None for f in flushing) else "a namespace"
+                    why = f"a flush of {scope} is still under way after {self.SYNC_WAIT_S:.0f}s"
+                else:
+                    why = (f"the disk tier ({format_size(disk.capacity_bytes)}, {len(self._rd.owner)} blocks) "
+                           "has no room for them")
         if fault is not None:
             raise DiskDegradedError(f"sync: disk tier degraded ({fault}); "
-                                    f"{len(todo) - written} blocks are in host RAM only")
+                                    f"{len(todo)} blocks are in host RAM only")
         try:
             disk.flush()
         except OSError as e:
             with self._cond:
                 self._disk_error("fdatasync", e)
             raise DiskDegradedError(f"sync: disk tier degraded (fdatasync: {e})") from None
+        if todo:
+            raise DiskTierError(f"sync: {len(todo)} blocks are in host RAM only, not written to disk: {why} "
+                                f"({written} written)")
         return written
 
     def _cleaning(self) -> bool:
@@ -222,6 +309,11 @@ class Demotion:
         return self.disk is not None and self._admission.min_hits == 0
 
     def _wake_demoter(self) -> None:
+        """(Lock held; each commit.) Wake the demoter once host RAM is past its high watermark
+        and it has something to do there: with no disk tier it has nothing (it only writes
+        host blocks down; an allocation drops the coldest block itself), so it is left alone."""
+        if self.disk is None:
+            return
         cap = self.host.capacity_bytes
         if self.host.alloc.used_bytes > self.config.host_high_watermark * cap and (
                 not self._cleaning() or self._dirty_bytes > self.config.host_dirty_ratio * cap):
@@ -262,8 +354,11 @@ class Demotion:
         cfg = self.config
         while True:
             with self._cond:
-                if not self._closed and not self._demote_wanted:
-                    self._cond.wait(cfg.demotion_interval_s)
+                # a pass when asked for (`_wake_demoter`) or once per interval: not on every
+                # `notify_all` of the store's condition (each commit, release, write settled)
+                until = time.monotonic() + cfg.demotion_interval_s
+                while not self._closed and not self._demote_wanted and (left := until - time.monotonic()) > 0:
+                    self._cond.wait(left)
                 if self._closed:
                     return
                 self._demote_wanted = False
@@ -336,6 +431,8 @@ class Demotion:
                 moved += self._write_down_batch(need)
             freed = 0
             for b in batch:
+                if b in need and b.disk is None and self._flush_hold(b) == self.HELD_KEEP:
+                    continue      # a disk flush held its write back: kept, written after it
                 if self._host_evictable(b):
                     self._drop_host(b, evicted=True)
                     freed += 1
