@@ -214,7 +214,11 @@ def test_a_daemon_whose_arena_file_is_gone_exits_non_zero(tmp_path, how):
     arena.unlink()
     if how == "replaced":
         arena.write_bytes(b"\0" * 4096)
-    rc = d.proc.wait(15)
+    try:
+        rc = d.proc.wait(15)
+    except subprocess.TimeoutExpired:
+        d.kill()
+        raise AssertionError("the daemon ran on without its arena file") from None
     d._logf.close()
     assert rc == 2 and time.monotonic() - t0 < 15
     log = d.log.read_text()
