@@ -15,13 +15,13 @@ import sys
 import time
 
 from . import __version__
-from .config import default_socket_path, format_size, parse_size
+from .config import ALIGN, default_socket_path, format_size, parse_size, socket_path_problem
 from .errors import ConfigError, TierdError
+from .report import format_stats, table
 
 
 class UsageError(TierdError):
     """A command used in a way it refuses (exit status 2)."""
-from .report import format_stats, table
 
 
 SYSTEM_SOCKET = "/run/tierd/tierd.sock"   # the service's (systemd/tierd.toml, deploy/kubernetes)
@@ -29,12 +29,21 @@ SYSTEM_SOCKET = "/run/tierd/tierd.sock"   # the service's (systemd/tierd.toml, d
 
 def _socket_default() -> str:
     """TIERD_SOCKET, else the node's daemon where there is one (whoever runs the command: an
-    engine user in group tierd too), else this user's own daemon's socket."""
+    engine user in group tierd too), else this user's own daemon's socket. A node's socket
+    directory that this user may not search counts as there when this user has no daemon of its
+    own: connecting to it then says which directory keeps the user out, and the fix."""
     if os.environ.get("TIERD_SOCKET"):
         return os.environ["TIERD_SOCKET"]
     own = default_socket_path()
-    return SYSTEM_SOCKET if own != SYSTEM_SOCKET and os.path.exists(SYSTEM_SOCKET) and not os.path.exists(own) \
-        else own
+    if own == SYSTEM_SOCKET or os.path.exists(own):
+        return own
+    try:
+        os.stat(SYSTEM_SOCKET)
+    except PermissionError:
+        return SYSTEM_SOCKET
+    except OSError:
+        return own
+    return SYSTEM_SOCKET
 
 
 def _client(args):
@@ -87,6 +96,8 @@ def cmd_stats(args) -> int:
             if not args.watch:
                 return 0
             sys.stdout.flush()
+            if getattr(sys.stdout, "reader_gone", False):
+                return 0   # (nobody reads on: `tierd stats --watch 2 | head`)
             time.sleep(args.watch)
 
 
@@ -154,9 +165,22 @@ def cmd_clean(args) -> int:
     """List, then remove, the host arenas of daemons that are not running."""
     from . import leftovers
     from .config import load_serve_config
-    dirs = list(args.arena_dir or [])
+    named = list(args.arena_dir or [])
+    dirs = list(named)
     if not dirs or args.config:
         dirs.insert(0, load_serve_config(args.config).arena_dir)
+    for d in dirs:
+        try:
+            os.listdir(d)
+        except (FileNotFoundError, NotADirectoryError):
+            if d in named:   # a directory named on the command line must be there (a typo lists nothing)
+                raise TierdError(f"--arena-dir {d}: " + ("not a directory" if os.path.exists(d) else "no such directory")
+                                 + "; name the arena_dir of the daemon's config (or pass its --config), or leave "
+                                   "--arena-dir out for the default") from None
+            # (the configured arena_dir of a daemon that never ran: nothing to clean)
+        except OSError as e:
+            raise TierdError(f"arena_dir {d}: cannot list it ({e.strerror or e}; uid {os.geteuid()}); run "
+                             "`tierd clean` as root or as the daemon's user (sudo tierd clean)") from None
     found = leftovers.find(dirs)
     rows = [[g.base, str(g.uid), str(len(g.files)), format_size(g.bytes), g.live_because or "not running"]
             for g in found]
@@ -282,7 +306,7 @@ def cmd_size(args) -> int:
     tiers = []
     for name, total, slab, source in (("host", store.host_bytes, store.host_slab_bytes, serve.sources["host.bytes"]),
                                       ("disk", store.disk_bytes, store.disk_slab_bytes, serve.sources["disk.bytes"])):
-        if not total:   # no disk tier (disk.path "")
+        if not total:   # no disk tier (disk.path ""; the host tier is never empty: config.py)
             tiers.append([f"{name} ({serve.sources['disk.path']}: none)", "0B", "0", "0", "0"])
             out["tiers"].append({"tier": name, "capacity_bytes": 0, "blocks": 0, "tokens": 0,
                                  "source": serve.sources["disk.path"]})
@@ -322,19 +346,62 @@ def _positive_seconds(text: str) -> float:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not v > 0 or v != v:
+    if not v > 0 or v == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds above 0")
     return v
 
 
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of at least 1")
+    return v
+
+
+def _size_arg(*, percent: bool, minimum: int = 1):
+    """An argparse type: a size such as 64GiB (or, where `percent`, 10%), at least `minimum`
+    bytes; the text itself is kept (a percentage is resolved where its total is known)."""
+    def parse(text: str) -> str:
+        try:
+            # (a percentage is checked against a large total here: 0% and 0.0001% are refused)
+            n = parse_size(text, total=1 << 50 if percent else None, what="size")
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(f"{text!r}: {str(e).removeprefix('size: ')}") from None
+        if n < minimum:
+            least = "above 0" if minimum == 1 else f"of at least {format_size(minimum)}"
+            raise argparse.ArgumentTypeError(f"{text!r}: give a size {least}, e.g. "
+                                             + ("64GiB or 10%" if percent else "512GiB"))
+        return text
+    return parse
+
+
+def _socket_arg(text: str) -> str:
+    problem = socket_path_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """Argument errors in one line (`tierd size: argument --batch: ...`), exit status 2, as every
+    other error of the command (docs/troubleshooting.md); the usage is one --help away."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="tierd", description="Tiered KV-cache daemon for LLM inference.")
+    ap = _Parser(prog="tierd", description="Tiered KV-cache daemon for LLM inference.")
     ap.add_argument("--version", action="version", version=f"tierd {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     def client_cmd(name, help_, fn, timeout: float | None = None):
         p = sub.add_parser(name, help=help_)
-        p.add_argument("--socket", default=_socket_default(), help="daemon socket (default %(default)s)")
+        p.add_argument("--socket", type=_socket_arg, default=_socket_default(),
+                       help="daemon socket (default %(default)s)")
         if timeout is not None:
             p.add_argument("--timeout", type=_positive_seconds, default=timeout, metavar="SECONDS",
                            help="how long to wait for the daemon's answer (default %(default)s)")
@@ -343,17 +410,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run the daemon")
     p.add_argument("--config", help="TOML config (default /etc/tierd/tierd.toml when present)")
-    p.add_argument("--socket", help="Unix socket path")
-    p.add_argument("--host-bytes", help="host tier size: 64GiB, 512MiB or 10%% of RAM")
-    p.add_argument("--disk-path", help="disk tier directory")
-    p.add_argument("--disk-bytes", help="disk tier size cap: 100GiB or 10%% of the filesystem")
+    p.add_argument("--socket", type=_socket_arg, help="Unix socket path")
+    p.add_argument("--host-bytes", type=_size_arg(percent=True, minimum=2 * ALIGN),
+                   help="host tier size: 64GiB, 512MiB or 10%% of RAM")
+    p.add_argument("--disk-path", help="disk tier directory ('' for no disk tier)")
+    p.add_argument("--disk-bytes", type=_size_arg(percent=True, minimum=3 * ALIGN),
+                   help="disk tier size cap: 100GiB or 10%% of the filesystem")
     p.add_argument("--metrics-addr", help="Prometheus endpoint HOST:PORT ('' to disable)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(fn=cmd_serve)
 
     p = client_cmd("stats", "show tiers, namespaces and clients", cmd_stats, timeout=10.0)
     p.add_argument("--json", action="store_true", help="machine-readable output (docs/operations.md)")
-    p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS")
+    p.add_argument("--watch", type=_positive_seconds, metavar="SECONDS", help="refresh every SECONDS")
     p = client_cmd("flush", "drop blocks", cmd_flush)
     p.add_argument("--tier", default="all", choices=["gpu", "host", "disk", "remote", "all"],
                    help="all: this node's tiers; remote (shared with other nodes) only by name")
@@ -373,35 +442,94 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("size", help="KV memory planning for a model (no daemon needed)")
     p.add_argument("--model", required=True, help="model directory (config.json)")
-    p.add_argument("--max-seq-len", type=int, help="tokens per request (default: max_position_embeddings)")
-    p.add_argument("--batch", type=int, default=1, help="requests in a batch (default 1)")
+    p.add_argument("--max-seq-len", type=_positive_int,
+                   help="tokens per request (default: max_position_embeddings)")
+    p.add_argument("--batch", type=_positive_int, default=1, help="requests in a batch (default 1)")
     p.add_argument("--kv-dtype", default="auto", help="KV dtype: auto (from config), fp16, bf16, fp8, fp32")
-    p.add_argument("--block-tokens", type=int, default=256,
+    p.add_argument("--block-tokens", type=_positive_int, default=256,
                    help="tokens per tier block: the vLLM connector's block_tokens (default 256); for SGLang "
                         "its page size (--page-size), which is its tier block")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: each rank stores its share")
+    p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size: each rank stores its share")
     p.add_argument("--config", help="the daemon's TOML config, for tier sizes (default: what `tierd serve` "
                    "reads: /etc/tierd/tierd.toml when present, TIERD_* variables, its defaults)")
-    p.add_argument("--host-bytes", help="host tier size (default: the daemon's setting)")
-    p.add_argument("--disk-bytes", help="disk tier size (default: the daemon's setting)")
+    p.add_argument("--host-bytes", type=_size_arg(percent=True, minimum=2 * ALIGN),
+                   help="host tier size (default: the daemon's setting)")
+    p.add_argument("--disk-bytes", type=_size_arg(percent=True, minimum=3 * ALIGN),
+                   help="disk tier size (default: the daemon's setting)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--remote-bytes", default="", help="the shared remote tier's maxmemory (e.g. 512GiB)")
+    p.add_argument("--remote-bytes", type=_size_arg(percent=False),
+                   help="the shared remote tier's maxmemory (e.g. 512GiB)")
     p.set_defaults(fn=cmd_size)
+    ap.subcommands = sub.choices   # (main: a command's unknown options are that command's error)
     return ap
 
 
+class _Output:
+    """The command's stdout. Once its reader has gone (`tierd stats | head -3`: EPIPE), what is
+    printed goes to /dev/null, quietly, as the Python documentation advises for SIGPIPE, and the
+    command's work goes on: a reader that stopped early never cuts a sync, flush or clean short,
+    nor changes the exit status (`stats --watch`, whose only work is output, stops)."""
+
+    def __init__(self, out):
+        self._out = out
+        self.reader_gone = False
+
+    def write(self, text: str) -> int:
+        try:
+            return self._out.write(text)
+        except BrokenPipeError:
+            self._gone()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._out.flush()
+        except BrokenPipeError:
+            self._gone()
+
+    def _gone(self) -> None:
+        self.reader_gone = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, self._out.fileno())   # (what is still buffered is flushed there)
+        finally:
+            os.close(devnull)
+
+    def __getattr__(self, name):
+        return getattr(self._out, name)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command. Its errors print one line, `tierd COMMAND: message`, and exit 1 (2 for
+    usage errors, argparse's included); a reader of stdout that stops early (`| head`) is no
+    error (`_Output`)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.subcommands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+
+    def fail(e: BaseException, status: int) -> int:
+        msg = str(e)
+        # a daemon's message that names the operation already ("flush: unknown namespace ...")
+        msg = msg.removeprefix(f"{args.command}: ")
+        print(f"tierd {args.command}: {msg}", file=sys.stderr)
+        return status
+
+    out = sys.stdout
+    if out is not None and not isinstance(out, _Output):
+        sys.stdout = _Output(out)
     try:
-        return args.fn(args) or 0
+        status = args.fn(args) or 0
+        sys.stdout.flush()   # (a reader gone shows here, not at the interpreter's exit)
+        return status
     except KeyboardInterrupt:
         return 130
     except UsageError as e:
-        print(f"tierd {args.command}: {e}", file=sys.stderr)
-        return 2
+        return fail(e, 2)
     except (TierdError, OSError) as e:
-        print(f"tierd {args.command}: {e}", file=sys.stderr)
-        return 1
+        return fail(e, 1)
+    finally:
+        sys.stdout = out
 
 
 if __name__ == "__main__":

@@ -127,6 +127,9 @@ class StoreConfig:
         """A copy with sizes in bytes, checked for consistency."""
         c = StoreConfig(**{f.name: getattr(self, f.name) for f in fields(self)})
         c.host_bytes = parse_size(c.host_bytes, total=total_ram_bytes(), what="host_bytes")
+        if c.host_bytes < 2 * ALIGN:
+            raise ConfigError(f"host_bytes: {c.host_bytes} bytes is below the 8 KiB minimum of the host tier; "
+                              "raise host.bytes (--host-bytes)")
         c.host_slab_bytes = parse_size(c.host_slab_bytes, what="host_slab_bytes")
         if c.disk_path in ("", None):  # "" in a config file or flag: no disk tier
             c.disk_path = None
@@ -142,6 +145,9 @@ class StoreConfig:
             except OSError:
                 pass
             c.disk_bytes = parse_size(c.disk_bytes, total=disk_total, what="disk_bytes")
+            if c.disk_bytes < 3 * ALIGN:
+                raise ConfigError(f"disk_bytes: {c.disk_bytes} bytes is below the 12 KiB minimum of the disk "
+                                  "tier; raise disk.bytes (--disk-bytes), or set disk.path = \"\" for no disk tier")
         else:
             c.disk_bytes = 0
         c.gpu_bytes = parse_size(c.gpu_bytes, total=_device_bytes(c.gpu_device) if c.gpu_bytes else None,
@@ -184,6 +190,22 @@ class StoreConfig:
 # -- the daemon's settings -------------------------------------------------------------------
 
 DEFAULT_CONFIG_PATH = "/etc/tierd/tierd.toml"
+
+
+# The longest Unix socket path: sun_path holds 108 bytes on Linux, its terminating NUL included.
+SOCKET_PATH_MAX = 107
+
+
+def socket_path_problem(path: str) -> str | None:
+    """Why `path` cannot be a Unix socket's path (None when it can): too long for sun_path."""
+    n = len(os.fsencode(path))
+    if n == 0:
+        return "the socket path is empty: give the path of a Unix socket (e.g. /run/tierd/tierd.sock)"
+    if n > SOCKET_PATH_MAX:
+        return (f"socket path {path} is {n} bytes long; a Unix socket path may have at most {SOCKET_PATH_MAX} "
+                f"bytes ({SOCKET_PATH_MAX + 1} with its terminating NUL, Linux's limit): choose a shorter path "
+                "(e.g. /run/tierd/tierd.sock)")
+    return None
 
 
 def default_socket_path() -> str:
@@ -352,8 +374,9 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def read_toml(path: str, data: bytes | None = None) -> dict[str, Any]:
-    """The settings in TOML file `path` (or in `data`, its contents already read)."""
+def read_toml(path: str, data: bytes | None = None, *, implicit: bool = False) -> dict[str, Any]:
+    """The settings in TOML file `path` (or in `data`, its contents already read). `implicit`:
+    `path` is the default config file, read although no --config named it."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
@@ -367,6 +390,20 @@ def read_toml(path: str, data: bytes | None = None) -> dict[str, Any]:
         raise ConfigError(f"{path}: not UTF-8 text") from None
     except FileNotFoundError:
         raise ConfigError(f"config file {path} not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory; pass the TOML file (--config FILE)") from None
+    except PermissionError as e:
+        from .access import not_admitted
+        if implicit:
+            # the node's daemon settings (root:tierd 0640): a user outside group tierd may not
+            # read them, and a daemon or plan made without them would silently differ
+            raise ConfigError(f"cannot read the default config file {path} ({e.strerror}): "
+                              f"{not_admitted(path, os.R_OK)}; or pass --config FILE with settings of "
+                              "your own (an empty file for the defaults)") from None
+        raise ConfigError(f"config file {path}: cannot read it ({e.strerror}): {not_admitted(path, os.R_OK)}; "
+                          "or pass another --config") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot read it ({e.strerror or e}); pass another --config") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML ({e})") from None
 
@@ -383,10 +420,20 @@ def load_serve_config(config_path: str | None = None, flags: dict[str, Any] | No
     cfg = ServeConfig()
     env = os.environ if env is None else env
     layers: list[tuple[str, dict[str, Any]]] = []
-    if config_path is None and os.path.exists(DEFAULT_CONFIG_PATH):
-        config_path = DEFAULT_CONFIG_PATH
+    implicit = False
+    if config_path is None:
+        # the default file where there is one; one this user may not even see (its directory
+        # does not admit it) is there too: refused below, never skipped silently
+        try:
+            os.stat(DEFAULT_CONFIG_PATH)
+        except PermissionError:
+            config_path, implicit = DEFAULT_CONFIG_PATH, True
+        except OSError:
+            pass
+        else:
+            config_path, implicit = DEFAULT_CONFIG_PATH, True
     if config_path is not None:
-        layers.append((f"file {config_path}", read_toml(config_path, data)))
+        layers.append((f"file {config_path}", read_toml(config_path, data, implicit=implicit)))
         cfg.config_path = config_path
     env_layer = {}
     for name, value in env.items():

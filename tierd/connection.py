@@ -9,22 +9,21 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import grp
 import logging
 import mmap
 import os
 import select
 import socket
-import stat
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 
 from . import errors as E
 from . import protocol as P
 from . import threads
+from .access import modes, not_admitted, who
+from .config import socket_path_problem
 
 log = logging.getLogger("tierd.client")
 
@@ -87,39 +86,14 @@ class _Link:
         return not p.poll(0)
 
 
-def _modes(path: str) -> str:
-    """`DIR (mode 0750, group tierd)`: the first of `path`'s directories (or `path` itself)
-    that this process may not pass (or write), with its mode and group."""
-    here = Path(path).absolute()
-    eff = os.access in os.supports_effective_ids
-    for p in [*reversed(here.parents), here]:
-        if os.access(p, os.W_OK if p == here else os.X_OK, effective_ids=eff):
-            continue
-        try:
-            st = os.stat(p)
-        except OSError:
-            break
-        try:
-            group = grp.getgrgid(st.st_gid).gr_name
-        except KeyError:
-            group = str(st.st_gid)
-        return f"{p} (mode {stat.S_IMODE(st.st_mode):04o}, group {group})"
-    return str(here)
-
-
-def _who() -> str:
-    return (f"uid {os.geteuid()} (groups "
-            f"{', '.join(str(g) for g in sorted(set(os.getgroups()) | {os.getegid()}))})")
-
-
-def _not_admitted(path: str) -> str:
-    """A path (or a directory on its way) whose mode keeps this process out, and the fix."""
-    return (f"{_modes(path)} does not admit {_who()}: add this user to the daemon's group "
-            "(`usermod -aG tierd USER`, then a new login; a pod's supplementalGroups)")
+_modes, _who, _not_admitted = modes, who, not_admitted   # (the names this module always used)
 
 
 def _connect_advice(path: str, e: OSError) -> str:
     """What to do about a socket that cannot be connected to."""
+    too_long = socket_path_problem(path)
+    if too_long is not None:
+        return too_long   # ("AF_UNIX path too long", without the limit)
     if e.errno == errno.EACCES:
         return _not_admitted(path)
     if e.errno == errno.ENOENT:

@@ -11,9 +11,12 @@ from collections.abc import Callable
 
 import bisect
 import errno
+import socket
 import threading
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from .errors import ConfigError
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -180,24 +183,58 @@ class Metrics:
         self.op_seconds = OpLatency()
         self.registry.register(self.op_seconds)
         self._server = None
+        self._thread = None
 
-    def serve(self, addr: str) -> tuple[str, int]:
-        """Start the HTTP endpoint on HOST:PORT (port 0: any free port); returns the bound address."""
+    def listen(self, addr: str) -> tuple[str, int]:
+        """Bind and listen on HOST:PORT (port 0: any free port), serving nothing yet (`start`);
+        returns the bound address. The daemon listens before it opens any tier, so a port it
+        cannot have fails the start before anything is made."""
         host, _, port = addr.rpartition(":")
         host = host.strip("[]") or "127.0.0.1"
         try:
-            self._server, _thread = start_http_server(int(port), addr=host, registry=self.registry)
+            family, _, _, _, sockaddr = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM,
+                                                           flags=socket.AI_PASSIVE)[0]
+
+            class _Server(ThreadingMixIn, WSGIServer):
+                daemon_threads = True
+                address_family = family
+
+            self._server = make_server(sockaddr[0], int(port), make_wsgi_app(self.registry), _Server,
+                                       handler_class=_QuietHandler)
         except OSError as e:
             hint = ("another process listens there (a daemon on another socket?)" if e.errno == errno.EADDRINUSE
                     else "no interface of this machine has that address" if e.errno == errno.EADDRNOTAVAIL
-                    else "a port below 1024 needs privileges" if e.errno == errno.EACCES else e.strerror)
-            raise ConfigError(f"metrics_addr {addr}: cannot listen ({e.strerror or e}: {hint}); set metrics_addr "
+                    else "a port below 1024 needs privileges" if e.errno == errno.EACCES
+                    else "no such host" if isinstance(e, socket.gaierror) else None)
+            reason = f"{e.strerror or e}: {hint}" if hint else f"{e.strerror or e}"
+            raise ConfigError(f"metrics_addr {addr}: cannot listen ({reason}); set metrics_addr "
                               "(--metrics-addr, TIERD_METRICS_ADDR) to a free HOST:PORT, or \"\" to turn "
                               "metrics off") from None
+        self._host = host
         return host, self._server.server_port
+
+    def start(self) -> tuple[str, int]:
+        """Serve scrapes on the address `listen` bound, on a thread of its own."""
+        self._thread = threading.Thread(target=self._server.serve_forever, name="tierd-metrics", daemon=True)
+        self._thread.start()
+        return self._host, self._server.server_port
+
+    def serve(self, addr: str) -> tuple[str, int]:
+        """Listen on HOST:PORT and serve at once; returns the bound address."""
+        self.listen(addr)
+        return self.start()
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
+            if self._thread is not None:   # (shutdown waits for serve_forever: only once it ran)
+                self._server.shutdown()
+                self._thread = None
             self._server.server_close()
             self._server = None
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """Logs no request (a scrape every few seconds would fill the daemon's log)."""
+
+    def log_message(self, format, *args):  # noqa: A002 -- the base class's signature
+        pass

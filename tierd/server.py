@@ -30,7 +30,8 @@ import aiofiles
 from . import __version__
 from . import protocol as P
 from .arena import filesystem_type
-from .config import RELOADABLE, SERVE_KEYS, ServeConfig, load_serve_config, setting_value
+from .config import (RELOADABLE, SERVE_KEYS, ServeConfig, load_serve_config, setting_value,
+                     socket_path_problem)
 from .errors import ConfigError, InstanceLockedError, TierdError
 from .index import BEAT_S, SharedIndex
 from .instance import InstanceLock
@@ -425,15 +426,27 @@ def peer_groups(sock: socket.socket, pid: int, uid: int, gid: int) -> frozenset[
 
 
 def check_socket_dir(path: str) -> None:
-    """Refuse a socket directory that other users could write (they could replace the
-    socket and impersonate the daemon)."""
+    """Make the socket's directory where it is missing; refuse one this user may not write, and
+    one other users could write (they could replace the socket and impersonate the daemon)."""
     d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, mode=0o755, exist_ok=True)
-    st = os.stat(d)
+    try:
+        os.makedirs(d, mode=0o755, exist_ok=True)
+        st = os.stat(d)
+    except OSError as e:
+        raise ConfigError(f"socket directory {d}: cannot create it ({e.strerror or e}; uid {os.geteuid()}); "
+                          "create it for the daemon's user (the systemd unit's RuntimeDirectory= makes "
+                          "/run/tierd; by hand: install -d -m 0750 -o USER -g tierd DIR), or set socket "
+                          "(--socket) to a path in a directory this user may write") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"socket directory {d} is not a directory; set socket (--socket) to a path in a directory")
     if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
         raise ConfigError(f"socket directory {d} is world-writable; use a private directory such as /run/tierd")
     if st.st_uid not in (os.geteuid(), 0):
         raise ConfigError(f"socket directory {d} belongs to uid {st.st_uid}, not this user ({os.geteuid()})")
+    if not os.access(d, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+        raise ConfigError(f"socket directory {d} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}) is "
+                          f"not writable by uid {os.geteuid()}; set socket (--socket) to a path in a directory "
+                          "of this user's own, or run the daemon as the directory's owner")
 
 
 def prepare_arena_dir(path: str) -> None:
@@ -465,16 +478,30 @@ class Daemon(Ops):
     def __init__(self, cfg: ServeConfig, flags: dict[str, Any] | None = None):
         self.cfg = cfg
         self.flags = flags or {}
-        self.store = self.index = self.events = self.executor = self.metrics = None
+        self.store = self.index = self.events = self.executor = self.metrics = self.metrics_at = None
         self._closed = False
         self.exit_status = 0     # what `tierd serve` exits with (2: the arena was lost)
+        # what can be checked is checked before anything is made: the socket's path and
+        # directory, the instance lock, then the metrics port (bound now, served once the store
+        # is open), and only then the tiers
+        problem = socket_path_problem(cfg.socket)
+        if problem is not None:
+            raise ConfigError(f"{problem}; set socket (--socket)")
         check_socket_dir(cfg.socket)
-        self.lock = InstanceLock(cfg.socket + ".lock", cfg.socket)
+        try:
+            self.lock = InstanceLock(cfg.socket + ".lock", cfg.socket)
+        except OSError as e:
+            raise ConfigError(f"socket {cfg.socket}: cannot create its lock file {cfg.socket}.lock "
+                              f"({e.strerror or e}); the socket's directory must be one where this user can "
+                              "make files (not under /proc or /sys, not read-only): set socket (--socket) to "
+                              "a path such as /run/tierd/tierd.sock") from None
         try:
             if os.path.exists(cfg.socket) and _socket_alive(cfg.socket):
                 # a daemon that predates the instance lock, or one on another lock path
                 raise InstanceLockedError(f"another daemon is serving {cfg.socket}; stop it or choose "
                                           "another --socket")
+            self.metrics = Metrics(self.stats)
+            self.metrics_at = self.metrics.listen(cfg.metrics_addr) if cfg.metrics_addr else None
             self._open()
         except BaseException:
             self.close()
@@ -535,7 +562,6 @@ class Daemon(Ops):
         # staged slots one connection may hold, and all connections together (see Ops._op_stage)
         self.stage_limit_bytes = min(self.STAGE_LIMIT_BYTES, self.store.host.capacity_bytes // 8)
         self.stage_pool_bytes = int(self.store.host.capacity_bytes * self.STAGE_POOL_SHARE)
-        self.metrics = Metrics(self.stats)
         self.conns: dict[int, _Conn] = {}
         self.uid_namespaces: dict[int, set[str]] = {}   # what each uid registered (see _register)
         self._next_conn = 0
@@ -589,9 +615,7 @@ class Daemon(Ops):
             pass
         self._server = await loop.create_unix_server(self._connection, path=path)
         os.chmod(path, self.cfg.socket_mode)
-        metrics_at = None
-        if self.cfg.metrics_addr:
-            metrics_at = self.metrics.serve(self.cfg.metrics_addr)
+        metrics_at = self.metrics.start() if self.metrics_at is not None else None
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload_async()))
