@@ -284,12 +284,15 @@ def daemon_problems(objs) -> list[str]:
         p.append("startupProbe allows less than 5 minutes for re-adopting the host tier")
     if c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command") != SYNC:
         p.append(f"preStop does not run {' '.join(SYNC)}")
-    if pod.get("terminationGracePeriodSeconds", 30) <= Daemon.SYNC_ON_STOP_S + Daemon.STOP_REQUESTS_S:
-        p.append("terminationGracePeriodSeconds leaves no room for preStop's sync and the stop's own")
     # the config the daemon reads
     cm, cfg = serve_config(objs)
     if isinstance(cfg, str):
         return p + [cfg]
+    # the grace period covers preStop's `tierd sync` (a minute at least), then the stop's request
+    # drain and its own sync, which the config bounds (sync_on_stop_s)
+    if pod.get("terminationGracePeriodSeconds", 30) < 60 + Daemon.STOP_REQUESTS_S + cfg.sync_on_stop_s:
+        p.append("terminationGracePeriodSeconds leaves no room for preStop's sync and the stop's own "
+                 f"(sync_on_stop_s {cfg.sync_on_stop_s:.0f} s)")
     if not re.fullmatch(r"tierd-config-[a-z0-9]{6,}", cm["metadata"]["name"]):
         p.append(f"ConfigMap {cm['metadata']['name']} is not generated (no content hash): "
                  "edits would not roll the pods")
@@ -531,6 +534,7 @@ MUTANTS = [
     _m("base", "startup-short", lambda o: _daemon_c(o)["startupProbe"].update(failureThreshold=3)),
     _m("base", "prestop", lambda o: _daemon_c(o).pop("lifecycle")),
     _m("base", "grace", lambda o: _daemon(o).update(terminationGracePeriodSeconds=30)),
+    _m("base", "toml-sync-on-stop-past-grace", lambda o: _toml(o, "sync_on_stop_s = 120", "sync_on_stop_s = 250")),
     _m("base", "max-unavailable", lambda o: daemon_of(o)["spec"]["updateStrategy"]["rollingUpdate"]
        .update(maxUnavailable=2)),
     _m("base", "command", lambda o: _daemon_c(o).update(command=["tierd", "serve"])),

@@ -282,6 +282,7 @@ SERVE_KEYS: dict[str, tuple[str, str, Any]] = {
     "operator_uids": ("serve", "operator_uids", _ids),
     "operator_gids": ("serve", "operator_gids", _ids),
     "sync_on_stop": ("serve", "sync_on_stop", _bool),
+    "sync_on_stop_s": ("serve", "sync_on_stop_s", float),
     "event_loop": ("serve", "event_loop", str),
     "events_addr": ("serve", "events_addr", str),
     "events_allow_remote": ("serve", "events_allow_remote", _bool),
@@ -345,6 +346,9 @@ class ServeConfig:
     operator_uids: list[int] = field(default_factory=list)
     operator_gids: list[int] = field(default_factory=list)
     sync_on_stop: bool = True
+    # how long the sync on stop may take: within what the supervisor gives a stop (systemd's
+    # TimeoutStopSec, the pod's terminationGracePeriodSeconds) less the request drain (20 s)
+    sync_on_stop_s: float = 60.0
     event_loop: str = "auto"           # auto: uvloop where installed, else asyncio; or either by name
     events_addr: str = ""              # ZeroMQ PUB address of KV events (tierd.events); "" off
     events_allow_remote: bool = False  # events_addr may be a non-loopback TCP address
@@ -459,6 +463,8 @@ def load_serve_config(config_path: str | None = None, flags: dict[str, Any] | No
                 raise ConfigError(f"{source}: {key} = {value!r}: {e}") from None
             setattr(cfg.store if target == "store" else cfg, attr, parsed)
             cfg.sources[key] = source
+    if not cfg.sync_on_stop_s > 0:
+        raise ConfigError(f"sync_on_stop_s = {cfg.sync_on_stop_s}: give the seconds a stop's sync may take, above 0")
     if cfg.max_frame_bytes < 1024 or cfg.max_keys_per_request < 1:
         raise ConfigError("limits: max_frame_bytes must be >= 1024 and max_keys_per_request >= 1")
     cfg.store.resolved()  # validate now, with the source of the error in the message

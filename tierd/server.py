@@ -9,6 +9,7 @@ client's input and never let one client name another's slots.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -449,6 +450,31 @@ def check_socket_dir(path: str) -> None:
                           "of this user's own, or run the daemon as the directory's owner")
 
 
+@contextlib.contextmanager
+def _extending_start(step_s: float, max_s: float):
+    """Under systemd (Type=notify), ask for more start-up time while the block runs: reserving a
+    large arena and re-adopting the last one's blocks take about a second per GB here, past
+    the unit's TimeoutStartSec on a large node. Every step_s / 3 it asks for step_s more
+    (EXTEND_TIMEOUT_USEC), up to max_s in all, so a start that hangs is still killed."""
+    if not os.environ.get("NOTIFY_SOCKET"):
+        yield
+        return
+    done = threading.Event()
+
+    def extend() -> None:
+        t0 = time.monotonic()
+        while not done.wait(step_s / 3) and time.monotonic() - t0 < max_s:
+            notify(f"EXTEND_TIMEOUT_USEC={int(step_s * 1e6)}\nSTATUS=starting: reserving and re-adopting the host tier")
+    t = threading.Thread(target=extend, name="tierd-start", daemon=True)
+    notify(f"EXTEND_TIMEOUT_USEC={int(step_s * 1e6)}")
+    t.start()
+    try:
+        yield
+    finally:
+        done.set()
+        t.join()
+
+
 def prepare_arena_dir(path: str) -> None:
     """Make `arena_dir` where it is missing (mode 0750: the daemon's group reads it), and refuse
     one other users may write without the sticky bit (they could remove or replace the arena)."""
@@ -502,7 +528,8 @@ class Daemon(Ops):
                                           "another --socket")
             self.metrics = Metrics(self.stats)
             self.metrics_at = self.metrics.listen(cfg.metrics_addr) if cfg.metrics_addr else None
-            self._open()
+            with _extending_start(self.START_EXTEND_S, self.START_EXTEND_MAX_S):
+                self._open()   # reserves the arena, re-adopts the last one, opens the disk tier
         except BaseException:
             self.close()
             raise
@@ -593,7 +620,8 @@ class Daemon(Ops):
     # staged slots of all connections together, as a share of the host tier: they hold no
     # cached block (a node's engines staging 1/8 each left the shared pool 60% of its blocks)
     STAGE_POOL_SHARE = 1 / 16
-    SYNC_ON_STOP_S = 60.0    # how long a stop waits for sync_on_stop (a hung disk: not longer)
+    START_EXTEND_S = 30.0    # under systemd, each start-up message asks this much more time ...
+    START_EXTEND_MAX_S = 900.0   # ... for at most this long (a start that hangs is still killed)
     ARENA_CHECK_S = 1.0      # how often the heartbeat checks that the arena file is still there
 
     async def run(self) -> None:
@@ -692,11 +720,11 @@ class Daemon(Ops):
         if self.cfg.sync_on_stop and self.store.disk is not None:
             try:
                 n = await asyncio.wait_for(loop.run_in_executor(self.executor, self.store.sync),
-                                           self.SYNC_ON_STOP_S)
+                                           self.cfg.sync_on_stop_s)
                 log.info("sync_on_stop: wrote %d blocks to disk", n)
             except asyncio.TimeoutError:
-                log.error("sync_on_stop: the disk did not finish within %.0fs; stopping without it",
-                          self.SYNC_ON_STOP_S)
+                log.error("sync_on_stop: the disk did not finish within sync_on_stop_s (%.0fs); stopping "
+                          "without it", self.cfg.sync_on_stop_s)
             except Exception as e:  # noqa: BLE001 -- a failed sync must not skip the shutdown
                 log.error("sync_on_stop failed (%s); host-only blocks are lost, disk blocks stay", e)
 
