@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench soak venv vllm-env vllm-latest-env sglang-env peers-env peers-clean redis fio deploy-env clean
+.PHONY: run wheel test bench soak venv vllm-env vllm-latest-env sglang-env peers-env peers-clean redis fio deploy-env clean
 
 venv: $(STAMP)
 
@@ -134,6 +134,16 @@ $(DEPLOY_VENV)/.installed:
 run: $(STAMP)
 	$(PY) -m tierd.demo
 
+# The installable package: no tierd is published on a package index yet, so this wheel (dist/
+# tierd-VERSION-py3-none-any.whl, the version from tierd/__init__.py) is what install.sh --from,
+# the images and the docs install. It records the commit it was built from (`tierd --version`).
+DIST ?= dist
+wheel: $(STAMP)
+	rm -rf build tierd/_build_info.py $(DIST)/tierd-*.whl
+	echo "COMMIT = \"$$(git describe --always --dirty --abbrev=12 --match 'v[0-9]*' --exclude '*' 2>/dev/null)\"" > tierd/_build_info.py
+	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation -w $(DIST) . ; rc=$$?; rm -rf build tierd/_build_info.py; exit $$rc
+	@ls $(DIST)/tierd-*.whl
+
 # The remote tier's tests run real Redis servers: Debian's redis-server (and redis-cli, for the
 # Cluster test), installed when absent. Without them those tests skip (CI requires them).
 redis:
@@ -168,7 +178,7 @@ bench: $(STAMP) vllm-env sglang-env redis fio
 	$(PY) -m benchmarks.gpu_kernels --quick
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_LATEST_VENV) $(SGLANG_VENV) $(PEERS_VENV) $(DEPLOY_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_LATEST_VENV) $(SGLANG_VENV) $(PEERS_VENV) $(DEPLOY_VENV) build dist *.egg-info .pytest_cache
 
 # The model tests run longer: thousands of sequences against the embedded store and a real daemon
 # (not part of `make test`, which runs a few dozen of each).

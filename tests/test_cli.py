@@ -9,6 +9,7 @@ import time
 import jsonschema
 import pytest
 
+import tierd
 from tierd.client import Client
 
 from .daemon import ROOT, DaemonProc
@@ -34,7 +35,7 @@ def test_ping_stats_flush_sync(daemon):
     with Client(daemon.socket) as c:
         c.put(ns, keys, [block_for(ns, k) for k in keys])
     r = tierd_cmd("ping", "--socket", daemon.socket)
-    assert r.returncode == 0 and "tierd 0.1.0" in r.stdout
+    assert r.returncode == 0 and f"tierd {tierd.__version__} at" in r.stdout
     r = tierd_cmd("stats", "--socket", daemon.socket)
     assert r.returncode == 0
     assert "tier  capacity" in r.stdout and ns.name in r.stdout

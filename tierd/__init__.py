@@ -13,7 +13,7 @@ from .namespace import Namespace
 from . import report
 from .store import Lease, Reservation, TieredStore
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"   # the one place; pyproject.toml reads it
 __all__ = ["connect", "report", "TieredStore", "Namespace", "StoreConfig", "Lease", "Reservation",
            "TierdError", "__version__"]
 

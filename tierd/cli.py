@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from . import __version__
+from .version import version_string
 from .config import ALIGN, default_socket_path, format_size, parse_size, socket_path_problem
 from .errors import ConfigError, TierdError
 from .report import format_stats, table
@@ -395,7 +395,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="tierd", description="Tiered KV-cache daemon for LLM inference.")
-    ap.add_argument("--version", action="version", version=f"tierd {__version__}")
+    ap.add_argument("--version", action="version", version=f"tierd {version_string()}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     def client_cmd(name, help_, fn, timeout: float | None = None):

@@ -16,7 +16,7 @@ import threading
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
 
 from .errors import ConfigError
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -174,6 +174,18 @@ class OpLatency:
         yield h
 
 
+class _BuildInfo:
+    """tierd_build_info{version, commit} 1: what runs (a fleet mid-rollout shows both)."""
+
+    def collect(self):
+        from . import __version__
+        from .version import commit
+        g = GaugeMetricFamily("tierd_build_info", "The running tierd: its version and the commit it was built "
+                              "from (empty where unknown).", labels=["version", "commit"])
+        g.add_metric([__version__, commit() or ""], 1)
+        yield g
+
+
 class Metrics:
     """The daemon's registry: store gauges/counters plus an op latency histogram."""
 
@@ -182,6 +194,8 @@ class Metrics:
         self.registry.register(_StoreCollector(stats))
         self.op_seconds = OpLatency()
         self.registry.register(self.op_seconds)
+        self.registry.register(_BuildInfo())
+        ProcessCollector(registry=self.registry)   # process_*: CPU, memory, open files, start time
         self._server = None
         self._thread = None
 
