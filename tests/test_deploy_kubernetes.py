@@ -260,6 +260,14 @@ def daemon_problems(objs) -> list[str]:
     if (sc.get("runAsUser", psc.get("runAsUser")), sc.get("runAsGroup", psc.get("runAsGroup"))) \
             != (DAEMON_UID, DAEMON_GID):
         p.append(f"daemon container does not run as {DAEMON_UID}:{DAEMON_GID}")
+    # scheduled ahead of ordinary pods (a Pending daemon keeps every engine off its node), and
+    # never CPU-throttled on the engines' critical path
+    prio = pod.get("priorityClassName")
+    pcs = objects(objs, "PriorityClass", prio) if prio else []
+    if not pcs or pcs[0].get("value", 0) < 1000000 or pcs[0].get("globalDefault"):
+        p.append(f"daemon: priorityClassName {prio!r} names no high, non-default PriorityClass rendered with it")
+    if "cpu" in c.get("resources", {}).get("limits", {}):
+        p.append("daemon: a CPU limit (CFS throttling stalls loads and stores)")
     # host paths: each at the same path in the pod as on the node, nothing else of the host
     mounts = host_mounts(pod, c)
     want = {SOCKET_DIR: SOCKET_DIR, ARENA_DIR: ARENA_DIR, DISK_DIR: DISK_DIR}
@@ -354,6 +362,11 @@ def engine_problems(objs) -> list[str]:
     for o, pod in engines:
         where = f"{o['kind']} {o['metadata']['name']}"
         p += pod_security_problems(where, pod)
+        # a namespace of the overlay's own: labelling an existing one privileged would lower
+        # the Pod Security level of every pod already in it
+        ens = o["metadata"].get("namespace")
+        if ens in (None, "default", NAMESPACE, "kube-system") or not objects(objs, "Namespace", ens):
+            p.append(f"{where}: in namespace {ens!r}, not one the overlay makes for its engines")
         psc = pod.get("securityContext", {})
         if DAEMON_GID not in psc.get("supplementalGroups", []):
             p.append(f"{where}: supplementalGroups lacks {DAEMON_GID}")
@@ -483,6 +496,10 @@ def _engine(objs):
     return engines_of(objs)[0][1]
 
 
+def _engine_obj(objs):
+    return engines_of(objs)[0][0]
+
+
 def _vol(pod, path):
     return next(v for v in pod["volumes"] if v.get("hostPath", {}).get("path") == path)
 
@@ -534,6 +551,9 @@ MUTANTS = [
     _m("base", "startup-short", lambda o: _daemon_c(o)["startupProbe"].update(failureThreshold=3)),
     _m("base", "prestop", lambda o: _daemon_c(o).pop("lifecycle")),
     _m("base", "grace", lambda o: _daemon(o).update(terminationGracePeriodSeconds=30)),
+    _m("base", "no-priority-class", lambda o: _daemon(o).pop("priorityClassName")),
+    _m("overlays/vllm", "engine-in-default", lambda o: _engine_obj(o)["metadata"].update(namespace="default")),
+    _m("base", "cpu-limit", lambda o: _daemon_c(o)["resources"]["limits"].update(cpu="4")),
     _m("base", "toml-sync-on-stop-past-grace", lambda o: _toml(o, "sync_on_stop_s = 120", "sync_on_stop_s = 250")),
     _m("base", "max-unavailable", lambda o: daemon_of(o)["spec"]["updateStrategy"]["rollingUpdate"]
        .update(maxUnavailable=2)),
