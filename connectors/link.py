@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Sequence
+from urllib.parse import urlparse
 
 import torch
 
@@ -67,6 +69,15 @@ def holding(store, held):
             raise LeaseError("the connection that holds these slots is gone")
         yield
 
+
+
+def _socket_identity(path: str):
+    """(device, inode) of the socket file at `path`, or None where there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 class PendingBytes:
     """A block's bytes still being copied out of a device: `result()` waits for the copy's event
@@ -160,6 +171,13 @@ class StoreLink:
         self._retry_after_s = retry_after_s
         self._backoff = retry_after_s
         self._down_until = 0.0
+        # the daemon's socket (unix:// URLs): its identity when the link went down
+        if self._url is not None:
+            self._socket_path = urlparse(self._url).path if self._url.startswith("unix:") else None
+        else:
+            self._socket_path = getattr(self.store, "path", None) if hasattr(self.store, "reconnect") else None
+        self._socket_seen = None
+        self._next_look = 0.0
         self._lock = threading.Lock()
         self._connect_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending_blocks)
@@ -170,9 +188,23 @@ class StoreLink:
         self._worker: threading.Thread | None = None
 
     # -- availability ------------------------------------------------------------------------
+    SOCKET_LOOK_S = 0.25   # while backing off, how often the daemon's socket is looked at
+
     @property
     def backing_off(self) -> bool:
-        return time.monotonic() < self._down_until
+        now = time.monotonic()
+        if now >= self._down_until:
+            return False
+        # a daemon that came back (a rolled pod Ready, a restart) binds its socket anew: then
+        # connect at once instead of waiting out the backoff (up to 30 s of misses otherwise)
+        if now >= self._next_look and self._socket_path is not None:
+            self._next_look = now + self.SOCKET_LOOK_S
+            if _socket_identity(self._socket_path) not in (None, self._socket_seen):
+                with self._lock:
+                    self._down_until = 0.0
+                    self._backoff = self._retry_after_s
+                return False
+        return True
 
     def get(self):
         """The store, or None while backing off after a failure (the caller recomputes)."""
@@ -252,6 +284,8 @@ class StoreLink:
         with self._lock:
             self.stats["unavailable"] += 1
             self._down_until = time.monotonic() + self._backoff
+            self._next_look = time.monotonic() + self.SOCKET_LOOK_S
+            self._socket_seen = _socket_identity(self._socket_path) if self._socket_path else None
             wait, self._backoff = self._backoff, min(self._backoff * 2, 30.0)
         log.warning("tierd store unavailable during %s (%s); recomputing, retry in %.1fs", what, e, wait)
 

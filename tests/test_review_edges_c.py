@@ -291,3 +291,32 @@ def test_clean_never_removes_the_arena_of_a_store_that_is_starting_or_running(tm
     finally:
         store.close()
     assert leftovers.find([str(shm)]) == []
+
+
+# -- W17(g): engines reconnect promptly when the daemon comes back ------------------------------
+
+def test_a_link_backing_off_reconnects_as_soon_as_the_daemon_is_back(tmp_path):
+    """A connector's link that lost its daemon backs off (up to 30 s of recomputes); a daemon
+    that comes back (a rolled pod, a restart) binds its socket anew, and the link connects at
+    its next request instead of waiting the backoff out."""
+    pytest.importorskip("torch")
+    from tierd.connectors.link import StoreLink
+    d = DaemonProc(tmp_path).start()
+    link = StoreLink(f"unix://{d.socket}", retry_after_s=20.0, timeout_s=2.0)
+    ns = make_ns()
+    try:
+        store = link.get()
+        assert store is not None and store.lookup(ns, chain(ns, 1, 2)) == 0
+        assert d.stop() == 0
+        with pytest.raises(Exception):
+            store.lookup(ns, chain(ns, 1, 2))
+        link.failed(RuntimeError("gone"), "lookup")          # as a connector reports a failed call
+        assert link.get() is None                             # backing off: recompute
+        d.start()
+        t0 = time.monotonic()
+        store = wait_for(link.get, timeout_s=5, what="the link to come back")
+        assert time.monotonic() - t0 < 5 and store.lookup(ns, chain(ns, 1, 2)) == 0
+    finally:
+        link.close() if hasattr(link, "close") else None
+        if d.alive():
+            assert d.stop() == 0
