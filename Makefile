@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run wheel test bench soak venv vllm-env vllm-latest-env sglang-env peers-env peers-clean redis fio deploy-env clean
+.PHONY: run wheel test bench soak venv vllm-env vllm-latest-env sglang-env peers-env peers-clean redis fio promtool deploy-env clean
 
 venv: $(STAMP)
 
@@ -149,6 +149,16 @@ wheel: $(STAMP)
 redis:
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+
+# tests/test_alerts.py checks the alert rules with promtool: Debian's prometheus package has it
+# (about 100 MB), installed when absent, with no Prometheus server left running: invoke-rc.d
+# starts no service in runlevel 1, and under systemd the unit the package enables is stopped and
+# disabled. Without promtool those tests skip (CI requires them).
+promtool:
+	@command -v promtool >/dev/null || { apt-get update -qq && RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends prometheus && \
+		{ [ ! -d /run/systemd/system ] || systemctl disable --now prometheus.service; }; }
+	@promtool --version 2>&1 | head -1
 
 # benchmarks.tiers sets tierd's disk tier beside fio at its best setting: Debian's fio,
 # installed when absent (without it that comparison is left out).

@@ -17,7 +17,9 @@
 #     line says so where operators look); an existing one is kept, only its owner and mode are set
 #  7. the link /usr/local/bin/tierd -> VENV/bin/tierd, for operators (`tierd stats`)
 #  8. checks: the service user can run VENV/bin/tierd and read the config; systemd-analyze
-#     verify passes on the unit
+#     verify passes on the unit; every tier has room where the config puts it (the host arena
+#     in arena_dir, the disk tier in [disk] path's filesystem), else it refuses and names the
+#     setting to lower
 #  9. prints what is left to do: systemctl daemon-reload && systemctl enable --now tierd
 #
 # SYSUSERS= TMPFILES= (empty) in the environment use useradd and install -d even where the
@@ -240,27 +242,64 @@ else
         systemd-analyze verify --man=no "$UNIT" || die "systemd-analyze verify $UNIT failed"
         echo "    systemd-analyze verify $UNIT: ok"
     fi
-    # the config as `tierd serve` reads it (no TIERD_* from this shell), and room for the arena
+    # the config as `tierd serve` reads it (no TIERD_* from this shell), and room for every
+    # tier: the daemon reserves each whole at start (the host arena in arena_dir, the disk
+    # tier's slab files in [disk] path) and refuses to start without the room
     rc=0
     as_tierd env -i PATH=/usr/bin:/bin "$VENV/bin/python" - "$CONFIG" <<'PY' || rc=$?
 import glob, os, sys
 from tierd.config import ConfigError, format_size, load_serve_config
+config = sys.argv[1]
 try:
-    cfg = load_serve_config(sys.argv[1], env={})
-    host = cfg.store.resolved().host_bytes
+    cfg = load_serve_config(config, env={})
+    store = cfg.store.resolved()
 except ConfigError as e:
-    print(f"install.sh: {sys.argv[1]}: {e}", file=sys.stderr)
+    print(f"install.sh: {config}: {e}", file=sys.stderr)
     sys.exit(2)
-st = os.statvfs(cfg.arena_dir)
-ours = sum(os.path.getsize(p) for p in glob.glob(os.path.join(cfg.arena_dir, "tierd-*")))
-room = st.f_bavail * st.f_frsize + ours
-print(f"    host tier {format_size(host)} in {cfg.arena_dir}: {format_size(st.f_blocks * st.f_frsize)} "
-      f"filesystem, {format_size(room)} free for it")
-if host > room:
-    print(f"    warning: the daemon will refuse to start: lower [host] bytes in {sys.argv[1]} or grow "
-          f"{cfg.arena_dir}'s filesystem (see the comment on arena_dir there)")
+
+
+def filesystem(path):
+    """The directory the tier's files go in, or the nearest one above it that exists."""
+    at = os.path.abspath(path)
+    while not os.path.isdir(at) and os.path.dirname(at) != at:
+        at = os.path.dirname(at)
+    return at
+
+
+def held(pattern):
+    """Bytes the tier's own files already take there: a restart reuses them."""
+    n = 0
+    for p in glob.glob(pattern):
+        try:
+            n += os.stat(p).st_blocks * 512
+        except OSError:
+            pass
+    return n
+
+
+tiers = [("host", "[host] bytes", cfg.store.host_bytes, "of RAM", store.host_bytes, cfg.arena_dir, "tierd-*",
+          f"or grow {cfg.arena_dir}'s filesystem (see the comment on arena_dir there)")]
+if store.disk_path:
+    tiers.append(("disk", "[disk] bytes", cfg.store.disk_bytes, "of its filesystem", store.disk_bytes,
+                  store.disk_path, "slab-*.tds", "or free space there, or set [disk] path to a larger filesystem"))
+short = []
+for tier, setting, raw, share, need, path, pattern, other in tiers:
+    st = os.statvfs(filesystem(path))
+    room = st.f_bavail * st.f_frsize + held(os.path.join(path, pattern))
+    size = format_size(st.f_blocks * st.f_frsize)
+    given = f"{setting} = \"{raw}\"" + (f", {share}" if "%" in str(raw) else "")
+    print(f"    {tier} tier {format_size(need)} ({given}) in {path}: {size} filesystem, "
+          f"{format_size(room)} free for it")
+    if need > room:
+        short.append(f"install.sh: tierd serve would refuse to start: the {tier} tier needs {format_size(need)} "
+                     f"({given}) in {path}, which has {format_size(room)} free for it ({size} filesystem); lower "
+                     f"{setting} in {config} to at most {format_size(room)} {other}, then run install.sh again")
+for line in short:
+    print(line, file=sys.stderr)
+sys.exit(3 if short else 0)
 PY
     [ "$rc" -ne 2 ] || die "tierd serve would refuse $CONFIG (above)"
+    [ "$rc" -ne 3 ] || die "a tier does not fit where $CONFIG puts it (above)"
     [ "$rc" -eq 0 ] || echo "    warning: could not check $CONFIG with $VENV/bin/python (exit $rc)"
 fi
 

@@ -347,6 +347,38 @@ def daemon_problems(objs) -> list[str]:
         ann = s["metadata"].get("annotations", {})
         if ann.get("prometheus.io/scrape") != "true" or ann.get("prometheus.io/port") != str(METRICS_PORT):
             p.append("Service tierd lacks prometheus.io/scrape and prometheus.io/port annotations")
+        # a daemon failing its readiness probe stays a target: TierdDown (up == 0) can fire
+        if s["spec"].get("publishNotReadyAddresses") is not True:
+            p.append("Service tierd drops not-ready pods from the scrape targets (publishNotReadyAddresses)")
+    # the metrics name models and fingerprints: only the monitoring namespace's pods may scrape
+    p += metrics_policy_problems(objs)
+    return p
+
+
+def metrics_policy_problems(objs) -> list[str]:
+    """NetworkPolicy tierd selects the daemon's pods and admits, to the metrics port only, the pods
+    of named namespaces (a namespaceSelector on kubernetes.io/metadata.name), nothing else."""
+    pol = objects(objs, "NetworkPolicy", "tierd")
+    ds = daemon_of(objs)
+    labels = ds["spec"]["template"]["metadata"].get("labels", {}) if ds else {}
+    if not pol:
+        return ["no NetworkPolicy tierd"]
+    spec = pol[0]["spec"]
+    p = []
+    sel = spec.get("podSelector", {}).get("matchLabels", {})
+    if not sel or any(labels.get(k) != v for k, v in sel.items()):
+        p.append("NetworkPolicy tierd does not select the daemon's pods")
+    if "Ingress" not in spec.get("policyTypes", []) or not spec.get("ingress"):
+        p.append("NetworkPolicy tierd does not restrict ingress")
+    for rule in spec.get("ingress", []):
+        if [x.get("port") for x in rule.get("ports", [])] not in (["metrics"], [METRICS_PORT]):
+            p.append(f"NetworkPolicy tierd admits more than the metrics port: {rule.get('ports')}")
+        peers = rule.get("from") or [{}]
+        for peer in peers:
+            ns = peer.get("namespaceSelector", {})
+            if set(peer) != {"namespaceSelector"} or set(ns) != {"matchLabels"} \
+                    or set(ns["matchLabels"]) != {"kubernetes.io/metadata.name"}:
+                p.append(f"NetworkPolicy tierd admits more than named namespaces to the metrics: {peer}")
     return p
 
 
@@ -529,6 +561,12 @@ MUTANTS = [
     _m("base", "toml-keep-off", lambda o: _toml(o, "keep = true", "keep = false")),
     _m("base", "toml-unknown-key", lambda o: _toml(o, "[host]\n", "[host]\nbites = 1\n")),
     _m("base", "toml-host-share", lambda o: _toml(o, 'bytes = "16GiB"', 'bytes = "25%"')),
+    _m("base", "service-drops-not-ready", lambda o: objects(o, "Service", "tierd")[0]["spec"]
+       .pop("publishNotReadyAddresses")),
+    _m("base", "metrics-any-pod", lambda o: objects(o, "NetworkPolicy", "tierd")[0]["spec"]["ingress"][0].pop("from")),
+    _m("overlays/monitoring", "metrics-any-pod-of-a-namespace",
+       lambda o: objects(o, "NetworkPolicy", "tierd")[0]["spec"]["ingress"][0]["from"][0]
+       .update(namespaceSelector={})),
     _m("base", "toml-metrics-loopback", lambda o: _toml(o, '"0.0.0.0:9464"', '"127.0.0.1:9464"')),
     _m("base", "arena-over-limit", lambda o: _toml(o, 'bytes = "16GiB"', 'bytes = "17GiB"')),
     _m("base", "memory-limit", lambda o: _daemon_c(o)["resources"]["limits"].update(memory="16Gi")),
@@ -656,24 +694,34 @@ def test_objects_validate_strictly_against_two_kubernetes_releases(rendered, tmp
     assert crd == {"PrometheusRule", "ServiceMonitor"}, crd   # checked structurally below
 
 
+# rule groups only the PrometheusRule has: what only a cluster can tell (kube-state-metrics)
+KUBERNETES_ONLY_GROUPS = {"tierd-kubernetes"}
+
+
 def test_prometheus_rule_holds_the_systemd_alert_rules(rendered):
     alerts = load_yaml_all((ROOT / "systemd" / "prometheus-alerts.yml").read_text())[0]
     rules = [o for objs in rendered.values() for o in objects(objs, "PrometheusRule")]
     assert rules, "no PrometheusRule rendered"
+    shared = {g["name"] for g in alerts["groups"]}
+    assert not shared & KUBERNETES_ONLY_GROUPS
     for r in rules:
         assert r["apiVersion"] == "monitoring.coreos.com/v1"
         assert r["metadata"].get("namespace") == NAMESPACE
         assert set(r["spec"]) == {"groups"}
-        assert r["spec"]["groups"] == alerts["groups"], \
+        groups = r["spec"]["groups"]
+        assert [g for g in groups if g["name"] in shared] == alerts["groups"], \
             "the PrometheusRule's groups differ from systemd/prometheus-alerts.yml: edit both"
-    for g in alerts["groups"]:
+        assert {g["name"] for g in groups} - shared == KUBERNETES_ONLY_GROUPS, [g["name"] for g in groups]
+    names = [rule["alert"] for g in rules[0]["spec"]["groups"] for rule in g["rules"]]
+    assert len(names) == len(set(names)), names
+    for g in rules[0]["spec"]["groups"]:
         for rule in g["rules"]:
             assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule
             assert rule["alert"] and rule["expr"] and rule["labels"].get("severity") \
                 and rule["annotations"].get("summary"), rule
             if "for" in rule:
                 assert re.fullmatch(r"\d+[smh]", rule["for"]), rule
-    exprs = {rule["alert"]: rule["expr"] for g in alerts["groups"] for rule in g["rules"]}
+    exprs = {rule["alert"]: rule["expr"] for g in rules[0]["spec"]["groups"] for rule in g["rules"]}
     # a disk that hangs is degraded without a single I/O error: the alert reads the daemon's gauge
     assert any(re.search(r"\btierd_disk_degraded\b\s*==\s*1", e) for e in exprs.values()), exprs
     # the scrape job the rules name is the Service's (the ServiceMonitor's job label)
@@ -689,7 +737,10 @@ def test_alert_rules_name_only_metrics_tierd_exports(tmp_path):
     from tierd.metrics import Metrics
 
     from .helpers import small_config
-    store = TieredStore(small_config(tmp_path))
+    # every optional family exported: a remote tier (a server that is not there: degraded) and
+    # host.keep (the records of the host tier)
+    store = TieredStore(small_config(tmp_path, remote_url="redis://127.0.0.1:1", remote_timeout_s=0.2,
+                                     host_shm_path=str(tmp_path / "arena"), host_keep=True))
     try:
         text = generate_latest(Metrics(store.stats).registry).decode()
     finally:
@@ -702,8 +753,10 @@ def test_alert_rules_name_only_metrics_tierd_exports(tmp_path):
             names |= {name + s for s in ("_bucket", "_sum", "_count")}
         else:
             names.add(name)
-    alerts = load_yaml_all((ROOT / "systemd" / "prometheus-alerts.yml").read_text())[0]
-    used = {m for g in alerts["groups"] for r in g["rules"] for m in re.findall(r"\btierd_[a-z0-9_]+", r["expr"])}
+    groups = load_yaml_all((ROOT / "systemd" / "prometheus-alerts.yml").read_text())[0]["groups"] \
+        + load_yaml_all((KUSTOMIZE_ROOT / "components" / "monitoring" / "prometheusrule.yaml").read_text())[0][
+            "spec"]["groups"]
+    used = {m for g in groups for r in g["rules"] for m in re.findall(r"\btierd_[a-z0-9_]+", r["expr"])}
     assert used and used <= names, f"not exported by tierd/metrics.py: {sorted(used - names)}"
 
 
@@ -716,6 +769,10 @@ def test_service_monitor_scrapes_the_daemon_service(rendered):
     assert sel and sel.items() <= svc["metadata"]["labels"].items()
     ports = {p["name"] for p in svc["spec"]["ports"]}
     assert [e["port"] for e in sm[0]["spec"]["endpoints"]] == ["metrics"] and "metrics" in ports
+    # instance is the node's name (one daemon per node): the same series across rollouts
+    relabel = sm[0]["spec"]["endpoints"][0].get("relabelings", [])
+    assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "instance",
+            "action": "replace"} in relabel, relabel
 
 
 SKIP_ANNOTATION = re.compile(r"checkov\.io/skip\d+$")

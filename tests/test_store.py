@@ -524,10 +524,13 @@ def test_two_stores_cannot_open_one_directory(tmp_path):
     TieredStore(small_config(tmp_path)).close()
 
 
-def test_disk_geometry_mismatch_is_refused(tmp_path):
+def test_a_smaller_disk_bytes_makes_the_tier_fit_it(tmp_path):
+    """Lowering disk_bytes drops the last slab files (here all: not one fits) and opens within
+    the new size (tests/test_disk_grow.py covers keeping the blocks of the files that fit)."""
     TieredStore(small_config(tmp_path)).close()
-    with pytest.raises(ConfigError):
-        TieredStore(small_config(tmp_path, disk_bytes="2MiB"))
+    with TieredStore(small_config(tmp_path, disk_bytes="2MiB")) as s:
+        assert s.stats()["tiers"]["disk"]["capacity_bytes"] == 2 << 20
+    assert sum(f.stat().st_size for f in (tmp_path / "disk").glob("slab-*.tds")) <= 2 << 20
 
 
 def test_closed_store_refuses_work(ns):

@@ -12,7 +12,8 @@ sizes from TIERD_* variables. An engine user in group tierd pings it and puts an
 through the shared arena; a user outside the group is refused; SIGTERM stops it cleanly; a
 restart re-adopts the host tier; the unit's ExecStopPost= keeps the arena on a restart job and
 removes it on a stop job (with a stub `systemctl`); a second run of the script keeps the edited
-config and sets its mode again.
+config and sets its mode again; a third, with a disk tier larger than its filesystem, refuses and
+names the setting to lower.
 
 The venv is made from Debian's /usr/bin/python3 as on a fresh machine (the repo's interpreter
 lives under /root, mode 0700: the service user could not run it). tierd goes in from a wheel
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -350,6 +352,7 @@ def inside(wheel: str, tmp: Path, deps: str) -> None:
     print(r.stdout)
     assert "systemctl daemon-reload && systemctl enable --now tierd" in r.stdout
     assert "free for it" in r.stdout and "warning" not in r.stdout, r.stdout   # the arena fits
+    assert re.search(r"disk tier \S+ \(\[disk\] bytes = .*\) in /var/lib/tierd/disk: .* free for it", r.stdout), r.stdout
     uid, ugid = ids("passwd", "tierd")
     gid, _ = ids("group", "tierd")
     assert ugid == gid
@@ -444,6 +447,16 @@ def inside(wheel: str, tmp: Path, deps: str) -> None:
     assert mode_owner(config) == (0o640, 0, gid)
     assert Path(unit_path).read_bytes() == unit_before
     assert sh(TIERD, "--version", user="tierd").returncode == 0
+
+    # 8. a tier its filesystem has no room for: refused, with the setting to lower and the numbers
+    text = Path(config).read_text()
+    Path(config).write_text(re.sub(r'(?m)^bytes = "10%"', 'bytes = "4096TiB"', text, count=1))
+    r = sh(str(SCRIPT), "--from", wheel, *(() if ONLINE else ("--pip-args", PIP_ARGS)), ok=False, timeout=600)
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert re.search(r"the disk tier needs 4096TiB \(\[disk\] bytes = \"4096TiB\"\) in /var/lib/tierd/disk, "
+                     r"which has \S+ free for it .* lower \[disk\] bytes in /etc/tierd/tierd.toml to at most \S+",
+                     r.stderr), r.stdout + r.stderr
+    Path(config).write_text(text)
     print("ALL CHECKS PASSED")
 
 

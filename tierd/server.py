@@ -800,7 +800,13 @@ class Daemon(Ops):
             setattr(self.cfg.store, attr, setting_value(new, key))
         log.info("reloaded %s: %s", self.cfg.config_path or "(no config file)", "; ".join(changed) or "nothing changed")
         if ignored:
-            log.warning("reload: these need a restart and were not applied: %s", "; ".join(ignored))
+            hint = ""
+            if any(i.startswith("disk.bytes:") for i in ignored):
+                hint += (" (disk.bytes at the next start: a larger size adds slab files and keeps every block on "
+                         "disk; a smaller one drops the last slab files and their blocks)")
+            if any(i.startswith("disk.slab_bytes:") for i in ignored):
+                hint += " (disk.slab_bytes applies only to a new disk directory)"
+            log.warning("reload: these need a restart and were not applied: %s%s", "; ".join(ignored), hint)
 
     # -- connections ----------------------------------------------------------------------------
     def _allowed(self, uid: int, groups: frozenset[int]) -> bool:

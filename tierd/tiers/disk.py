@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import codec as _codec
 from ..arena import SlabAllocator
-from ..config import align_up
+from ..config import align_up, format_size
 from .base import BlockMeta, Tier
 from .disk_files import (_SLAB, _SUPER, ALL_NAMESPACES, CHECKPOINT_NAME, FENCES_NAME, FILE_MAGIC, LOCK_NAME,  # noqa: F401
                          NAMESPACES_NAME, SLAB_MAGIC, DiskEntry, SlabFiles, _aligned)
@@ -217,6 +217,11 @@ class DiskTier(SlabFiles, Recovery, Tier):
             self._fence_lock = threading.Lock()
             self.fences = self._load_fences()
             self._recover(io_threads)
+            # the size as resolved (disk.bytes may be a share of the filesystem), where it is
+            log.info("disk tier %s: %s (disk.bytes) in %d slab files, %d slabs of %s; %d blocks (index: %s)%s",
+                     self.path, format_size(capacity_bytes), self.num_files, self.num_slabs,
+                     format_size(self.slab_bytes), len(self.recovered), self.recovered_from,
+                     ", O_DIRECT" if self.direct_io else ", buffered I/O")
             self.io_threads = io_threads
             self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tierd-disk")
             self._packers = ThreadPoolExecutor(PACK_THREADS, thread_name_prefix="tierd-disk-pack")
@@ -626,6 +631,7 @@ class DiskTier(SlabFiles, Recovery, Tier):
                          for s in range(self.num_slabs) if self.alloc.slab_class[s]]
                 body = msgpack.packb({
                     "version": FORMAT_VERSION, "uuid": self.store_uuid, "slabs": slabs,
+                    "files": list(self.file_slabs),   # the geometry it describes (slabs of each file)
                     "entries": [(e.slot, e.ns_id, e.key, e.seq, e.payload_len, e.raw_len, e.codec,
                                  e.parent) for e in entries]}, use_bin_type=True)
                 self._atomic_write(CHECKPOINT_NAME, body + _CSUM.pack(_csum(body)))

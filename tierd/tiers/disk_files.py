@@ -18,7 +18,6 @@ from ..arena import SlabAllocator
 from ..config import align_up, format_size
 from ..errors import (
     CapacityError,
-    ConfigError,
     DirectoryLockedError,
     DiskTierError,
     NotASlabFileError,
@@ -107,16 +106,68 @@ class SlabFiles:
         os.ftruncate(self._lock_fd, 0)
         os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
 
+    def _existing_files(self) -> tuple[list[tuple[Path, tuple]], list[Path]]:
+        """The slab files already here: (path, superblock) of slab-0000.tds, slab-0001.tds, ...
+        up to the first missing one, all of one store and one slab size; and the files after
+        such a gap (`_plan` drops them). Refuses a file tierd did not write."""
+        named = {}
+        for fp in self.path.glob("slab-*.tds"):
+            num = fp.name[len("slab-"):-len(".tds")]
+            if not num.isdigit():
+                raise NotASlabFileError(
+                    f"disk tier: {fp} is not a tierd slab file; move it away or set another disk_path")
+            named[int(num)] = fp
+        files: list[tuple[Path, tuple]] = []
+        while len(files) in named:
+            i = len(files)
+            sb = self._read_super(named.pop(i), expect_index=i)
+            if files and sb[5] != files[0][1][5]:
+                raise NotASlabFileError(f"disk tier: {self.path / f'slab-{i:04d}.tds'} belongs to another tierd store")
+            if files and sb[4] != files[0][1][4]:
+                raise NotASlabFileError(
+                    f"disk tier: {self.path / f'slab-{i:04d}.tds'} has slabs of {format_size(sb[4])}, "
+                    f"slab-0000.tds of {format_size(files[0][1][4])}: a mixed directory")
+            if sb[3] < 1 or sb[4] < 2 * PAGE or sb[4] % PAGE:
+                raise NotASlabFileError(f"disk tier: {self.path / f'slab-{i:04d}.tds'}: superblock holds "
+                                        f"{sb[3]} slabs of {sb[4]} bytes; the file is damaged")
+            files.append((self.path / f"slab-{i:04d}.tds", sb))
+        strays = [named[i] for i in sorted(named)]
+        for fp in strays:   # after a gap: dropped, but only if it is this store's own
+            sb = self._read_super(fp, expect_index=int(fp.name[5:-4]))
+            if not files or sb[5] != files[0][1][5]:
+                raise NotASlabFileError(
+                    f"disk tier: {fp} belongs to another tierd store, or slab-0000.tds is missing; "
+                    "move it away or empty the directory")
+        return files, strays
+
     def _plan(self, capacity_bytes: int, slab_bytes: int, file_bytes: int) -> None:
-        """Geometry: files of `slabs_per_file` slabs, `num_slabs` in all, within capacity."""
-        existing = sorted(self.path.glob("slab-*.tds"))
+        """Geometry: the number of slabs of each file (`file_slabs`), `num_slabs` in all, the
+        files and their superblocks within capacity.
+
+        A new directory gets files of `file_bytes` (the last one shorter). An existing one keeps
+        its slab size and every file it has, untouched, as long as they fit: a larger capacity
+        adds files after them (so every slab already there keeps its number, its place and its
+        blocks), a smaller one drops the last files, whole, with their blocks (`_drop`) and fills
+        what room is left with a shorter file."""
         if capacity_bytes < 3 * PAGE:
             raise CapacityError(f"disk tier: capacity of {capacity_bytes} bytes is too small (12 KiB minimum)")
-        if existing:  # an existing directory keeps its geometry
-            sb0 = self._read_super(existing[0], expect_index=0)
-            slab_bytes = sb0[4]
-            spf = sb0[3] if len(existing) > 1 else max(sb0[3], (file_bytes - PAGE) // slab_bytes)
-        else:
+        existing, strays = self._existing_files()
+        counts, kept = [], 0
+        if existing:  # an existing directory keeps its slab size and the files that fit
+            slab_bytes_was = existing[0][1][4]
+            counts = [sb[3] for _, sb in existing]
+            while counts and sum(PAGE + c * slab_bytes_was for c in counts) > capacity_bytes:
+                counts.pop()
+            kept = len(counts)
+        if kept:
+            slab_bytes = slab_bytes_was
+            spf = max(1, (file_bytes - PAGE) // slab_bytes)
+            room = capacity_bytes - sum(PAGE + c * slab_bytes for c in counts)
+            while room >= PAGE + slab_bytes:
+                k = min(spf, (room - PAGE) // slab_bytes)
+                counts.append(k)
+                room -= PAGE + k * slab_bytes
+        else:  # a new directory, or not one file of the old one fits: all made anew
             slab_bytes = min(slab_bytes, (capacity_bytes - PAGE) // PAGE * PAGE)
             spf = max(1, (file_bytes - PAGE) // slab_bytes)
             n = capacity_bytes // slab_bytes
@@ -125,28 +176,33 @@ class SlabFiles:
                 # rather than lose one
                 slab_bytes -= align_up(-(-(-(-n // spf) * PAGE) // n))
                 spf = max(1, (file_bytes - PAGE) // slab_bytes)
-        n = capacity_bytes // slab_bytes
-        while n > 0 and n * slab_bytes + -(-n // spf) * PAGE > capacity_bytes:
-            n -= 1
+            n = capacity_bytes // slab_bytes
+            while n > 0 and n * slab_bytes + -(-n // spf) * PAGE > capacity_bytes:
+                n -= 1
+            counts = [min(spf, n - i) for i in range(0, n, spf)]
+        n = sum(counts)
         if n == 0:
             raise CapacityError(
                 f"disk tier: capacity {format_size(capacity_bytes)} holds no slab of {format_size(slab_bytes)}")
         self.capacity_bytes = capacity_bytes
         self.slab_bytes = slab_bytes
-        self.slabs_per_file = spf
+        self.slabs_per_file = counts[0]   # of every file but the last, in a directory never resized
+        self.file_slabs = counts
         self.num_slabs = n
-        self.num_files = -(-n // spf)
-        if existing and len(existing) > self.num_files:
-            raise ConfigError(
-                f"disk tier: {self.path} holds {len(existing)} slab files but disk_bytes "
-                f"{format_size(capacity_bytes)} allows {self.num_files}; raise disk_bytes or empty the directory")
+        self.num_files = len(counts)
+        # slab -> (file, offset in the file)
+        self._slab_file = [i for i, c in enumerate(counts) for _ in range(c)]
+        self._slab_off = [PAGE + j * slab_bytes for c in counts for j in range(c)]
+        self._existing = existing[:kept]
+        self._drop = [fp for fp, _ in existing[kept:]] + strays
+        self.store_uuid = existing[0][1][5] if kept else None
         self.alloc = SlabAllocator(n, slab_bytes, slab_header_bytes=PAGE, capacity_bytes=capacity_bytes)
         # Superblocks are part of the capacity but hold no slot: count them as waste.
         self.alloc.capacity_bytes = capacity_bytes
         self.slab_gen = [0] * n
 
     def _file_slabs(self, i: int) -> int:
-        return min(self.slabs_per_file, self.num_slabs - i * self.slabs_per_file)
+        return self.file_slabs[i]
 
     def _file_size(self, i: int) -> int:
         return PAGE + self._file_slabs(i) * self.slab_bytes
@@ -182,48 +238,49 @@ class SlabFiles:
             raise NotASlabFileError(f"disk tier: {file} says it is file {fields[2]}, expected {expect_index}")
         return fields
 
-    def _room_error(self, needed: int) -> DiskTierError:
+    def _room_error(self, needed: int, free: int | None = None) -> DiskTierError:
         from ..arena import filesystem_type
-        try:
-            st = os.statvfs(self.path)
-            room = f"{format_size(st.f_bavail * st.f_frsize)} free"
-        except OSError:
-            room = "free space unknown"
+        if free is None:
+            try:
+                st = os.statvfs(self.path)
+                free = st.f_bavail * st.f_frsize
+            except OSError:
+                pass
+        room = f"{format_size(free)} free" if free is not None else "free space unknown"
+        grow = most = ""
+        held = sum(self._file_size(i) for i in range(len(self._existing)))
+        if held:
+            grow = f" to grow the tier to {format_size(self.capacity_bytes)}"
+        if free is not None:
+            most = f" to at most {format_size(held + free)}"
         return DiskTierError(
             f"disk tier: cannot reserve {format_size(needed)} in {self.path} "
-            f"({filesystem_type(str(self.path)) or 'unknown filesystem'}, {room}); lower disk.bytes "
-            "(--disk-bytes) or free space there")
+            f"({filesystem_type(str(self.path)) or 'unknown filesystem'}, {room}){grow}; lower disk.bytes "
+            f"(--disk-bytes){most} or free space there")
 
     def _open_files(self) -> None:
         flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if self.direct_io else 0)
+        kept = len(self._existing)
         # All the room first, or nothing: a half-created set of slab files would not match a
-        # later, smaller disk.bytes.
+        # later, smaller disk.bytes. The files this start drops give their room back.
         needed = 0
         for i in range(self.num_files):
             fp = self.path / f"slab-{i:04d}.tds"
-            have = fp.stat().st_blocks * 512 if fp.exists() else 0
+            have = fp.stat().st_blocks * 512 if i < kept else 0
             needed += max(0, self._file_size(i) - have)
         try:
             st = os.statvfs(self.path)
-            free = st.f_bavail * st.f_frsize
+            free = st.f_bavail * st.f_frsize + sum(fp.stat().st_blocks * 512 for fp in self._drop)
         except OSError:
             free = None
         if free is not None and needed > free:
-            raise self._room_error(needed)   # before the first byte is written
-        store_uuid = None
+            raise self._room_error(needed, free)   # before the first byte is written or removed
+        if self._drop:
+            self._drop_files()
+        store_uuid = self.store_uuid
         for i in range(self.num_files):
             fp = self.path / f"slab-{i:04d}.tds"
-            if fp.exists():
-                sb = self._read_super(fp, expect_index=i)
-                if sb[4] != self.slab_bytes or sb[3] != self._file_slabs(i):
-                    raise ConfigError(
-                        f"disk tier: {fp} was created with {sb[3]} slabs of {format_size(sb[4])}; "
-                        "use the same disk settings or empty the directory")
-                if store_uuid is None:
-                    store_uuid = sb[5]
-                elif sb[5] != store_uuid:
-                    raise NotASlabFileError(f"disk tier: {fp} belongs to another tierd store")
-            else:
+            if i >= kept:
                 store_uuid = store_uuid or uuid.uuid4().bytes
                 self._made_files.append(fp)
                 self._create_file(fp, i, store_uuid)
@@ -233,6 +290,34 @@ class SlabFiles:
             if os.fstat(fd).st_size < want:  # truncated by someone: give the space back
                 self._fallocate(fd, fp, want)
         self.store_uuid = store_uuid
+        total = format_size(sum(map(self._file_size, range(self.num_files))))
+        if self._drop:
+            log.warning("disk tier: %s: removed %d slab files (%s) and the blocks in them, for disk.bytes %s; "
+                        "the blocks in the %d files kept stay", self.path, len(self._drop),
+                        ", ".join(fp.name for fp in self._drop), format_size(self.capacity_bytes), kept)
+        if self._existing and self.num_files > kept:
+            log.info("disk tier: %s grown to %s for disk.bytes %s: %d slab files added after the %d kept "
+                     "with their blocks", self.path, total, format_size(self.capacity_bytes),
+                     self.num_files - kept, kept)
+
+    def _drop_files(self) -> None:
+        """Remove the slab files a smaller disk.bytes leaves out, the last one first (so the
+        files left are always slab-0000.tds up to some slab-NNNN.tds, whatever moment a crash
+        comes), once the checkpoint, which may name their slabs, is gone."""
+        ckpt = self.path / CHECKPOINT_NAME
+        if ckpt.exists():
+            ckpt.unlink()
+            self._fsync_dir()
+        for fp in sorted(self._drop, key=lambda f: int(f.name[5:-4]), reverse=True):
+            try:
+                fp.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise DiskTierError(f"disk tier: cannot remove {fp} ({e.strerror}) to shrink the tier to "
+                                    f"disk.bytes {format_size(self.capacity_bytes)}; fix permissions or raise "
+                                    "disk.bytes") from None
+            self._fsync_dir()
 
     def _remove_made(self) -> None:
         """A start that failed takes back what it made: the slab files (and lock file) it
@@ -293,7 +378,7 @@ class SlabFiles:
     def _slab_loc(self, slab: int) -> tuple[int, int]:
         if self._released:
             raise OSError(errno.EBADF, f"disk tier {self.path} is closed")
-        return self._fds[slab // self.slabs_per_file], PAGE + (slab % self.slabs_per_file) * self.slab_bytes
+        return self._fds[self._slab_file[slab]], self._slab_off[slab]
 
     def _slot_loc(self, slot: int) -> tuple[int, int]:
         slab = SlabAllocator.slab_of(slot)

@@ -156,6 +156,20 @@ class Recovery:
             d = msgpack.unpackb(body, raw=False)
             if d["version"] != FORMAT_VERSION or d["uuid"] != self.store_uuid:
                 raise ValueError("version or store")
+            # Written for the files as they were at the last close. Trusted only for files this
+            # start found and kept as they were: it may add files after them (a larger
+            # disk.bytes, or a file gone missing made anew: their slabs are free), never
+            # changes one it kept, and removes the checkpoint before it drops any
+            # (`_drop_files`). A checkpoint of an earlier release has no "files": then every
+            # slab it names must lie in the files kept.
+            kept = self.file_slabs[:len(self._existing)]
+            files = d.get("files")
+            if files is not None and (len(files) > len(kept) or list(files) != kept[:len(files)]):
+                raise ValueError(f"written for slab files of {list(files)} slabs, found {kept}")
+            n = sum(kept)
+            if any(not 0 <= slab < n for slab, _, _ in d["slabs"]) or \
+                    any(not 0 <= SlabAllocator.slab_of(row[0]) < n for row in d["entries"]):
+                raise ValueError(f"names slabs beyond the {n} of the slab files found")
             for slab, slot_bytes, gen in d["slabs"]:
                 self.alloc.assign_slab(slab, slot_bytes)
                 self.slab_gen[slab] = gen
