@@ -74,5 +74,16 @@ class DaemonProc:
         self.proc.wait(30)
         self._logf.close()
 
+    def wait(self, timeout_s: float = 30) -> int:
+        """Wait for the daemon to exit on its own (subprocess.TimeoutExpired if it does not
+        within `timeout_s`); its exit status."""
+        rc = self.proc.wait(timeout_s)
+        self._logf.close()
+        return rc
+
+    def arena_files(self) -> list[Path]:
+        """The host arena file(s) in this daemon's arena_dir (`tierd-UID-TAG.host`)."""
+        return sorted(Path(self.env["TIERD_ARENA_DIR"]).glob("tierd-*.host"))
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -610,7 +610,8 @@ class Daemon(Ops):
                         **(self.events.counters if self.events is not None else {}),
                         "settings": {k: setting_value(self.cfg, k) for k in sorted(RELOADABLE)},
                         "client_list": [{"id": c.id, "pid": c.pid, "uid": c.uid, "name": c.name, "ops": c.ops,
-                                         "staged_slots": self.store.staged_slots(c.id)}
+                                         "staged_slots": self.store.staged_slots(c.id),
+                                         "ending": c._ending}
                                         for c in self.conns.values()]}
         return st
 
