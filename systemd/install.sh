@@ -30,9 +30,10 @@ usage() {
     cat <<'EOF'
 usage: systemd/install.sh [options]
   --venv DIR              venv of tierd; the unit runs DIR/bin/tierd (default /opt/tierd)
-  --from SRC              what pip installs: a wheel or sdist file, a source directory, or a
-                          requirement such as tierd, 'tierd[remote]==0.1.0' (from the package
-                          index). Default: the checkout this script is in
+  --from SRC              what pip installs: a wheel or sdist file, or a source directory (no
+                          tierd is published on a package index yet). Default: the wheel
+                          `make wheel` left in this checkout's dist/ (it records its commit),
+                          else a wheel built here from the checkout
   --python PY             interpreter the venv is made with (default /usr/bin/python3, else
                           python3 on PATH); the service user must be able to run it
   --system-site-packages  the venv also sees PY's packages (dependencies installed by apt)
@@ -155,7 +156,10 @@ fi
 
 step "3. venv $VENV and tierd in it"
 if [ -z "$SRC" ]; then
-    if [ -f "$CHECKOUT/pyproject.toml" ]; then SRC=$CHECKOUT; else SRC=tierd; fi
+    built=$(ls -t "$CHECKOUT"/dist/tierd-*-py3-none-any.whl 2>/dev/null | head -n 1)
+    if [ -n "$built" ]; then SRC=$built
+    elif [ -f "$CHECKOUT/pyproject.toml" ]; then SRC=$CHECKOUT
+    else die "no source to install: run make wheel in the checkout, or give --from WHEEL"; fi
 fi
 if [ ! -x "$ROOT$VENV/bin/python" ]; then
     if [ -z "$PY" ]; then

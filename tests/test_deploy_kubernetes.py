@@ -644,7 +644,9 @@ from kubernetes_validate import utils
 docs = json.load(open(sys.argv[1]))
 versions = sorted(set(utils.all_versions()), key=lambda v: tuple(map(int, v.split("."))))
 latest = versions[-1]
-previous = [v for v in versions if utils.major_minor(v) != utils.major_minor(latest)][-1]
+# the oldest release the manifests claim (docs/kubernetes.md), else the minor before the latest
+oldest = [v for v in versions if v.split(".")[:2] == ["1", "33"]]
+previous = oldest[-1] if oldest else [v for v in versions if utils.major_minor(v) != utils.major_minor(latest)][-1]
 results = []
 for i, d in enumerate(docs):
     for v in (latest, previous):
