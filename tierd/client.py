@@ -375,13 +375,16 @@ class Client(DaemonConnection):
         for k in written:
             putting[k] = putting.get(k, 0) + 1
 
-        def done(r: dict) -> None:
+        def landed() -> None:   # the put's keys are no longer in flight
             for k in written:
                 left = putting.get(k, 0) - 1
                 if left > 0:
                     putting[k] = left
                 else:
                     putting.pop(k, None)
+
+        def done(r: dict) -> None:
+            landed()
             if "slots" in r:
                 self._stage_pool.setdefault(name, []).extend(r["slots"])
 
@@ -390,12 +393,7 @@ class Client(DaemonConnection):
         except E.RequestTooLargeError:
             # nothing was sent: the keys are not in flight, and the slots are still this
             # connection's (back into its pool)
-            for k in written:
-                left = putting.get(k, 0) - 1
-                if left > 0:
-                    putting[k] = left
-                else:
-                    putting.pop(k, None)
+            landed()
             self._stage_pool.setdefault(name, []).extend(o for o in res._staged if o >= 0)
             raise
         if not sent:
