@@ -149,7 +149,7 @@ bytes = "16GiB"
 keep = true
 [disk]
 path = "/var/lib/tierd/disk"
-bytes = "200GiB"
+bytes = "10%"
 """
 
 
@@ -157,7 +157,7 @@ def contract_specs() -> tuple[PodSpec, PodSpec]:
     """The node contract the manifests follow (the values to use until they exist)."""
     sock = Volume("socket-dir", "hostPath", "/run/tierd", "DirectoryOrCreate")
     arena = Volume("host-arena", "hostPath", "/dev/shm/tierd", "DirectoryOrCreate")
-    disk = Volume("disk-tier", "hostPath", "/var/lib/tierd", "DirectoryOrCreate")
+    disk = Volume("disk-tier", "hostPath", "/var/lib/tierd", "Directory")
     tmp = Volume("tmp", "emptyDir", size="64Mi")
     cfg = Volume("config", "files", files=(("tierd.toml", CONTRACT_TOML.encode()),))
     dirs = (Mount("/run/tierd", sock), Mount("/dev/shm/tierd", arena), Mount("/var/lib/tierd", disk))

@@ -276,6 +276,9 @@ def daemon_problems(objs) -> list[str]:
             p.append(f"daemon: hostPath {hp} is not mounted at {mp}")
     if mounts.get(SOCKET_DIR, ("", ""))[1] != "DirectoryOrCreate":
         p.append(f"daemon: hostPath {SOCKET_DIR} is not of type DirectoryOrCreate")
+    if mounts.get(DISK_DIR, ("", ""))[1] != "Directory":
+        p.append(f"daemon: hostPath {DISK_DIR} is not of type Directory (the node's own mount, never made on "
+                 "the root disk by the kubelet)")
     for mp, (hp, _) in mounts.items():
         if hp not in want.values():
             p.append(f"daemon: unexpected hostPath {hp} at {mp}")
@@ -590,6 +593,8 @@ MUTANTS = [
     _m("base", "prestop", lambda o: _daemon_c(o).pop("lifecycle")),
     _m("base", "grace", lambda o: _daemon(o).update(terminationGracePeriodSeconds=30)),
     _m("base", "no-priority-class", lambda o: _daemon(o).pop("priorityClassName")),
+    _m("base", "disk-dir-or-create", lambda o: next(v for v in _daemon(o)["volumes"] if v["name"] == "disk-tier")
+       ["hostPath"].update(type="DirectoryOrCreate")),
     _m("overlays/vllm", "engine-in-default", lambda o: _engine_obj(o)["metadata"].update(namespace="default")),
     _m("base", "cpu-limit", lambda o: _daemon_c(o)["resources"]["limits"].update(cpu="4")),
     _m("base", "toml-sync-on-stop-past-grace", lambda o: _toml(o, "sync_on_stop_s = 120", "sync_on_stop_s = 250")),
