@@ -21,8 +21,9 @@ def test_the_version_names_the_commit_when_not_a_release():
     assert r.stdout.strip() == f"tierd {version_string()}"
     assert ".dev" in tierd.__version__      # (no release is tagged yet)
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    if head:                                 # a checkout: its commit
-        assert commit().split("-")[0] == head[:12] and f"commit {commit()}, not a release" in r.stdout
+    if head:                                 # a checkout git reads: its commit
+        c = commit()
+        assert c and head.startswith(c.split("-")[0]) and f"commit {c}, not a release" in r.stdout
 
 
 def test_make_wheel_builds_a_versioned_wheel_that_records_its_commit(tmp_path):
