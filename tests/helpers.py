@@ -115,3 +115,46 @@ class LazyStreams:
             op = stream.ops[stream.done]
             stream.done += 1
             op()
+
+
+def run_on_terminal(args, answer: bytes = b"", timeout_s: float = 60) -> tuple[int | None, str]:
+    """Run `python -m tierd ARGS` from the checkout with a pseudo-terminal as stdin, stdout and
+    stderr, typing `answer`: (exit status, or None when it was killed after `timeout_s`; what it
+    printed)."""
+    import os
+    import pty
+    import select
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "tierd", *args], cwd=Path(__file__).resolve().parent.parent,
+                         stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    out = b""
+    if answer:
+        os.write(master, answer)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            r, _, _ = select.select([master], [], [], 0.2)
+            if r:
+                try:
+                    chunk = os.read(master, 4096)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            elif p.poll() is not None:
+                break
+    finally:
+        os.close(master)
+        try:
+            rc = p.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+            rc = None
+    return rc, out.decode(errors="replace")

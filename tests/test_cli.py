@@ -1,7 +1,6 @@
 """The `tierd` command against a real daemon; `tierd size` without one."""
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ import tierd
 from tierd.client import Client
 
 from .daemon import ROOT, DaemonProc
-from .helpers import block_for, chain, make_ns
+from .helpers import block_for, chain, make_ns, run_on_terminal
 
 
 def tierd_cmd(*args, timeout=60):
@@ -203,35 +202,6 @@ def test_example_config_loads(monkeypatch):
     cfg = load_serve_config(str(ROOT / "systemd" / "tierd.toml"), env={})
     assert cfg.socket == "/run/tierd/tierd.sock" and cfg.store.eviction_policy == "s3fifo"
     assert cfg.sources["host.bytes"].startswith("file ")
-
-
-def run_on_terminal(args, answer: bytes = b"", timeout_s: float = 60) -> tuple[int, str]:
-    """Run `python -m tierd ARGS` with a pseudo-terminal as stdin and stdout."""
-    import pty
-    import select
-    master, slave = pty.openpty()
-    p = subprocess.Popen([sys.executable, "-m", "tierd", *args], cwd=ROOT, stdin=slave, stdout=slave,
-                         stderr=slave, close_fds=True)
-    os.close(slave)
-    out = b""
-    if answer:
-        os.write(master, answer)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        r, _, _ = select.select([master], [], [], 0.2)
-        if r:
-            try:
-                chunk = os.read(master, 4096)
-            except OSError:
-                break
-            if not chunk:
-                break
-            out += chunk
-        elif p.poll() is not None:
-            break
-    rc = p.wait(10)
-    os.close(master)
-    return rc, out.decode(errors="replace")
 
 
 def test_flush_asks_on_a_terminal_and_sync_shows_progress(daemon):

@@ -7,7 +7,6 @@ flush's to drop. And with no disk tier the demoter is not woken for passes that 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from tierd import TieredStore
 from tierd.client import Client
 
 from .daemon import ROOT, DaemonProc
-from .helpers import block_for, chain, make_ns, small_config
+from .helpers import block_for, chain, make_ns, run_on_terminal, small_config
 
 
 def small_ns(model: str):
@@ -176,41 +175,6 @@ def test_a_flush_keeps_blocks_committed_while_it_runs_in_host_ram(tmp_path):
         store.close()
 
 
-def _run_on_terminal(args, timeout_s: float = 60) -> tuple[int | None, str]:
-    """`python -m tierd ARGS` with a pseudo-terminal as stdout; killed after `timeout_s`
-    (returns None then)."""
-    import pty
-    import select
-    master, slave = pty.openpty()
-    p = subprocess.Popen([sys.executable, "-m", "tierd", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
-                         stdout=slave, stderr=slave, close_fds=True)
-    os.close(slave)
-    out = b""
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            r, _, _ = select.select([master], [], [], 0.2)
-            if r:
-                try:
-                    chunk = os.read(master, 4096)
-                except OSError:
-                    break
-                if not chunk:
-                    break
-                out += chunk
-            elif p.poll() is not None:
-                break
-    finally:
-        os.close(master)
-        try:
-            rc = p.wait(max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
-            rc = None
-    return rc, out.decode(errors="replace")
-
-
 @pytest.mark.parametrize("terminal", [False, True])
 def test_tierd_sync_fails_when_the_disk_cannot_take_the_blocks(tmp_path, terminal):
     """A disk tier smaller than the host's dirty blocks: `tierd sync` (the preStop hook runs it
@@ -228,7 +192,7 @@ def test_tierd_sync_fails_when_the_disk_cannot_take_the_blocks(tmp_path, termina
             assert c.where(ns, keys).count("host") >= 300, "the host tier kept too few: the test exercises nothing"
         args = ["sync", "--socket", d.socket]
         if terminal:
-            rc, out = _run_on_terminal(args)
+            rc, out = run_on_terminal(args)
             err = out.strip().splitlines()[-1] if out.strip() else ""
         else:
             r = subprocess.run([sys.executable, "-m", "tierd", *args], cwd=ROOT, capture_output=True,

@@ -177,6 +177,8 @@ class Client(DaemonConnection):
         self.unleased_reads = 0      # gets served without a lease (a count, for tests and tools)
         self.unleased_discarded = 0  # copies made without a lease, then discarded (a block changed)
         self._link: _Link | None = None
+        self.limits: dict = {}       # the daemon's, from its hello (until then, the protocol's defaults)
+        self.events = False          # the daemon publishes KV events with token ids (its hello says)
         self.reconnects = 0
         with self._lock:
             self._connect()
@@ -497,7 +499,7 @@ class Client(DaemonConnection):
         """How many blocks one put request may name within the daemon's limits: a key, a slot
         offset and a checksum each (about 40 bytes of msgpack), and their token ids where they
         are sent (up to 5 bytes each), within `max_frame_bytes` less room for the rest."""
-        limits = getattr(self, "limits", None) or {}
+        limits = self.limits
         per_key = 48 + (5 * nsobj.block_tokens if tokens and self.events else 0)
         room = limits.get("max_frame_bytes", P.DEFAULT_MAX_FRAME_BYTES) - 1024
         return max(1, min(limits.get("max_keys_per_request", P.DEFAULT_MAX_KEYS), room // per_key))

@@ -22,7 +22,7 @@ import numpy as np
 from . import errors as E
 from . import protocol as P
 from . import threads
-from .access import modes, not_admitted, who
+from .access import not_admitted
 from .config import socket_path_problem
 
 log = logging.getLogger("tierd.client")
@@ -86,16 +86,13 @@ class _Link:
         return not p.poll(0)
 
 
-_modes, _who, _not_admitted = modes, who, not_admitted   # (the names this module always used)
-
-
 def _connect_advice(path: str, e: OSError) -> str:
     """What to do about a socket that cannot be connected to."""
     too_long = socket_path_problem(path)
     if too_long is not None:
         return too_long   # ("AF_UNIX path too long", without the limit)
     if e.errno == errno.EACCES:
-        return _not_admitted(path)
+        return not_admitted(path)
     if e.errno == errno.ENOENT:
         return ("no socket there: is `tierd serve` running, with this --socket (and, in a container, is its "
                 "directory mounted)?")
@@ -110,7 +107,7 @@ def _arena_advice(path: str, e: OSError) -> str:
     if e.errno == errno.EROFS:
         return f"clients write into the arena: mount {os.path.dirname(path)} read-write"
     if e.errno == errno.EACCES:
-        return _not_admitted(path)
+        return not_admitted(path)
     return "check that this process may open it for reading and writing"
 
 
@@ -359,7 +356,7 @@ class DaemonConnection:
         """`msg` as a frame, or RequestTooLargeError (nothing sent) when it is over the limits the
         daemon's hello gave: a daemon cannot read past a frame over its `max_frame_bytes` and ends
         the connection, so a request over it is never sent (`put` splits what it can)."""
-        limits = getattr(self, "limits", None) or {}
+        limits = self.limits
         keys = msg.get("keys")
         max_keys = limits.get("max_keys_per_request", P.DEFAULT_MAX_KEYS)
         if isinstance(keys, list) and len(keys) > max_keys:

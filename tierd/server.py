@@ -335,7 +335,7 @@ class _Conn(asyncio.Protocol):
         if self._closed or self._ending or self.transport is None:
             return
         self._buf.clear()
-        if (self.held or self._busy or self.d.store.staged_slots(self.id)) and self.transport.can_write_eof():
+        if self._holding() and self.transport.can_write_eof():
             self._ending = True
             self.d.ending_conns += 1
             if self._timer is not None:
@@ -348,10 +348,14 @@ class _Conn(asyncio.Protocol):
         self._closed = True
         self.transport.close()
 
+    def _holding(self) -> bool:
+        """Whether the client may be copying through slots of this connection: it holds leases,
+        reservations or staged slots, or a request runs for it (whatever that takes)."""
+        return bool(self._busy or self.held or self.d.store.staged_slots(self.id))
+
     def _end_if_empty(self) -> None:
         """(Ended by the daemon.) Close at once once it holds nothing and nothing runs for it."""
-        if (self._ending and not self._closed and not self._busy and not self.held
-                and not self.d.store.staged_slots(self.id)):
+        if self._ending and not self._closed and not self._holding():
             self._closed = True
             self.transport.close()
 
@@ -378,8 +382,7 @@ class _Conn(asyncio.Protocol):
             self._write(P.error_reply(None, "timeout", "frame incomplete"))
             self._close()
             return
-        if (cfg.idle_timeout_s and not self._busy and not self.held and now - self._last > cfg.idle_timeout_s
-                and not self.d.store.staged_slots(self.id)):
+        if cfg.idle_timeout_s and now - self._last > cfg.idle_timeout_s and not self._holding():
             # (a connection with open leases, reservations or staged slots is never idle: its
             # client may be copying through their slots right now, and closing it would
             # reclaim them)
@@ -426,28 +429,39 @@ def peer_groups(sock: socket.socket, pid: int, uid: int, gid: int) -> frozenset[
         return frozenset(groups)
 
 
-def check_socket_dir(path: str) -> None:
-    """Make the socket's directory where it is missing; refuse one this user may not write, and
-    one other users could write (they could replace the socket and impersonate the daemon)."""
-    d = os.path.dirname(os.path.abspath(path))
+def _own_directory(d: str, mode: int, what: str, create_fix: str, fix: str) -> os.stat_result:
+    """Make directory `d` (`what`: how messages name it) where it is missing, with `mode`;
+    refuse, in one line ending in the fix, one that cannot be made, is no directory, is
+    world-writable without the sticky bit (another user could replace what the daemon puts
+    there) or that this user may not write. Returns its stat."""
     try:
-        os.makedirs(d, mode=0o755, exist_ok=True)
+        os.makedirs(d, mode=mode, exist_ok=True)
         st = os.stat(d)
     except OSError as e:
-        raise ConfigError(f"socket directory {d}: cannot create it ({e.strerror or e}; uid {os.geteuid()}); "
-                          "create it for the daemon's user (the systemd unit's RuntimeDirectory= makes "
-                          "/run/tierd; by hand: install -d -m 0750 -o USER -g tierd DIR), or set socket "
-                          "(--socket) to a path in a directory this user may write") from None
+        raise ConfigError(f"{what} {d}: cannot create it ({e.strerror or e}; uid {os.geteuid()}); {create_fix}") from None
     if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"socket directory {d} is not a directory; set socket (--socket) to a path in a directory")
+        raise ConfigError(f"{what} {d} is not a directory; {fix}")
     if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        raise ConfigError(f"socket directory {d} is world-writable; use a private directory such as /run/tierd")
+        raise ConfigError(f"{what} {d} is world-writable (another user could replace or remove what the daemon "
+                          f"puts there); {fix}")
+    if not os.access(d, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+        raise ConfigError(f"{what} {d} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}) is "
+                          f"not writable by uid {os.geteuid()}; {fix}, or run the daemon as the directory's owner")
+    return st
+
+
+def check_socket_dir(path: str) -> None:
+    """Make the socket's directory where it is missing; refuse one this user may not write, one
+    other users could write, or one of another user (they could replace the socket and
+    impersonate the daemon)."""
+    d = os.path.dirname(os.path.abspath(path))
+    st = _own_directory(d, 0o755, "socket directory",
+                        "create it for the daemon's user (the systemd unit's RuntimeDirectory= makes /run/tierd; "
+                        "by hand: install -d -m 0750 -o USER -g tierd DIR), or set socket (--socket) to a path in a "
+                        "directory this user may write",
+                        "set socket (--socket) to a path in a private directory of this user's own such as /run/tierd")
     if st.st_uid not in (os.geteuid(), 0):
         raise ConfigError(f"socket directory {d} belongs to uid {st.st_uid}, not this user ({os.geteuid()})")
-    if not os.access(d, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
-        raise ConfigError(f"socket directory {d} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}) is "
-                          f"not writable by uid {os.geteuid()}; set socket (--socket) to a path in a directory "
-                          "of this user's own, or run the daemon as the directory's owner")
 
 
 @contextlib.contextmanager
@@ -476,24 +490,11 @@ def _extending_start(step_s: float, max_s: float):
 
 
 def prepare_arena_dir(path: str) -> None:
-    """Make `arena_dir` where it is missing (mode 0750: the daemon's group reads it), and refuse
-    one other users may write without the sticky bit (they could remove or replace the arena)."""
-    try:
-        os.makedirs(path, mode=0o750, exist_ok=True)
-        st = os.stat(path)
-    except OSError as e:
-        raise ConfigError(f"arena_dir {path}: cannot create or use it ({e.strerror or e}); set arena_dir to a "
-                          "directory on a tmpfs that this user may write (the default: /dev/shm/tierd for "
-                          "the service, /dev/shm/tierd-UID for a user's own daemon)") from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"arena_dir {path} is not a directory")
-    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        raise ConfigError(f"arena_dir {path} is world-writable (any user could remove the arena); use a "
-                          "directory of the daemon's own such as /dev/shm/tierd")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"arena_dir {path} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}) is "
-                          f"not writable by uid {os.geteuid()}; set arena_dir to a directory of this user's "
-                          "own, or run the daemon as its owner")
+    """Make `arena_dir` where it is missing (mode 0750: the daemon's group reads it); refuse one
+    other users may write without the sticky bit (they could remove or replace the arena)."""
+    fix = ("set arena_dir to a directory on a tmpfs of this user's own (the default: /dev/shm/tierd for the "
+           "service, /dev/shm/tierd-UID for a user's own daemon)")
+    _own_directory(path, 0o750, "arena_dir", fix, fix)
 
 
 class Daemon(Ops):

@@ -261,7 +261,7 @@ class Holdings:
         self._gone(owner, entries)
         return slots
 
-    def staged_bytes(self) -> tuple[int, int, int]:
+    def staged_bytes(self) -> tuple[int, int]:
         """(bytes of staged slots of all owners, how many owners stage: those that asked to,
         until all theirs were given back at once) — O(owners)."""
         return sum(self._staged_bytes.values()), len(self._writers)
