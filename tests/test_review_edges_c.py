@@ -320,3 +320,36 @@ def test_a_link_backing_off_reconnects_as_soon_as_the_daemon_is_back(tmp_path):
         link.close() if hasattr(link, "close") else None
         if d.alive():
             assert d.stop() == 0
+
+
+# -- a client that leaves while the daemon still has replies for it ----------------------------
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_a_put_sent_before_the_client_left_lands_even_when_its_replies_could_not(tmp_path, loop):
+    """A client's put returns once its request is sent (a staged put is not waited for), so an
+    engine may exit right after it. Here the daemon still has replies for that client it cannot
+    deliver (the client never read them: its receive buffer is full, the daemon stopped reading
+    behind them), so the daemon's next write fails (EPIPE) before it has read the put. The put
+    must still be served: another client reads every block of it back, bit-exact."""
+    if loop == "uvloop":
+        pytest.importorskip("uvloop")
+    d = DaemonProc(tmp_path, host_bytes="16MiB", toml=f'event_loop = "{loop}"\n' + SMALL_TOML).start()
+    ns = make_ns()
+    try:
+        a = Client(d.socket, name="leaver", stage_bytes=1 << 20)
+        keys = chain(ns, 7, 4)
+        res = a.reserve(ns, keys)
+        assert res._staged is not None and res.num_reserved == 4
+        for k, b in zip(keys, res.buffers):
+            b[:] = block_for(ns, k)
+        with a._lock:   # requests whose replies the client never reads: the daemon's writes back up
+            frames = b"".join(P.encode({"op": "stats", "id": 10_000 + i}) for i in range(400))
+            a._send(frames, time.monotonic() + 10)
+        time.sleep(0.5)
+        a.commit(res)                      # sent; not waited for
+        a._sock.close()                    # the process "exits": its end of the socket closes
+        with Client(d.socket, stage_bytes=0, name="reader") as r:
+            wait_for(lambda: r.lookup(ns, keys) == len(keys), timeout_s=10, what="the put to land")
+        assert assert_exact(d, ns, keys) == len(keys)
+    finally:
+        assert d.stop() == 0

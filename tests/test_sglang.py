@@ -207,6 +207,7 @@ def test_engine_shutdown_waits_for_its_writes(run):
            "A_log": [line for line in run["A"]["log"].splitlines()
                      if any(w in line for w in ("tierd", "storage", "backup", "Write page", "rror"))
                      and "Ignore import error" not in line][-20:]}
+    print(json.dumps(why, indent=1, default=str))   # (whole, beside a failure: an assertion's is cut short)
     assert drain is not None and drain["drained"], why
     assert late_b["cached"] == hit_tokens(len(PROMPTS["late"])) and late_b["tokens"] == late_a["tokens"], why
     assert run["blocks_after_A"] >= expected, why

@@ -23,6 +23,7 @@ import numpy as np
 from . import errors as E
 from . import protocol as P
 from . import threads
+from .costs import SYNC_S, CostModel
 from .connection import DaemonConnection, DaemonUnavailableError, _Link  # noqa: F401 -- DaemonUnavailableError is part of this API
 from .keys import check_keys
 from .namespace import Namespace
@@ -180,6 +181,8 @@ class Client(DaemonConnection):
         self.limits: dict = {}       # the daemon's, from its hello (until then, the protocol's defaults)
         self.events = False          # the daemon publishes KV events with token ids (its hello says)
         self.reconnects = 0
+        self._costs = CostModel()    # a replica of the daemon's cost model (see `cost_model`)
+        self._costs_ok = True        # False against a daemon without the `costs` op
         with self._lock:
             self._connect()
 
@@ -701,6 +704,24 @@ class Client(DaemonConnection):
 
     def stats(self) -> dict:
         return self._call("stats")["stats"]
+
+    def cost_model(self) -> CostModel:
+        """This client's replica of the daemon's cost model (tierd/costs.py). What this process
+        measures goes into it at once; at most every `costs.SYNC_S` it is exchanged with the
+        daemon's (one request), which holds what every engine on the node measured. A daemon
+        that cannot be asked leaves the replica as it is: decisions go on from it."""
+        m = self._costs
+        if self._costs_ok and time.monotonic() - m.synced_at >= SYNC_S:
+            report = m.take_outbox()
+            m.synced_at = time.monotonic()   # (one try per period, whatever it meets)
+            try:
+                m.adopt(self._call("costs", report=report)["state"])
+            except P.RemoteError as e:
+                if e.code == "unknown_op":
+                    self._costs_ok = False   # an older daemon: this replica is the whole model
+            except (E.TierdError, OSError) as e:
+                log.debug("tierd: the cost model was not exchanged with the daemon (%s)", e)
+        return m
 
     def ping(self) -> dict:
         t0 = time.perf_counter()

@@ -23,7 +23,7 @@ DEFAULT_MAX_FRAME_BYTES = 1 << 20
 DEFAULT_MAX_KEYS = 4096
 
 OPS = ("hello", "register", "lookup", "lookup_all", "where", "reserve", "commit", "abort", "acquire", "release",
-       "stage", "put", "hits", "flush", "sync", "stats", "ping")
+       "stage", "put", "hits", "flush", "sync", "stats", "ping", "costs")
 
 # reserve slot status codes
 SLOT_RESERVED, SLOT_PRESENT, SLOT_FULL = 0, 1, 2

@@ -48,7 +48,7 @@ log = logging.getLogger("tierd.server")
 # thread, saving a thread hop; the others (acquire may read disk, reserve may wait for room,
 # flush and sync write) run on the worker pool.
 _INLINE_OPS = {"hello", "register", "lookup", "lookup_all", "where", "commit", "abort", "release", "put", "hits",
-               "stats", "ping"}
+               "stats", "ping", "costs"}
 # ops a client may send unanswered ("noreply": true): a failure is logged, never written back
 _NOREPLY_OPS = {"release", "hits"}
 # ... but with a remote tier a lookup may ask the server: then it runs on the worker pool
@@ -154,7 +154,36 @@ class _Conn(asyncio.Protocol):
         if self._ending:
             self.d.ending_conns -= 1
             self._buf.clear()   # read after the daemon ended it: never served
+        elif exc is not None:
+            self._read_left()
         self._leave()
+
+    LEFT_READ_BYTES = 64 << 20   # the most read off a socket whose transport failed (see below)
+
+    def _read_left(self) -> None:
+        """(The transport failed: a write met a client already gone, EPIPE.) The requests that
+        client sent before it left may still sit unread in the socket — a transport that fails
+        on a write closes without reading them, and a put whose call returned would be lost —
+        so read them now, before `_leave` serves them. The socket is still open here (the
+        transport closes it after `connection_lost`); read without waiting, through a
+        duplicate of its descriptor, up to what a socket buffer can hold and then some."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        try:
+            fd = os.dup(sock.fileno())
+        except (AttributeError, OSError, ValueError):
+            return
+        try:
+            with socket.socket(fileno=fd) as s:
+                s.setblocking(False)
+                got = 0
+                while got < self.LEFT_READ_BYTES:
+                    data = s.recv(1 << 20)
+                    if not data:
+                        break
+                    self._buf += data
+                    got += len(data)
+        except OSError:
+            pass   # nothing more (EAGAIN), or the connection's error: what was read is served
 
     def _leave(self) -> None:
         """The client is gone: serve the writes it sent before it left (complete frames already

@@ -237,6 +237,21 @@ class Ops:
             self.store.note_hits(ns, keys, asked)
         return {}
 
+    def _op_costs(self, conn, msg: dict) -> dict:
+        """An engine's measurements and ledger counts for the node's cost model
+        (tierd/costs.py), and the model back: {report: {transfers: [[tier, direction, bytes,
+        seconds]], forwards: [[engine, tokens, quad, seconds]], ledger: {tier: {key: n}}}}."""
+        report = P.field(msg, "report", dict, default={})
+        for name in ("transfers", "forwards"):
+            rows = report.get(name, [])
+            if not isinstance(rows, list) or len(rows) > 4096 or not all(
+                    isinstance(r, list) and len(r) == 4 for r in rows):
+                raise P.ProtocolError(f"costs: report.{name} must be a list of 4-item lists")
+        if not isinstance(report.get("ledger", {}), dict):
+            raise P.ProtocolError("costs: report.ledger must be a map")
+        self.store.costs.merge_report(report)
+        return {"state": self.store.costs.state()}
+
     def _operator(self, uid: int, groups: frozenset[int]) -> bool:
         return (uid in (os.geteuid(), 0) or uid in self.cfg.operator_uids
                 or not groups.isdisjoint(self.cfg.operator_gids))

@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 
 from ..config import StoreConfig, format_size
+from ..costs import CostModel
 from ..errors import (
     ConfigError,
     DiskDegradedError,
@@ -93,6 +94,7 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Dis
         self._blocks: dict[bytes, Block] = {}
         self._namespaces = NamespaceTable()
         self._held = Holdings()   # open reservations, leases and staged slots (ownership.py)
+        self.costs = CostModel()  # loads against recompute, measured by the engines (tierd/costs.py)
         self._ids = itertools.count(1)
         self._closed = False
         self._writes_in_flight = 0    # disk writes of the current disk tier under way
@@ -562,7 +564,13 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Dis
                 namespaces[st.name] = c
             reservations, leases, staged = self._held.counts()
             return {"tiers": tiers, "namespaces": namespaces, "leases": leases, "reservations": reservations,
-                    "staged_slots": staged, "policy": self.config.eviction_policy, "time": time.time()}
+                    "staged_slots": staged, "policy": self.config.eviction_policy, "time": time.time(),
+                    "costs": self.costs.describe()}
+
+    def cost_model(self) -> CostModel:
+        """The node's cost model (tierd/costs.py): what connectors decide loads with and record
+        their measurements and ledger in."""
+        return self.costs
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,0 +1,408 @@
+"""What a load costs against recomputing it, measured; and the decision between them.
+
+A hit is worth loading only while copying its blocks in is faster than computing their tokens
+again. Both sides change while a node runs: a disk slows under another job's I/O or fails, a
+remote tier congests, an engine's prefill speeds up with batch size or slows with context. So
+nothing here is configured; everything is fitted from what the node measures.
+
+- **Transfers**, per tier ("gpu", "host", "disk", "remote") and direction ("load": tier to
+  engine, "store": engine to tier): seconds ≈ latency + bytes / bandwidth, a least-squares fit
+  over recent transfers in which every new one weighs as much as all the older ones together
+  (`TRANSFER_DECAY`): a tier that slows down or stalls shows in its estimate after one or two
+  requests, and so does one that heals. Before a tier's first measured transfer its estimate is
+  a conservative placeholder (`SEED`), shown as such.
+- **Recompute**, per engine (its namespace): one forward pass that computes n_i new tokens
+  after k_i cached ones, for each sequence i of its batch, takes
+  a + b·Σn_i + c·Σn_i·(k_i + n_i/2) seconds (the linear layers cost per token, attention per
+  token and context). Fitted from the engine's own forward passes; an engine seeds it at start
+  with a short probe (a few forwards of its own model) so that its first requests are decided.
+  Loading the L tokens after `first` saves b·L + c·L·(first + L/2): what computing them costs,
+  less nothing (the tokens after them cost the same either way).
+- **The decision** (`CostModel.plan`): of the blocks found for a prompt, in the tiers they are
+  in, load the prefix whose predicted saving over its predicted load time is greatest (the
+  longest such prefix on a tie), none when no prefix wins. A head in host RAM and a tail on a
+  slow disk: the head is loaded, the tail computed. Without a recompute estimate every found
+  block is loaded (what tierd did before it measured). A load that runs past its prediction by
+  `ABANDON_FACTOR` (and `ABANDON_SLACK_S`) is abandoned where the engine can recompute instead.
+  Deciding never changes a byte: a prefix is loaded whole, block by block, or computed.
+- **The ledger**, per tier: tokens loaded, tokens declined (found but computed because that was
+  predicted cheaper), tokens of loads abandoned past their deadline, and "slow hits": loads that
+  took longer than recomputing their tokens was estimated to.
+
+A `TieredStore` owns the node's model (the daemon's, or an embedded store's); a daemon's client
+keeps a replica that it updates with its own measurements at once and exchanges with the
+daemon's (`Client.costs`) at most every `SYNC_S`: the daemon's model is the sum of what every
+engine on the node measured, and `tierd stats` and the metrics show it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+TIERS = ("gpu", "host", "disk", "remote")
+DIRECTIONS = ("load", "store")
+# (latency s, bandwidth bytes/s) before a tier's first measured transfer: a slow NVMe's and a
+# congested network's, so that an unmeasured tier is not trusted to beat an engine
+SEED = {"gpu": (20e-6, 100e9), "host": (50e-6, 4e9), "disk": (500e-6, 1e9), "remote": (2e-3, 0.25e9)}
+TRANSFER_DECAY = 0.5     # weight of earlier transfers against a new one (0.5: the new one is half)
+RECOMPUTE_DECAY = 0.95   # forwards change slowly; ~20 of them make the estimate
+ABANDON_FACTOR = 1.5     # a load past 1.5x its prediction ...
+ABANDON_SLACK_S = 2e-3   # ... and 2 ms over it is abandoned where the engine can recompute
+PROBE_S = 1.0            # a declined tier is re-measured (one block, off the request's path) this often
+SYNC_S = 0.5             # a client exchanges its measurements with the daemon's model this often
+LEDGER_KEYS = ("loads", "loaded_tokens", "declined_tokens", "abandoned_tokens", "slow_hits")
+
+
+class TransferFit:
+    """seconds ≈ latency + bytes / bandwidth, fitted by exponentially weighted least squares."""
+
+    __slots__ = ("seed", "sw", "sx", "sy", "sxx", "sxy", "n", "last", "updated")
+
+    def __init__(self, seed: tuple[float, float]):
+        self.seed = seed
+        self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.n = 0             # transfers measured
+        self.last = None       # (bytes, seconds) of the latest
+        self.updated = 0.0     # time.time() of the latest
+
+    def add(self, nbytes: float, seconds: float, decay: float = TRANSFER_DECAY) -> None:
+        if not (nbytes > 0 and seconds >= 0 and math.isfinite(seconds)):
+            return
+        x, y = float(nbytes), float(seconds)
+        self.sw = self.sw * decay + 1.0
+        self.sx = self.sx * decay + x
+        self.sy = self.sy * decay + y
+        self.sxx = self.sxx * decay + x * x
+        self.sxy = self.sxy * decay + x * y
+        self.n += 1
+        self.last = (x, y)
+        self.updated = time.time()
+
+    def coef(self) -> tuple[float, float]:
+        """(latency s, seconds per byte)."""
+        lat0, bw0 = self.seed
+        if self.n == 0:
+            return lat0, 1.0 / bw0
+        w = self.sw
+        mx, my = self.sx / w, self.sy / w
+        var = self.sxx / w - mx * mx
+        if var > (0.05 * mx) ** 2:
+            b = (self.sxy / w - mx * my) / var
+            a = my - b * mx
+            if b > 0 and a >= 0:
+                return a, b
+            if b > 0:                       # through the origin: no fixed latency
+                return 0.0, self.sxy / self.sxx
+        # one size only (or a fit that makes no sense): the seed's share of latency, the rest
+        # per byte
+        a = min(lat0, my / 2)
+        return a, max(0.0, (my - a) / mx) if mx > 0 else 0.0
+
+    def predict(self, nbytes: float, runs: int = 1) -> float:
+        a, b = self.coef()
+        return a * runs + b * nbytes
+
+    def state(self) -> list:
+        return [self.sw, self.sx, self.sy, self.sxx, self.sxy, self.n, self.updated]
+
+    def set_state(self, st: list) -> None:
+        self.sw, self.sx, self.sy, self.sxx, self.sxy = (float(v) for v in st[:5])
+        self.n, self.updated = int(st[5]), float(st[6])
+
+    def describe(self) -> dict:
+        a, b = self.coef()
+        return {"latency_s": a, "bandwidth_bytes_s": 1.0 / b if b > 0 else 0.0, "measured": self.n,
+                "source": "measured" if self.n else "seed",
+                "age_s": time.time() - self.updated if self.n else -1.0}
+
+
+class RecomputeFit:
+    """One forward's seconds ≈ a + b·N + c·Q (N: new tokens, Q: Σ n·(k + n/2)), fitted by
+    exponentially weighted least squares with every coefficient ≥ 0."""
+
+    __slots__ = ("xtx", "xty", "yty", "n", "updated", "_coef")
+
+    def __init__(self):
+        self.xtx = np.zeros((3, 3))
+        self.xty = np.zeros(3)
+        self.yty = 0.0
+        self.n = 0
+        self.updated = 0.0
+        self._coef: tuple[float, float, float] | None = None
+
+    def add(self, tokens: float, quad: float, seconds: float, decay: float = RECOMPUTE_DECAY) -> None:
+        if not (tokens > 0 and quad >= 0 and seconds > 0 and math.isfinite(seconds)):
+            return
+        x = np.array([1.0, float(tokens), float(quad)])
+        self.xtx = self.xtx * decay + np.outer(x, x)
+        self.xty = self.xty * decay + x * seconds
+        self.yty = self.yty * decay + seconds * seconds
+        self.n += 1
+        self.updated = time.time()
+        self._coef = None
+
+    def coef(self) -> tuple[float, float, float] | None:
+        """(a, b, c), or None before any forward was measured."""
+        if self.n == 0:
+            return None
+        if self._coef is None:
+            self._coef = self._fit()
+        return self._coef
+
+    def _fit(self) -> tuple[float, float, float]:
+        # the least-squares fit over every subset of the terms that holds N; of those whose
+        # coefficients are all ≥ 0, the one with the least residual
+        best, best_res = (0.0, 0.0, 0.0), math.inf
+        scale = np.sqrt(np.maximum(np.diag(self.xtx), 1e-300))    # (columns of very unequal size)
+        for cols in ((0, 1, 2), (1, 2), (0, 1), (1,)):
+            idx = np.array(cols)
+            a = self.xtx[np.ix_(idx, idx)] / np.outer(scale[idx], scale[idx])
+            rhs = self.xty[idx] / scale[idx]
+            try:
+                beta = np.linalg.solve(a + 1e-9 * np.eye(len(idx)), rhs) / scale[idx]
+            except np.linalg.LinAlgError:
+                continue
+            if np.any(beta < 0):
+                continue
+            res = self.yty - 2 * beta @ self.xty[idx] + beta @ self.xtx[np.ix_(idx, idx)] @ beta
+            if res < best_res - 1e-15:
+                full = [0.0, 0.0, 0.0]
+                for i, v in zip(cols, beta):
+                    full[i] = float(v)
+                best, best_res = tuple(full), res
+        return best
+
+    def saving(self, first: float, tokens: float) -> float | None:
+        """Seconds that loading `tokens` tokens after `first` cached ones saves over computing
+        them; None before any forward was measured."""
+        c = self.coef()
+        if c is None:
+            return None
+        return c[1] * tokens + c[2] * tokens * (first + tokens / 2)
+
+    def state(self) -> list:
+        return [self.xtx.ravel().tolist(), self.xty.tolist(), self.yty, self.n, self.updated]
+
+    def set_state(self, st: list) -> None:
+        self.xtx = np.array(st[0], dtype=float).reshape(3, 3)
+        self.xty = np.array(st[1], dtype=float)
+        self.yty, self.n, self.updated = float(st[2]), int(st[3]), float(st[4])
+        self._coef = None
+
+    def describe(self) -> dict:
+        c = self.coef()
+        if c is None:
+            return {"measured": 0}
+        return {"fixed_s": c[0], "per_token_s": c[1], "per_token_context_s": c[2], "measured": self.n,
+                "age_s": time.time() - self.updated}
+
+
+def forward_terms(batch) -> tuple[int, float]:
+    """(N, Q) of one forward from (new tokens, cached tokens before them) per sequence."""
+    n_sum, q = 0, 0.0
+    for n, k in batch:
+        n_sum += n
+        q += n * (k + n / 2)
+    return n_sum, q
+
+
+@dataclass
+class Plan:
+    """What to load of the blocks found for one prompt (`CostModel.plan`)."""
+
+    found: int                    # blocks found (a prefix of those asked for)
+    blocks: int                   # of them, the prefix to load
+    tiers: list[str]              # per found block, the tier it would load from
+    load_s: float = 0.0           # predicted seconds to load `blocks`
+    recompute_s: float = 0.0      # predicted seconds to compute their tokens instead
+    reason: str = "model"         # "model": decided; "unmeasured": no recompute estimate, loads all
+    probe: int = -1               # a declined block to re-measure its tier with, off the path
+    block_tokens: int = 0
+    deadline_s: float = field(default=math.inf)
+
+    def runs(self, upto: int | None = None) -> list[tuple[str, int, int]]:
+        """(tier, start, end) of the runs of one tier among the first `upto` blocks to load."""
+        out: list[tuple[str, int, int]] = []
+        end = self.blocks if upto is None else upto
+        for i in range(end):
+            t = self.tiers[i]
+            if out and out[-1][0] == t:
+                out[-1] = (t, out[-1][1], i + 1)
+            else:
+                out.append((t, i, i + 1))
+        return out
+
+    def declined(self) -> dict[str, int]:
+        """Blocks found but not to be loaded, per tier."""
+        out: dict[str, int] = {}
+        for t in self.tiers[self.blocks:self.found]:
+            out[t] = out.get(t, 0) + 1
+        return out
+
+
+def primary_tier(where: str) -> str:
+    """The tier a block loads from, of `Store.where`'s "host+disk" etc.: the fastest copy."""
+    for t in TIERS:
+        if t in where.split("+"):
+            return t
+    return ""
+
+
+class CostModel:
+    """The node's (or a client's replica of the node's) transfer and recompute estimates, the
+    decision, and the ledger. Thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.transfers = {(t, d): TransferFit(SEED[t]) for t in TIERS for d in DIRECTIONS}
+        self.recompute: dict[str, RecomputeFit] = {}
+        self.ledger = {t: dict.fromkeys(LEDGER_KEYS, 0) for t in TIERS}
+        self._probed: dict[str, float] = {}
+        # a replica's measurements and ledger counts not yet sent to the daemon's model
+        self._outbox: dict = {"transfers": [], "forwards": [], "ledger": {}}
+        self.synced_at = 0.0
+
+    # -- measurements --------------------------------------------------------------------------
+    def observe_transfer(self, tier: str, direction: str, nbytes: int, seconds: float) -> None:
+        if (tier, direction) not in self.transfers or nbytes <= 0:
+            return
+        with self._lock:
+            self.transfers[(tier, direction)].add(nbytes, seconds)
+            self._outbox["transfers"].append([tier, direction, int(nbytes), float(seconds)])
+
+    def observe_forward(self, engine: str, batch, seconds: float) -> None:
+        """One forward pass of `engine` (a namespace name): `batch` is (new tokens, cached
+        tokens before them) per sequence."""
+        n, q = forward_terms(batch)
+        if n <= 0:
+            return
+        with self._lock:
+            self.recompute.setdefault(engine, RecomputeFit()).add(n, q, seconds)
+            self._outbox["forwards"].append([engine, n, q, float(seconds)])
+
+    def count(self, tier: str, **deltas: int) -> None:
+        """Add to `tier`'s ledger: loads, loaded_tokens, declined_tokens, abandoned_tokens,
+        slow_hits."""
+        if tier not in self.ledger:
+            return
+        with self._lock:
+            row, out = self.ledger[tier], self._outbox["ledger"].setdefault(tier, {})
+            for k, v in deltas.items():
+                if k in row and v:
+                    row[k] += int(v)
+                    out[k] = out.get(k, 0) + int(v)
+
+    def has_recompute(self, engine: str) -> bool:
+        fit = self.recompute.get(engine)
+        return fit is not None and fit.n > 0
+
+    # -- the decision --------------------------------------------------------------------------
+    def plan(self, engine: str, tiers: list[str], block_bytes: int, block_tokens: int, *,
+             first_tokens: int = 0, usable_tokens: int | None = None) -> Plan:
+        """Which prefix of the found blocks (`tiers`: per block the tier it loads from, "" where
+        none: the found prefix ends there) to load for `engine`. The blocks start after
+        `first_tokens` tokens the engine holds; of their tokens at most `usable_tokens` count
+        (the last prompt token is always computed)."""
+        found = next((i for i, t in enumerate(tiers) if t not in TIERS), len(tiers))
+        tiers = list(tiers[:found])
+        plan = Plan(found=found, blocks=found, tiers=tiers, block_tokens=block_tokens)
+        if not found:
+            return plan
+        cap = found * block_tokens if usable_tokens is None else max(0, usable_tokens)
+        with self._lock:
+            fit = self.recompute.get(engine)
+            costs = {t: self.transfers[(t, "load")].coef() for t in set(tiers)}
+            best, best_gain, best_load, best_save = 0, 0.0, 0.0, 0.0
+            load, prev = 0.0, None
+            for j, t in enumerate(tiers, 1):
+                lat, per_byte = costs[t]
+                load += per_byte * block_bytes + (lat if t != prev else 0.0)
+                prev = t
+                tokens = min(j * block_tokens, cap)
+                save = fit.saving(first_tokens, tokens) if fit is not None else None
+                if save is None:
+                    plan.reason = "unmeasured"
+                    best, best_load, best_save = j, load, 0.0
+                    continue
+                gain = save - load
+                if gain >= best_gain and gain > 0:
+                    best, best_gain, best_load, best_save = j, gain, load, save
+            plan.blocks, plan.load_s, plan.recompute_s = best, best_load, best_save
+            if plan.reason == "model" and best:
+                plan.deadline_s = max(best_load * ABANDON_FACTOR, best_load + ABANDON_SLACK_S)
+            if best < found:
+                t = tiers[best]
+                now = time.monotonic()
+                if now - self._probed.get(t, -math.inf) >= PROBE_S:
+                    self._probed[t] = now
+                    plan.probe = best
+        return plan
+
+    # -- exchange with the daemon's model --------------------------------------------------------
+    def take_outbox(self) -> dict:
+        with self._lock:
+            out, self._outbox = self._outbox, {"transfers": [], "forwards": [], "ledger": {}}
+            return out
+
+    def merge_report(self, report: dict) -> None:
+        """(The daemon's model.) A client's measurements and ledger counts; rows that are not
+        what a client sends are skipped."""
+        with self._lock:
+            for row in report.get("transfers", ())[:4096]:
+                try:
+                    tier, direction, nbytes, seconds = row
+                    fit = self.transfers.get((str(tier), str(direction)))
+                    if fit is not None:
+                        fit.add(float(nbytes), float(seconds))
+                except (TypeError, ValueError):
+                    continue
+            for row in report.get("forwards", ())[:4096]:
+                try:
+                    engine, n, q, seconds = row
+                    n, q, seconds = float(n), float(q), float(seconds)
+                except (TypeError, ValueError):
+                    continue
+                if isinstance(engine, str) and len(engine) <= 128 and (
+                        engine in self.recompute or len(self.recompute) < 4096):
+                    self.recompute.setdefault(engine, RecomputeFit()).add(n, q, seconds)
+            for tier, deltas in (report.get("ledger") or {}).items():
+                row = self.ledger.get(tier)
+                if row is None or not isinstance(deltas, dict):
+                    continue
+                for k, v in deltas.items():
+                    if k in row and isinstance(v, int) and not isinstance(v, bool) and 0 < v < 1 << 40:
+                        row[k] += v
+
+    def state(self) -> dict:
+        """Everything a replica needs: the fits' sums and the ledger."""
+        with self._lock:
+            return {"transfers": {f"{t}/{d}": fit.state() for (t, d), fit in self.transfers.items() if fit.n},
+                    "recompute": {e: fit.state() for e, fit in self.recompute.items()},
+                    "ledger": {t: dict(row) for t, row in self.ledger.items()}}
+
+    def adopt(self, state: dict) -> None:
+        """(A replica.) Take the daemon's model, which holds this replica's measurements too."""
+        with self._lock:
+            for key, st in (state.get("transfers") or {}).items():
+                t, _, d = key.partition("/")
+                fit = self.transfers.get((t, d))
+                if fit is not None:
+                    fit.set_state(st)
+            for engine, st in (state.get("recompute") or {}).items():
+                self.recompute.setdefault(engine, RecomputeFit()).set_state(st)
+            for t, row in (state.get("ledger") or {}).items():
+                if t in self.ledger:
+                    self.ledger[t].update({k: int(v) for k, v in row.items() if k in self.ledger[t]})
+            self.synced_at = time.monotonic()
+
+    def describe(self) -> dict:
+        """For `tierd stats` and the metrics: the estimates and the ledger."""
+        with self._lock:
+            return {"transfers": {f"{t}/{d}": fit.describe() for (t, d), fit in self.transfers.items()},
+                    "recompute": {e: fit.describe() for e, fit in self.recompute.items()},
+                    "ledger": {t: dict(row) for t, row in self.ledger.items()}}
