@@ -10,13 +10,18 @@ system prompt, 20 conversations x 5 turns, an engine KV cache too small to keep 
 tokens served from cache beside the trace's theoretical maximum (every full block seen before).
 The store is embedded (the daemon's overhead is benchmarks/daemon.py's subject).
 
+Then "always load" beside "decide" (tierd/costs.py) with the prefix only on disk, healthy, slowed
+to three recomputes a read, and healed (`decide_part`).
+
     python -m benchmarks.ttft [--json PATH] [--quick]
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
+import time
 
 import numpy as np
 
@@ -114,6 +119,92 @@ def trace_part(model, store, conversations: int, turns: int, quick: bool, result
         cached, "tokens", "theoretical max tokens", possible))
 
 
+DECIDE_BLOCK_TOKENS = 64    # the decision's part: 8 tier blocks a 512-token prompt
+LEARN = 2                   # requests the model needs to measure a slowed tier (goals are after them)
+
+
+def decide_part(model, n: int, results, quick: bool) -> None:
+    """"Always load" beside "decide" (tierd/costs.py), each beside recompute measured in the
+    same run, with the prefix only on disk: a healthy disk, a disk whose every read takes three
+    recomputes' time (disk.fault_file's hang), and the same disk healed. One engine per series
+    (its own prefix cache off, so every request asks tierd); before each request the prefix is
+    pushed back to disk only. Goals: decide on the slowed disk <= 1.3x recompute after the
+    first requests, on the healthy or healed disk <= 0.5x."""
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(100, 32000, n).tolist()
+    with tempfile.TemporaryDirectory(prefix="tierd-ttft-decide-") as d:
+        faults = os.path.join(d, "faults")
+        store = TieredStore(host_bytes="1GiB", host_slab_bytes="64MiB", disk_path=os.path.join(d, "disk"),
+                            disk_bytes="1GiB", disk_fault_file=faults)
+
+        def engine(policy=None, kv_store=store):
+            return LLM(model, kv_cache_bytes="1GiB", max_num_batched_tokens=1024, kv_store=kv_store,
+                       kv_block_tokens=DECIDE_BLOCK_TOKENS, enable_prefix_caching=False,
+                       kv_load_policy=policy)
+
+        def ask(llm) -> tuple[float, int]:
+            store.sync()
+            store.flush(tier="host")
+            out = llm.generate(prompt_token_ids=prompt, sampling_params=ONE)[0]
+            return out.metrics["time_to_first_token"], out.metrics["tier_cached_tokens"]
+
+        try:
+            llm = engine(kv_store=None)                         # recompute: no tierd
+            t_re = statistics.median(llm.generate(prompt_token_ids=prompt, sampling_params=ONE)[0]
+                                     .metrics["time_to_first_token"] for _ in range(3))
+            llm.close()
+            llm = engine("always")                              # fills tierd
+            llm.generate(prompt_token_ids=prompt, sampling_params=ONE)
+            llm.connector.flush()
+            llm.close()
+            p = {"prompt_tokens": n, "tier_block_tokens": DECIDE_BLOCK_TOKENS}
+            rows = {}
+            for policy in ("always", "decide"):                 # a healthy disk
+                llm = engine(policy)
+                rows[("healthy", policy)] = [ask(llm) for _ in range(3)]
+                llm.close()
+            hang = 3 * t_re
+            with open(faults, "w") as f:
+                f.write(f"read=hang:{hang:.4f}")
+            llm = engine("always")
+            rows[("slowed", "always")] = [ask(llm) for _ in range(2)]
+            llm.close()
+            decide = engine("decide")                           # measures the slowed disk, then decides
+            learned = [ask(decide) for _ in range(LEARN)]
+            rows[("slowed", "decide")] = [ask(decide) for _ in range(3 if quick else 5)]
+            with open(faults, "w") as f:
+                f.write("")                                     # healed: probes off the path see it
+            healed, waited = [], 0
+            while waited < 40 and len(healed) < 3:
+                t, cached = ask(decide)
+                waited += 1
+                if cached:
+                    healed.append((t, cached))
+                else:
+                    time.sleep(0.25)
+            rows[("healed", "decide")] = healed or [(float("nan"), 0)]
+            decide.close()
+        finally:
+            with open(faults, "w") as f:
+                f.write("")
+            store.close()
+    for (disk, policy), got in rows.items():
+        t = statistics.median(x[0] for x in got)
+        cached = statistics.median(x[1] for x in got)
+        note = {("slowed", "decide"): f"after {LEARN} requests that measured the slowed disk; goal <= 1.3x "
+                                      "recompute (ratio >= 0.77)",
+                ("healed", "decide"): f"after {waited} requests on the healed disk (re-measured off the "
+                                      "request's path); goal <= 0.5x recompute (ratio >= 2)",
+                ("healthy", "decide"): "goal <= 0.5x recompute (ratio >= 2)"}.get((disk, policy), "")
+        results.append(Result(f"TTFT {disk} disk, {policy}",
+                              {**p, "cached_tokens": int(cached), **({"read_hang_ms": round(hang * 1e3, 1)}
+                                                                      if disk == "slowed" else {})},
+                              t * 1e3, "ms", "recompute TTFT ms", t_re * 1e3, higher_is_better=False, note=note))
+    results.append(Result("TTFT slowed disk, decide's first requests", {**p, "requests": LEARN},
+                          statistics.mean(x[0] for x in learned) * 1e3, "ms", "recompute TTFT ms", t_re * 1e3,
+                          higher_is_better=False, note="what measuring the slowed disk cost (not a goal)"))
+
+
 def plot(rows, path: str) -> None:
     try:
         import matplotlib
@@ -150,6 +241,8 @@ def main() -> None:
             trace_part(model, store, 20, 5, args.quick, results)
         finally:
             store.close()
+    for n in (512,) if args.quick else (512, 2048):
+        decide_part(model, n, results, args.quick)
     report("ttft", results, args.json)
     if args.json:
         plot(rows, args.json.rsplit(".", 1)[0] + ".png")

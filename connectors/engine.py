@@ -12,11 +12,14 @@ waits for the store.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 
 import torch
 
+from tierd.costs import load_policy as costs_load_policy
+from tierd.costs import primary_tier
 from tierd.errors import TierdError
 from tierd.kernels.transfer import BlockTransfer
 from tierd.keys import extend_keys
@@ -32,11 +35,12 @@ class EngineConnector:
 
     def __init__(self, store, namespace: Namespace, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  engine_block_size: int, *, max_pending_blocks: int = 64, retry_after_s: float = 1.0,
-                 prefault: bool = True):
+                 prefault: bool = True, load_policy: str | None = None):
         if namespace.block_tokens % engine_block_size:
             raise TierdError(f"tier block of {namespace.block_tokens} tokens is not a multiple of the "
                              f"engine's {engine_block_size}-token blocks")
         self.ns = namespace
+        self.load_policy = costs_load_policy(load_policy)   # "decide" or "always" (tierd/costs.py)
         self.block_tokens = namespace.block_tokens
         self.ratio = namespace.block_tokens // engine_block_size
         self.engine_block_size = engine_block_size
@@ -60,6 +64,8 @@ class EngineConnector:
         self.stats.setdefault("load_device_s", 0.0)    # loads' copies on the device (CUDA: timed by events)
         self._loading: list = []     # (seq, lease, job, hold) of loads whose copies may still run
         self.stats.setdefault("lost_leases", 0)
+        for k in ("declined_tokens", "abandoned_tokens", "slow_hits", "probes"):
+            self.stats.setdefault(k, 0)   # the cost model's decisions (tierd/costs.py)
 
     @property
     def store(self):
@@ -70,9 +76,16 @@ class EngineConnector:
         return extend_keys(seq.tier_keys, self.ns.root_key, seq.token_ids, self.block_tokens, n_blocks)
 
     # -- load before prefill ------------------------------------------------------------------------
+    CHUNK_BLOCKS = 8   # a load from a tier below host RAM goes in parts this large: between two,
+    #                    a load past its deadline is abandoned (the rest recomputed)
+
     def load(self, seq, block_manager) -> int:
         """Extend a just-admitted sequence's cached prefix with tier blocks: allocate engine
-        blocks, copy the tier blocks in, advance num_computed. Returns the tokens loaded."""
+        blocks, copy the tier blocks in, advance num_computed. Returns the tokens loaded.
+
+        Only the prefix the node's cost model (tierd/costs.py) predicts to load faster than it
+        would be computed is loaded; a load that runs past its prediction by a margin stops
+        between two parts, and the rest is computed."""
         # Every full block may be loaded; the last prompt token is then recomputed into its
         # (fresh, unshared) block, because its logits are needed.
         usable = seq.num_tokens // self.block_tokens
@@ -85,13 +98,72 @@ class EngineConnector:
         keys = self.tier_keys(seq, usable)[first:]
         self.stats["lookups"] += 1
         t0 = time.perf_counter()
+        bt = self.block_tokens
         try:
-            lease = acquire_for(store, self.ns, keys, self.device)
+            model = self.link.cost_model()
+            plan = model.plan(self.ns.name, [primary_tier(w) for w in store.where(self.ns, keys)],
+                              self.ns.block_bytes, bt, first_tokens=first * bt,
+                              usable_tokens=seq.num_tokens - 1 - first * bt, policy=self.load_policy)
         except STORE_ERRORS as e:
             self.stats["load_failures"] += 1
             self.link.failed(e, "load")
             return 0
         self.link.ok()
+        for tier, n in plan.declined().items():
+            model.count(tier, declined_tokens=n * bt)
+            self.stats["declined_tokens"] += n * bt
+        if plan.probe >= 0:
+            tier = plan.tiers[plan.probe]
+            run = [k for k, _ in itertools.takewhile(
+                lambda kt: kt[1] == tier, zip(keys[plan.probe:plan.probe + self.CHUNK_BLOCKS], plan.tiers[plan.probe:]))]
+            self.link.probe(self.ns, run, tier, model)
+        loaded, done, sources = 0, 0, set()
+        for tier, s, e in plan.runs():
+            step = e - s if tier in ("gpu", "host") else self.CHUNK_BLOCKS
+            for a in range(s, e, step):
+                b = min(e, a + step)
+                if done and time.perf_counter() - t0 > plan.deadline_s:
+                    # past its deadline: what is loaded stays, the rest is computed
+                    left = plan.blocks - done
+                    model.count(tier, abandoned_tokens=left * bt)
+                    self.stats["abandoned_tokens"] += left * bt
+                    return self._loaded(seq, model, plan, loaded, done, sources, t0)
+                t1 = time.perf_counter()
+                got, n = self._load_part(store, seq, block_manager, first + a, keys[a:b])
+                if n:
+                    model.observe_transfer(tier, "load", n * self.ns.block_bytes, time.perf_counter() - t1)
+                    sources.add(tier)
+                loaded += got
+                done += n
+                if n < b - a:       # fewer than asked (evicted meanwhile, no room, a failure)
+                    return self._loaded(seq, model, plan, loaded, done, sources, t0)
+        return self._loaded(seq, model, plan, loaded, done, sources, t0)
+
+    def _loaded(self, seq, model, plan, loaded: int, done: int, sources: set, t0: float) -> int:
+        """The ledger of one load: tokens per tier, and a slow hit where it took longer than
+        computing its tokens was estimated to."""
+        took = time.perf_counter() - t0
+        if done:
+            seq.tier_sources = sorted(sources)
+            self.stats["hit_blocks"] += done
+            self.stats["loaded_tokens"] += loaded
+            self.stats["loaded_bytes"] += done * self.ns.block_bytes
+            self.stats["load_s"] += took
+            for t in sources:
+                model.count(t, loads=1, loaded_tokens=sum(self.block_tokens for x in plan.tiers[:done] if x == t))
+            if plan.reason == "model" and took > plan.recompute_s:
+                model.count(plan.tiers[done - 1], slow_hits=1)
+                self.stats["slow_hits"] += 1
+        return loaded
+
+    def _load_part(self, store, seq, block_manager, first: int, keys: list[bytes]) -> tuple[int, int]:
+        """Load `keys`, the tier blocks from `first` on: (tokens loaded, blocks loaded)."""
+        try:
+            lease = acquire_for(store, self.ns, keys, self.device)
+        except STORE_ERRORS as e:
+            self.stats["load_failures"] += 1
+            self.link.failed(e, "load")
+            return 0, 0
         handed = False
         hold = contextlib.ExitStack()
         try:
@@ -99,7 +171,7 @@ class EngineConnector:
             while n and not block_manager.can_allocate(seq, (first + n) * self.block_tokens - seq.num_computed):
                 n -= 1
             if n == 0:
-                return 0
+                return 0, 0
             # the bytes count only if the lease holds from before the copy until its end: a
             # daemon connection lost meanwhile may have handed the slots to another writer
             hold.enter_context(holding(store, lease))
@@ -125,26 +197,28 @@ class EngineConnector:
             loaded = upto - seq.num_computed
             seq.num_computed = upto
             seq.tier_loaded = first + n
-            seq.tier_sources = sorted(set(lease.tiers[:n]))
-            self.stats["hit_blocks"] += n
-            self.stats["loaded_tokens"] += loaded
-            self.stats["loaded_bytes"] += n * self.ns.block_bytes
-            self.stats["load_s"] += time.perf_counter() - t0
-            return loaded
+            return loaded, n
         except STORE_ERRORS as e:     # the lease was lost: what was copied is not used
             self.stats["lost_leases"] += 1
             self.stats["load_failures"] += 1
             log.warning("tierd lease lost during a load (%s); the prefix is recomputed", e)
-            return 0
+            return 0, 0
         except Exception:  # noqa: BLE001 - a failed copy never fails the request: it recomputes
             log.exception("tierd: loading a cached prefix failed; recomputing it")
             self.stats["load_failures"] += 1
             drain_quietly(self.xfer)
-            return 0
+            return 0, 0
         finally:
             if not handed:
                 hold.close()
                 self._end_lease(lease)
+
+    def observe_forward(self, batch, seconds: float) -> None:
+        """A forward of the engine: (new tokens, cached tokens before them) per sequence, and
+        its seconds, for the cost model's recompute estimate (tierd/costs.py)."""
+        store = self.link.get()
+        if store is not None:
+            store.cost_model(sync=False).observe_forward(self.ns.name, batch, seconds)
 
     def _confirm(self, store, lease) -> None:
         """End `lease`, raising LeaseError if it was lost before now (a daemon's lease; an

@@ -26,10 +26,12 @@ import time
 from collections.abc import Sequence
 from urllib.parse import urlparse
 
+import numpy as np
 import torch
 
 import tierd
 from tierd import threads
+from tierd.costs import SYNC_S as COSTS_SYNC_S
 from tierd.errors import LeaseError, NamespaceLimitError, TierdError
 
 log = logging.getLogger("tierd.connectors")
@@ -186,6 +188,9 @@ class StoreLink:
         self._stop = False
         self._name = name
         self._worker: threading.Thread | None = None
+        self._probing = False
+        self._prober: threading.Thread | None = None
+        self._syncing = False
 
     # -- availability ------------------------------------------------------------------------
     SOCKET_LOOK_S = 0.25   # while backing off, how often the daemon's socket is looked at
@@ -361,6 +366,63 @@ class StoreLink:
                 self.failed(e, "store")
                 return
 
+    # -- re-measuring a declined tier --------------------------------------------------------------
+    def probe(self, ns, keys: Sequence[bytes], tier: str, model) -> bool:
+        """Time one load of `keys` (blocks the cost model declined on `tier`) on a thread of
+        its own, off the request's path, so that a tier that healed is seen to have healed (a
+        tier never loaded from is never measured again otherwise). One at a time; False if one
+        runs. The load promotes the blocks into host RAM, as any load does."""
+        with self._lock:
+            if self._probing or self._stop:
+                return False
+            self._probing = True
+
+        def run():
+            try:
+                store = self.store
+                if store is None:
+                    return
+                t0 = time.perf_counter()
+                lease = store.acquire(ns, list(keys))
+                try:
+                    if len(lease):
+                        for buf in lease.buffers:
+                            np.array(buf, copy=True)     # (the copy a load makes)
+                        model.observe_transfer(tier, "load", sum(len(b) for b in lease.buffers),
+                                               time.perf_counter() - t0)
+                        self.stats["probes"] = self.stats.get("probes", 0) + 1
+                finally:
+                    lease.__exit__(None, None, None)
+            except Exception as e:  # noqa: BLE001 -- a measurement off the path: never an engine's error
+                log.debug("tierd: probing the %s tier failed (%s)", tier, e)
+            finally:
+                self._probing = False
+        self._prober = threads.start(run, name=f"{self._name}-probe")
+        return True
+
+    def cost_model(self):
+        """The store's cost model (tierd/costs.py) without a request on the caller's thread: a
+        daemon client's replica is exchanged with the daemon's on a thread of its own when due.
+        None without a store."""
+        store = self.store
+        if store is None or not hasattr(store, "cost_model"):
+            return None
+        model = store.cost_model(sync=False)
+        if hasattr(store, "hold") and time.monotonic() - model.synced_at >= COSTS_SYNC_S:
+            with self._lock:
+                start = not self._syncing and not self._stop
+                self._syncing = self._syncing or start
+            if start:
+                def run():
+                    try:
+                        store.cost_model()
+                    except Exception as e:  # noqa: BLE001 -- a measurement exchange: never an engine's error
+                        log.debug("tierd: exchanging the cost model failed (%s)", e)
+                    finally:
+                        self._syncing = False
+                threads.start(run, name=f"{self._name}-costs")
+        return model
+
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued block has been handed to the store. True if none is left."""
         deadline = time.monotonic() + timeout_s
@@ -373,6 +435,8 @@ class StoreLink:
         self._stop = True
         if self._worker is not None:
             self._worker.join(5)
+        if self._prober is not None:
+            self._prober.join(5)       # (it reads through the store: done before the store closes)
         if self._owns_store and self.store is not None:
             try:
                 self.store.close()

@@ -84,6 +84,7 @@ import threading
 
 import torch
 
+from tierd.costs import load_policy
 from tierd.errors import NamespaceError, TierdError
 from tierd.index import LEASE_FREE_READS
 from tierd.kernels.transfer import BlockTransfer
@@ -160,6 +161,8 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
             raise TierdError(f"load_async={mode!r}: use \"auto\", true or false")
         self.load_mode = {"true": True, "false": False}.get(mode, mode)
         self.async_min_bytes = int(_extra(ktc, "async_min_bytes", 64 << 20))
+        # "decide": a hit is only the prefix that loads faster than it computes (tierd/costs.py)
+        self.load_policy = load_policy(_extra(ktc, "load_policy", None))
         self.deadline_s = float(_extra(ktc, "lookup_deadline_ms", 50)) / 1000
         self.max_inflight_bytes = int(_extra(ktc, "max_inflight_bytes", 256 << 20))
         self.save_wait_s = float(_extra(ktc, "save_wait_ms", 50)) / 1000
@@ -235,8 +238,8 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
             self.save_link = StoreLink(store, timeout_s=timeout_s, name="tierd-vllm-save", prefault=prefault)
             self.save_link.stats = self.link.stats
         self.stats = self.link.stats
-        for k in ("lookup_timeouts", "loads_async", "stores_present", "lost_leases", "requests_not_keyed",
-                  "save_s", "hbm_hit_blocks", "loads_unordered", "stores_skipped", "state_misses",
+        for k in ("declined_tokens", "slow_hits", "probes", "lookup_timeouts", "loads_async", "stores_present",
+                  "lost_leases", "requests_not_keyed", "save_s", "hbm_hit_blocks", "loads_unordered", "stores_skipped", "state_misses",
                   "state_load_misses", "load_acquire_s", "load_copy_s", "unleased_loads", "requests_opted_out",
                   "sched_s", "hook_s"):
             self.stats.setdefault(k, 0)
@@ -270,6 +273,9 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
         self._loading: list[_Loading] = []       # this step's synchronous loads, copying
         self._waited: set[str] = set()           # layers whose wait_for_layer_load ran this step
         self._layerwise = False                  # the last forward that asked asked for every layer
+        self._fwd = None                         # this step's forward, being timed (cost model)
+        self._fwd_events: list = []              # GPU forwards timed by events, not yet read
+        self._device = torch.device("cpu")       # (the caches' device, once registered)
 
     # -- configuration ------------------------------------------------------------------------
     def _unsupported_reason(self, vllm_config, kv_cache_config) -> str:
@@ -381,6 +387,12 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
             return get_tensor_model_parallel_rank()
         size = max(self.tp_keys, int(getattr(pc, "tensor_parallel_size", 1) or 1))
         return identity.engine_rank("tensor-parallel rank", rank, size)
+
+    @property
+    def engine_key(self) -> str:
+        """This engine in the cost model (tierd/costs.py): its first rank's namespace without a
+        cache salt (a salt changes no cost)."""
+        return self.namespace("", 0).name
 
     def namespace(self, salt: str | None = "", rank: int | None = None) -> Namespace:
         """The namespace of key rank `rank` (stage * ranks per stage + tensor-parallel rank;

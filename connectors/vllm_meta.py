@@ -60,3 +60,6 @@ class TierdConnectorMetadata(KVConnectorMetadata):
     # planning): the workers add it to their `sched_s`, so that one place counts what the
     # connector costs the engine's step
     sched_s: float = 0.0
+    # (new tokens, tokens computed before them) per request this step computes: the workers
+    # time the step's forward for the cost model's recompute estimate (tierd/costs.py)
+    forward: list = field(default_factory=list)

@@ -46,6 +46,8 @@ class _Req:
     local: int = 0            # tokens vLLM's own prefix cache had at that lookup
     load_async: bool = False  # how the load of that lookup goes
     load_attempts: int = 0
+    plan: Any = None          # the cost model's plan at that lookup (tierd/costs.py)
+    declined_counted: bool = False
     load: bool = True         # the request's own say (`kv_transfer_params`): look up and load,
     store: bool = True        # and store its blocks
 
@@ -115,16 +117,19 @@ class SchedulerHalf:
         self._extend(st, n_full)
         self.stats["lookups"] += 1
         auto = self.load_mode == "auto"
+        decide = self.load_policy == "decide"
         try:
-            if self.key_ranks == 1 and not auto:
+            if self.key_ranks == 1 and not auto and not decide:
                 n = n_host = store.lookup(self.namespace(st.salt, 0), st.keys[0][:n_full])
             else:   # one round trip for every stage and rank; the hit is what all of them hold
                 found = store.lookup_all([(self.namespace(st.salt, r), st.keys[r][:n_full])
-                                          for r in range(self.key_ranks)], host=auto)
-                if auto:
+                                          for r in range(self.key_ranks)], host=auto or decide)
+                if auto or decide:
                     n, n_host = min(f[0] for f in found), min(f[1] for f in found)
                 else:
                     n = n_host = min(found)
+            if decide and n > num_computed_tokens // self.block_tokens:
+                n = self._decide(st, n, n_host, num_computed_tokens, len(tokens))
             if st.state_keys and n:
                 n = self._state_hit(store, st, min(n, (len(tokens) - 1) // self.block_tokens),
                                     num_computed_tokens // self.block_tokens)
@@ -182,6 +187,32 @@ class SchedulerHalf:
                 return k
         self.stats["state_misses"] += 1
         return 0
+
+    def _decide(self, st: _Req, n: int, n_host: int, computed: int, n_tokens: int) -> int:
+        """Of the `n` tier blocks found (the first `n_host` in host RAM, the rest below it), the
+        leading ones worth loading by the node's cost model (tierd/costs.py): the others are
+        computed, which the model predicts to be faster. Tokens declined go in its ledger once
+        per request."""
+        model = self.link.cost_model()
+        if model is None:
+            return n
+        bt, local = self.block_tokens, computed // self.block_tokens
+        ns = self.namespace(st.salt, 0)
+        tiers = ["host" if i < n_host else "disk" for i in range(local, n)]
+        plan = model.plan(self.engine_key, tiers, ns.block_bytes, bt, first_tokens=local * bt,
+                          usable_tokens=n_tokens - 1 - local * bt)
+        st.plan = plan
+        if not st.declined_counted:
+            st.declined_counted = True
+            for tier, blocks in plan.declined().items():
+                model.count(tier, declined_tokens=blocks * bt)
+                self.stats["declined_tokens"] += blocks * bt
+        if plan.probe >= 0:
+            i = local + plan.probe
+            tier = plan.tiers[plan.probe]
+            run = st.keys[0][i:min(n if tier != "host" else n_host, i + 8)]
+            self.link.probe(ns, run, tier, model)
+        return local + plan.blocks
 
     def _load_async(self, start: int, ext: int, n_host: int, salt: str) -> bool:
         """Whether a load goes through vLLM's asynchronous path: always, never, or ("auto") when
@@ -258,6 +289,11 @@ class SchedulerHalf:
         meta.loads, self._loads = self._loads, []
         scheduled = scheduler_output.num_scheduled_tokens
         live = getattr(scheduler_output, "kv_connector_block_state", None)
+        # (what this step's forward computes, per request: the workers time it for the cost model)
+        cached = scheduler_output.scheduled_cached_reqs
+        meta.forward = [(scheduled.get(nr.req_id, 0), nr.num_computed_tokens)
+                        for nr in scheduler_output.scheduled_new_reqs]
+        meta.forward += [(scheduled.get(r, 0), cached.num_computed_tokens[i]) for i, r in enumerate(cached.req_ids)]
         for nr in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(nr.req_id)
             if st is None:

@@ -58,11 +58,12 @@ class _Pending:
 class _Loading:
     """A synchronous load whose copies run during the step's forward."""
 
-    __slots__ = ("spec", "store", "lease", "loaded", "job", "hold", "t0")
+    __slots__ = ("spec", "store", "lease", "loaded", "job", "hold", "t0", "tiers")
 
     def __init__(self, spec: LoadSpec, store, lease, loaded: int, job: LoadJob, hold, t0: float):
         self.spec, self.store, self.lease, self.loaded, self.job, self.hold, self.t0 = \
             spec, store, lease, loaded, job, hold, t0
+        self.tiers = list(getattr(lease, "tiers", None) or ())    # where each block was found
 
 
 class WorkerHalf:
@@ -285,6 +286,7 @@ class WorkerHalf:
             return None
         self.link.ok()
         spent = time.perf_counter() - t0
+        self._observe_load(spec, ["host"] * n, n, spent)
         self.stats["unleased_loads"] += 1
         self.stats["load_copy_s"] += spent      # the index read, the copies and their check
         self.stats["load_s"] += spent
@@ -357,6 +359,7 @@ class WorkerHalf:
             loaded = 0
         if loaded:
             self.stats["loaded_bytes"] += loaded * self.namespace(ld.spec.salt).block_bytes
+            self._observe_load(ld.spec, ld.tiers, loaded, time.perf_counter() - ld.t0)
         return self._missing(ld.spec, loaded)
 
     def _missing(self, spec: LoadSpec, loaded: int) -> set[int]:
@@ -468,10 +471,70 @@ class WorkerHalf:
         self._waited = set()
         self._layerwise = False
 
+    # -- the cost model's measurements (tierd/costs.py) ------------------------------------------
+    def _begin_forward_timing(self, meta) -> None:
+        """(Rank 0.) Time this step's forward for the recompute estimate, where it computes a
+        prefill and loads nothing before it (a load's copies would be counted as compute). On a
+        GPU the forward is timed by events, read once they have passed (never a synchronize)."""
+        self._resolve_forward_timings()
+        terms = list(getattr(meta, "forward", None) or ())
+        self._fwd = None
+        if self._rank != 0 or getattr(meta, "loads", None) or not any(n > 1 for n, _ in terms):
+            return
+        if self._device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._fwd = (start, terms)
+        else:
+            self._fwd = (time.perf_counter(), terms)
+
+    def _end_forward_timing(self) -> None:
+        fwd, self._fwd = self._fwd, None
+        if fwd is None:
+            return
+        start, terms = fwd
+        if isinstance(start, float):
+            self._observe_forward(terms, time.perf_counter() - start)
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._fwd_events.append((start, end, terms))
+
+    def _resolve_forward_timings(self) -> None:
+        while self._fwd_events and self._fwd_events[0][1].query():
+            start, end, terms = self._fwd_events.pop(0)
+            self._observe_forward(terms, start.elapsed_time(end) / 1e3)
+        del self._fwd_events[:-64]    # (never more than a few steps behind)
+
+    def _observe_forward(self, terms, seconds: float) -> None:
+        model = self.link.cost_model()
+        if model is not None:
+            model.observe_forward(self.engine_key, terms, seconds)
+
+    def _observe_load(self, spec: LoadSpec, tiers, loaded: int, seconds: float) -> None:
+        """A load of `loaded` tier blocks from `tiers` (per block) took `seconds`: the tier's
+        transfer estimate, the ledger, and a slow hit where it took longer than computing its
+        tokens was estimated to."""
+        model = self.link.cost_model()
+        if model is None or not loaded:
+            return
+        order = {"gpu": 0, "host": 1, "disk": 2, "remote": 3}
+        tier = max((t for t in (tiers or ["host"])[:loaded] if t in order), key=order.get, default="host")
+        ns, bt = self.namespace(spec.salt), self.block_tokens
+        model.observe_transfer(tier, "load", loaded * ns.block_bytes, seconds)
+        if self._rank == 0:
+            model.count(tier, loads=1, loaded_tokens=loaded * bt)
+            fit = model.recompute.get(self.engine_key)
+            saving = fit.saving(spec.first_tier * bt, loaded * bt) if fit is not None else None
+            if saving is not None and seconds > saving:
+                model.count(tier, slow_hits=1)
+                self.stats["slow_hits"] += 1
+
     @timed("hook_s")
     def bind_connector_metadata(self, connector_metadata) -> None:
         self._end_forward()
         super().bind_connector_metadata(connector_metadata)
+        self._begin_forward_timing(connector_metadata)
         if self._rank == 0:      # (every worker gets it; counted once)
             self.stats["sched_s"] += getattr(connector_metadata, "sched_s", 0.0)
         saves = getattr(connector_metadata, "saves", None)
@@ -508,6 +571,7 @@ class WorkerHalf:
 
     @timed("hook_s")
     def wait_for_save(self):
+        self._end_forward_timing()
         self._finish_loads()
         pending, self._step_saves = self._step_saves, []
         if not pending:

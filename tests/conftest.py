@@ -17,6 +17,12 @@ if "TIERD_DIGEST_CACHE" not in os.environ:
     atexit.register(shutil.rmtree, _digests, ignore_errors=True)
 
 
+# Most tests exercise the load path with models so small that computing a prefix is cheaper
+# than loading it: there every hit is loaded (tierd/costs.py, "always"). The tests of the
+# decision itself (tests/test_decide.py) choose "decide".
+os.environ.setdefault("TIERD_LOAD_POLICY", "always")
+
+
 @pytest.fixture
 def ns():
     return make_ns()

@@ -705,13 +705,14 @@ class Client(DaemonConnection):
     def stats(self) -> dict:
         return self._call("stats")["stats"]
 
-    def cost_model(self) -> CostModel:
+    def cost_model(self, *, sync: bool = True) -> CostModel:
         """This client's replica of the daemon's cost model (tierd/costs.py). What this process
         measures goes into it at once; at most every `costs.SYNC_S` it is exchanged with the
-        daemon's (one request), which holds what every engine on the node measured. A daemon
-        that cannot be asked leaves the replica as it is: decisions go on from it."""
+        daemon's (one request; never with `sync=False`), which holds what every engine on the
+        node measured. A daemon that cannot be asked leaves the replica as it is: decisions go
+        on from it."""
         m = self._costs
-        if self._costs_ok and time.monotonic() - m.synced_at >= SYNC_S:
+        if sync and self._costs_ok and time.monotonic() - m.synced_at >= SYNC_S:
             report = m.take_outbox()
             m.synced_at = time.monotonic()   # (one try per period, whatever it meets)
             try:

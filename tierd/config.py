@@ -413,7 +413,8 @@ def read_toml(path: str, data: bytes | None = None, *, implicit: bool = False) -
 
 
 # TIERD_* variables that belong to clients and tools, not to `tierd serve`.
-CLIENT_ENV = frozenset({"TIERD_CONFIG", "TIERD_URL", "TIERD_DIGEST_CACHE"})  # read by clients, not serve
+CLIENT_ENV = frozenset({"TIERD_CONFIG", "TIERD_URL", "TIERD_DIGEST_CACHE", "TIERD_LOAD_POLICY",
+                        "TIERD_SGLANG_DRAIN_S", "TIERD_SGLANG_PLUGIN", "TIERD_CACHE_DIR"})  # read by clients
 
 
 def load_serve_config(config_path: str | None = None, flags: dict[str, Any] | None = None,

@@ -56,6 +56,23 @@ ABANDON_SLACK_S = 2e-3   # ... and 2 ms over it is abandoned where the engine ca
 PROBE_S = 1.0            # a declined tier is re-measured (one block, off the request's path) this often
 SYNC_S = 0.5             # a client exchanges its measurements with the daemon's model this often
 LEDGER_KEYS = ("loads", "loaded_tokens", "declined_tokens", "abandoned_tokens", "slow_hits")
+# How connectors use the decision: "decide" (the default) loads what wins; "always" loads every
+# block found, as a cache that does not measure would (a benchmark's baseline, tests of the load
+# path with models so small that computing always wins). A connector's own setting, else this
+# variable.
+LOAD_POLICIES = ("decide", "always")
+LOAD_POLICY_ENV = "TIERD_LOAD_POLICY"
+
+
+def load_policy(setting: str | None = None) -> str:
+    """The load policy: `setting`, else $TIERD_LOAD_POLICY, else "decide"."""
+    import os
+
+    from .errors import ConfigError
+    value = setting if setting not in (None, "") else os.environ.get(LOAD_POLICY_ENV, "") or "decide"
+    if value not in LOAD_POLICIES:
+        raise ConfigError(f"load policy {value!r}: use one of {', '.join(LOAD_POLICIES)}")
+    return value
 
 
 class TransferFit:
@@ -220,7 +237,8 @@ class Plan:
     tiers: list[str]              # per found block, the tier it would load from
     load_s: float = 0.0           # predicted seconds to load `blocks`
     recompute_s: float = 0.0      # predicted seconds to compute their tokens instead
-    reason: str = "model"         # "model": decided; "unmeasured": no recompute estimate, loads all
+    reason: str = "model"         # "model": decided; "unmeasured": no recompute estimate, loads
+    #                               all; "always": the load policy loads all
     probe: int = -1               # a declined block to re-measure its tier with, off the path
     block_tokens: int = 0
     deadline_s: float = field(default=math.inf)
@@ -303,15 +321,16 @@ class CostModel:
 
     # -- the decision --------------------------------------------------------------------------
     def plan(self, engine: str, tiers: list[str], block_bytes: int, block_tokens: int, *,
-             first_tokens: int = 0, usable_tokens: int | None = None) -> Plan:
+             first_tokens: int = 0, usable_tokens: int | None = None, policy: str = "decide") -> Plan:
         """Which prefix of the found blocks (`tiers`: per block the tier it loads from, "" where
         none: the found prefix ends there) to load for `engine`. The blocks start after
         `first_tokens` tokens the engine holds; of their tokens at most `usable_tokens` count
-        (the last prompt token is always computed)."""
+        (the last prompt token is always computed). `policy` "always": every found block."""
         found = next((i for i, t in enumerate(tiers) if t not in TIERS), len(tiers))
         tiers = list(tiers[:found])
         plan = Plan(found=found, blocks=found, tiers=tiers, block_tokens=block_tokens)
-        if not found:
+        if not found or policy == "always":
+            plan.reason = "always" if found else plan.reason
             return plan
         cap = found * block_tokens if usable_tokens is None else max(0, usable_tokens)
         with self._lock:

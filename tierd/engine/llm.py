@@ -60,7 +60,8 @@ class LLM:
                  kv_tier_codec: str = "", kv_scales: str = "auto",
                  calibration_prompts: list[list[int]] | None = None, int4_group: int = 32,
                  attention_sinks: int = 0, window: int | None = None, kv_budget: int | None = None,
-                 device: str = "cpu", warmup: bool | None = None, cuda_graphs: bool | None = None):
+                 device: str = "cpu", warmup: bool | None = None, cuda_graphs: bool | None = None,
+                 recompute_probe: bool = True, kv_load_policy: str | None = None):
         from ..config import parse_size
         self.model_dir = Path(model)
         self.config = cfg = ModelConfig.from_dir(self.model_dir)
@@ -176,7 +177,8 @@ class LLM:
                                                tier_codec=kv_tier_codec, kv_scales=scales_id)
             if stream_layout:
                 tier_ns = Namespace.from_dict({**tier_ns.to_dict(), "layout": stream_layout})
-            self.connector = EngineConnector(kv_store, tier_ns, self.kv_caches, block_size)
+            self.connector = EngineConnector(kv_store, tier_ns, self.kv_caches, block_size,
+                                             load_policy=kv_load_policy)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, self.connector)
         self.tokenizer = None
         tok = self.model_dir / "tokenizer.json"
@@ -204,6 +206,8 @@ class LLM:
                 raise ConfigError(f"cuda_graphs: {why}")
         if warmup if warmup is not None else self.device.type == "cuda":
             self.warmup()
+        if self.connector is not None and recompute_probe and self.connector.load_policy == "decide":
+            self.probe_recompute()
 
     def _graphs_decline(self) -> str | None:
         """Why decode steps cannot run through static buffers with this engine, or None."""
@@ -265,6 +269,46 @@ class LLM:
         self.model.attention_seconds = 0.0
         self.warmup_seconds = time.perf_counter() - t0
         return self.warmup_seconds
+
+    PROBE_BLOCKS = (2, 8, 32)   # prompt lengths (in engine blocks) `probe_recompute` times
+
+    def probe_recompute(self) -> int:
+        """Seed the node's cost model (tierd/costs.py) with what this engine's prefill costs,
+        so that its first requests are decided too: a few prompts of `PROBE_BLOCKS` lengths,
+        each timed, through the model directly on scratch blocks (nothing cached or stored;
+        the blocks are zeroed again). Later forwards refine the estimate. Returns how many
+        forwards were measured (0 without a connector, or with the engine busy)."""
+        conn = self.connector
+        if conn is None or self.int4 or self.scheduler.running or self.scheduler.waiting:
+            return 0
+        bs, dev = self.block_size, self.device
+        most = min(self.scheduler.max_num_batched_tokens, self.max_model_len - 1, (self.block_manager.num_free - 1) * bs)
+        lengths = sorted({min(most, b * bs) for b in self.PROBE_BLOCKS if min(most, b * bs) >= 2})
+        if not lengths:
+            return 0
+        table = torch.arange(-(-lengths[-1] // bs), dtype=torch.long)     # scratch: no block is in use yet
+        g = torch.Generator().manual_seed(1)
+        measured = 0
+        with torch.inference_mode():
+            for i, n in enumerate([lengths[0]] + lengths):    # (the first run only warms up)
+                tokens = torch.randint(0, self.config.vocab_size, (n,), generator=g)
+                positions = torch.arange(n)
+                slots = table[positions // bs] * bs + positions % bs
+                t0 = time.perf_counter()
+                self.model.forward(tokens.to(dev), positions.to(dev), slots.to(dev), [(0, n, n, table)],
+                                   self.kv_caches, torch.tensor([n - 1], dtype=torch.long).to(dev), self.kv_scales,
+                                   streaming=self.streaming)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                if i:
+                    conn.observe_forward([(n, 0)], time.perf_counter() - t0)
+                    measured += 1
+            idx = table.to(dev)
+            for k, v in self.kv_caches:
+                k.view(torch.uint8)[idx] = 0
+                v.view(torch.uint8)[idx] = 0
+        self.model.attention_seconds = 0.0
+        return measured
 
     # -- block eviction --------------------------------------------------------------------------
     def _evict(self, seq: Sequence, n: int, mass: torch.Tensor) -> None:
@@ -414,6 +458,8 @@ class LLM:
                 sampled.append(seq)
         dev = self.device
         conn = self.connector
+        # (a prefill step's forward is measured for the cost model, unless loads copy during it)
+        measured = conn is not None and not conn.loading and len(batch) < len(tokens)
         t2 = time.perf_counter()
         self.phase_seconds["inputs"] += t2 - t1
         try:
@@ -437,6 +483,8 @@ class LLM:
         logits = logits.cpu()        # sampling runs on the host: the step's one wait for the device
         t3 = time.perf_counter()
         self.phase_seconds["forward"] += t3 - t2
+        if measured:
+            conn.observe_forward([(n, end - n) for _, n, end, _ in seqs], t3 - t2)
         if lost:
             gone = {id(s) for s in lost}
             kept = [i for i, (seq, _) in enumerate(batch) if id(seq) not in gone]
