@@ -112,8 +112,9 @@ def steps(values: list, every: int) -> str:
 def healthy_node(**over) -> dict[str, str]:
     """A warmed-up node running as designed: host RAM full, the disk at 92% (between its
     watermarks), 15% of host RAM dirty, 10 puts/s with none dropped, 80% hits, evictions,
-    records written (5 unrecorded long ago), the remote tier fine. `over`: series replaced
-    (by key of this dict) or, with None, removed."""
+    records written (5 unrecorded long ago), the remote tier fine, engines loading from host
+    RAM and the disk (1% of the disk's loads slow hits). `over`: series replaced (by key of
+    this dict) or, with None, removed."""
     n = dict(NODE)
     s = dict([
         series("up", n, const(1)),
@@ -136,6 +137,10 @@ def healthy_node(**over) -> dict[str, str]:
         series("tierd_host_unrecorded_total", n, const(5)),
         series("tierd_host_unrecorded_pending", n, const(0)),
         series("tierd_remote_degraded", n, const(0)),
+        series("tierd_loads_total", {**n, "tier": "host"}, counter(1200)),
+        series("tierd_loads_total", {**n, "tier": "disk"}, counter(600)),
+        series("tierd_slow_hits_total", {**n, "tier": "host"}, const(0)),
+        series("tierd_slow_hits_total", {**n, "tier": "disk"}, counter(6)),
         # kube-state-metrics: a DaemonSet of 3 nodes, all ready
         series("kube_daemonset_status_desired_number_scheduled", KSM, const(3)),
         series("kube_daemonset_status_number_ready", KSM, const(3)),
@@ -171,6 +176,10 @@ KEY = {
     "disk_evictions": series("tierd_evictions_total", {**NODE, "tier": "disk"}, "")[0],
     "unrecorded": series("tierd_host_unrecorded_total", NODE, "")[0],
     "remote_degraded": series("tierd_remote_degraded", NODE, "")[0],
+    "host_loads": series("tierd_loads_total", {**NODE, "tier": "host"}, "")[0],
+    "disk_loads": series("tierd_loads_total", {**NODE, "tier": "disk"}, "")[0],
+    "host_slow_hits": series("tierd_slow_hits_total", {**NODE, "tier": "host"}, "")[0],
+    "disk_slow_hits": series("tierd_slow_hits_total", {**NODE, "tier": "disk"}, "")[0],
     "ds_desired": series("kube_daemonset_status_desired_number_scheduled", KSM, "")[0],
     "ds_ready": series("kube_daemonset_status_number_ready", KSM, "")[0],
     "ds_updated": series("kube_daemonset_status_updated_number_scheduled", KSM, "")[0],
@@ -197,7 +206,8 @@ def _restart() -> dict:
         return f"0+{per_minute}x59 {gap} 0+{per_minute}x{after}"
 
     return dict(up=f"1x59 0x{down - 1} 1x{after + 1}", puts=ctr(600), hits=ctr(1200), misses=ctr(300),
-                host_evictions=ctr(600), disk_evictions=ctr(60),
+                host_evictions=ctr(600), disk_evictions=ctr(60), host_loads=ctr(1200), disk_loads=ctr(600),
+                host_slow_hits=f"0x59 {gap} 0x{after}", disk_slow_hits=ctr(6),
                 disk_used=f"{fmt(0.92 * DISK)}x59 {gap} {fmt(0.95 * DISK)}x{after}",
                 unrecorded=f"5x59 {gap} 0x{after}")
 
@@ -210,6 +220,14 @@ def _rollout(fleet: int, stuck_at: int | None = None) -> dict:
     return dict(ds_desired=const(fleet), ds_ready=const(fleet - 1), ds_updated=steps(updated, 5))
 
 
+def _slow_spell(per_minute: int, start: int, minutes: int) -> str:
+    """The disk's slow hits: 6 a minute (1% of its loads), and `per_minute` for `minutes` from
+    minute `start`."""
+    base = 6 * start
+    return (f"0+6x{start} {fmt(base)}+{per_minute}x{minutes} "
+            f"{fmt(base + per_minute * minutes)}+6x{MINUTES - start - minutes}")
+
+
 HEALTHY_AT = (15, 45, 90, MINUTES)    # a healthy node: silent all along, not only at the end
 SCENARIOS = [
     # -- healthy: nothing fires ---------------------------------------------------------------------
@@ -218,12 +236,22 @@ SCENARIOS = [
     Scenario("healthy-restart", healthy_node(**_restart()), at=(61, 62, 63, 64, 65, 90, MINUTES)),
     Scenario("healthy-no-disk-tier",   # host RAM only: every block dirty, by design
              healthy_node(dirty=const(HOST), clean=const(0), disk_degraded=None, episodes=None, io_errors=None,
-                          corrupt=None, disk_used=None, disk_capacity=None, disk_evictions=None),
+                          corrupt=None, disk_used=None, disk_capacity=None, disk_evictions=None,
+                          disk_loads=None, disk_slow_hits=None),
              at=HEALTHY_AT),
     Scenario("healthy-idle-below-high-watermark",   # nothing to evict: dirty blocks are not written ahead
              healthy_node(host_used=const(0.85 * HOST), dirty=const(0.85 * HOST), clean=const(0),
                           hits=const(0), misses=const(0), puts=const(0), host_evictions=const(0),
-                          disk_evictions=const(0)), at=HEALTHY_AT),
+                          disk_evictions=const(0), host_loads=const(0), disk_loads=const(0),
+                          host_slow_hits=const(0), disk_slow_hits=const(0)), at=HEALTHY_AT),
+    # the disk slows down at minute 100: every load from it is a slow hit for 4 minutes, until
+    # the estimate follows (far longer than the model takes, a load or two). Over 20% of the
+    # 15-minute window for some minutes, not for 15
+    Scenario("healthy-a-spell-of-slow-hits", healthy_node(disk_slow_hits=_slow_spell(600, 100, 4)),
+             at=(101, 104, 108, 112, 116, 120, 125, MINUTES)),
+    # a quiet node: 3 loads a minute from the disk, 2 of them slow: too few to tell
+    Scenario("healthy-slow-hits-at-low-traffic", healthy_node(disk_loads=counter(3), disk_slow_hits=counter(2)),
+             at=HEALTHY_AT),
     Scenario("healthy-rollout-through-a-large-fleet", healthy_node(**_rollout(200)), at=HEALTHY_AT,
              kubernetes_only=True),
     # -- failures: each fires its alert, and only it ------------------------------------------------
@@ -250,6 +278,9 @@ SCENARIOS = [
     Scenario("disk-flapping", healthy_node(episodes=steps(list(range(2, 2 + MINUTES // 10)), 10)),
              fires={"TierdDiskTierFlapping": [NODE]}),
     Scenario("disk-io-errors", healthy_node(io_errors=counter(1)), fires={"TierdDiskErrors": [NODE]}),
+    Scenario("slow-hits-persist",   # from minute 120, half the disk's loads slower than recomputing
+             healthy_node(disk_slow_hits=f"0+6x119 {fmt(6 * 119)}+300x60"),
+             fires={"TierdSlowHits": [{"instance": NODE["instance"], "tier": "disk"}]}, at=(145, 160, MINUTES)),
     Scenario("low-hit-rate", healthy_node(hits=counter(300), misses=counter(1200)),
              fires={"TierdLowHitRate": [{"instance": NODE["instance"]}]}),
     Scenario("eviction-thrashing", healthy_node(host_evictions=counter(120_000)),

@@ -3,7 +3,8 @@ exports, with the labels it exports them with, and is well formed.
 
 The names are checked against a real daemon's metrics endpoint, scraped over HTTP: a daemon
 with its disk tier on, after a put, a get, a miss and a sync (so per-namespace counters and
-the latency histogram have samples), and with a remote tier configured on a closed port, so
+the latency histogram have samples) and an engine's report of a measured forward pass (so the
+cost model's recompute estimates have samples), and with a remote tier configured on a closed port, so
 that the remote tier's metrics are exported too (the tier is degraded, which the daemon
 reports through those very metrics; no Redis server is needed).
 """
@@ -198,6 +199,10 @@ def exported(tmp_path_factory) -> dict[str, set[str]]:
             assert c.get(ns, missing) == []
             c.sync()
             c.stats()    # hits of a get read without a lease are reported by then
+            m = c.cost_model()     # an engine's forward pass, sent to the daemon's cost model
+            m.observe_forward(ns.name, [(64, 0)], 0.01)
+            m.synced_at = 0.0
+            c.cost_model()
             samples = scrape(d.metrics_port)
     finally:
         assert d.stop() == 0
@@ -215,12 +220,14 @@ def test_every_metric_the_dashboard_uses_is_exported(exported):
     dash = load_dashboard()
     # the scrape really has what the dashboard is about (not an empty or foreign endpoint)
     for name in ("tierd_hits_total", "tierd_misses_total", "tierd_op_duration_seconds_bucket",
-                 "tierd_namespace_info", "tierd_tier_used_bytes", "tierd_disk_degraded", "tierd_remote_degraded"):
+                 "tierd_namespace_info", "tierd_tier_used_bytes", "tierd_disk_degraded", "tierd_remote_degraded",
+                 "tierd_slow_hits_total", "tierd_transfer_bandwidth_bytes_per_second",
+                 "tierd_recompute_seconds_per_token"):
         assert name in exported, f"the daemon under test does not export {name}"
     found = problems(dash, exported)
     assert not found, "the dashboard uses what the daemon does not export:\n" + "\n".join(found)
     used = {family(n) for _, e, _ in expressions(dash) for n in METRIC.findall(e)}
-    assert len(used) >= 30, sorted(used)
+    assert len(used) >= 40, sorted(used)
 
 
 def test_a_misspelled_metric_or_label_is_caught(exported):

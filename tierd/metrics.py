@@ -139,6 +139,49 @@ class _StoreCollector:
         yield counter("tierd_reclaimed", "Leases and reservations reclaimed from disconnected clients.",
                       ["kind"], [(["lease"], daemon.get("reclaimed_leases", 0)),
                                  (["reservation"], daemon.get("reclaimed_reservations", 0))])
+        if "costs" in st:    # (stats of a store without a cost model have none)
+            yield from _cost_families(st["costs"], st["tiers"])
+
+
+def _cost_families(costs: dict, tiers: dict):
+    """The cost model (tierd/costs.py): its ledger, transfer and recompute estimates. A tier
+    is shown when the daemon has it, or when engines measured or counted anything in it."""
+    ledger = costs.get("ledger", {})
+    transfers = {tuple(k.split("/", 1)): v for k, v in costs.get("transfers", {}).items() if "/" in k}
+    shown = set(tiers) | {t for t, row in ledger.items() if any(row.values())} \
+        | {t for (t, _), v in transfers.items() if v.get("measured")}
+    ledger = {t: row for t, row in ledger.items() if t in shown}
+    transfers = {k: v for k, v in transfers.items() if k[0] in shown}
+    for name, key, doc in (
+            ("tierd_loads", "loads", "Loads by engines that read blocks from each tier."),
+            ("tierd_load_tokens", "loaded_tokens", "Tokens engines loaded from each tier."),
+            ("tierd_load_declined_tokens", "declined_tokens", "Tokens found in each tier but computed, "
+             "because the cost model predicted computing them cheaper than loading them."),
+            ("tierd_load_abandoned_tokens", "abandoned_tokens", "Tokens of loads from each tier abandoned "
+             "past their deadline (computed instead)."),
+            ("tierd_slow_hits", "slow_hits", "Loads that took longer than computing their tokens was "
+             "estimated to (by the tier of their last block).")):
+        yield counter_family(name, doc, ["tier"], [([t], row.get(key, 0)) for t, row in ledger.items()])
+    rows = sorted(transfers.items())
+    yield gauge_family("tierd_transfer_latency_seconds", "The cost model's fixed seconds of one transfer "
+                       "between an engine and a tier (direction load: into the engine; store: out of it).",
+                       ["tier", "direction"], [(list(k), v["latency_s"]) for k, v in rows])
+    yield gauge_family("tierd_transfer_bandwidth_bytes_per_second", "The cost model's bandwidth of "
+                       "transfers between an engine and a tier.", ["tier", "direction"],
+                       [(list(k), v["bandwidth_bytes_s"]) for k, v in rows])
+    yield gauge_family("tierd_transfer_measured", "1 where the transfer estimate is fitted from measured "
+                       "transfers, 0 where it is the conservative seed.", ["tier", "direction"],
+                       [(list(k), 1 if v.get("measured") else 0) for k, v in rows])
+    fits = sorted((ns, v) for ns, v in costs.get("recompute", {}).items() if v.get("measured"))
+    for name, key, doc in (
+            ("tierd_recompute_fixed_seconds", "fixed_s", "The cost model's fixed seconds of one forward "
+             "pass, per engine (namespace)."),
+            ("tierd_recompute_seconds_per_token", "per_token_s", "The cost model's seconds per token "
+             "computed, per engine (namespace)."),
+            ("tierd_recompute_seconds_per_token_context", "per_token_context_s", "The cost model's "
+             "seconds per token computed and per token of context before it (attention), per engine "
+             "(namespace).")):
+        yield gauge_family(name, doc, ["namespace"], [([ns], v[key]) for ns, v in fits])
 
 
 class OpLatency:

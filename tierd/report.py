@@ -42,6 +42,8 @@ def format_stats(stats: dict) -> str:
     if ns_rows:
         out.append(table(ns_rows, ["namespace", "model", "layout", "block", "host", "disk", "hits", "misses",
                                    "hit rate", "puts", "dropped"]))
+    if "costs" in stats:
+        out.extend(format_costs(stats["costs"], tiers))
     remote = tiers.get("remote")
     disk = tiers.get("disk")
     extra = [f"policy {stats['policy']}", f"leases {stats['leases']}",
@@ -71,3 +73,45 @@ def format_stats(stats: dict) -> str:
                          "(serving from this node's tiers)")
     out.append("  ".join(extra[:3]) + ("\n" + "\n".join(extra[3:]) if extra[3:] else ""))
     return "\n\n".join(out)
+
+
+def _seconds(v: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9)):
+        if v >= scale or unit == "ns":
+            return f"{v / scale:.3g} {unit}"
+    return f"{v:.3g} s"
+
+
+def format_costs(costs: dict, tiers: dict) -> list[str]:
+    """The cost model (tierd/costs.py): per tier its load estimate and its ledger; per engine
+    its recompute estimate. A tier is shown when the store has it or anything was measured or
+    counted in it."""
+    ledger, transfers = costs.get("ledger", {}), costs.get("transfers", {})
+    shown = [t for t in ledger if t in tiers or any(ledger[t].values())
+             or transfers.get(f"{t}/load", {}).get("measured") or transfers.get(f"{t}/store", {}).get("measured")]
+    rows = []
+    for t in shown:
+        est = []
+        for d in ("load", "store"):
+            e = transfers.get(f"{t}/{d}")
+            if e:
+                how = "seed" if not e["measured"] else f"{e['measured']} measured"
+                est.append(f"{_seconds(e['latency_s'])} + {format_size(int(e['bandwidth_bytes_s']))}/s ({how})")
+            else:
+                est.append("")
+        r = ledger[t]
+        rows.append([t, *est, str(r["loads"]), str(r["loaded_tokens"]), str(r["declined_tokens"]),
+                     str(r["abandoned_tokens"]), str(r["slow_hits"])])
+    out = [table(rows, ["tier", "load estimate", "store estimate", "loads", "loaded tok", "declined tok",
+                        "abandoned tok", "slow hits"])] if rows else []
+    engines = []
+    for name, e in sorted(costs.get("recompute", {}).items()):
+        if e.get("measured"):
+            engines.append(f"recompute {name}: {_seconds(e['fixed_s'])} per forward + {_seconds(e['per_token_s'])} "
+                           f"per token + {_seconds(e['per_token_context_s'])} per token and token of context "
+                           f"({e['measured']} forwards measured, the latest {e['age_s']:.0f}s ago)")
+        else:
+            engines.append(f"recompute {name}: not measured yet (every block found is loaded)")
+    if engines:
+        out.append("\n".join(engines))
+    return out
