@@ -191,6 +191,7 @@ class StoreLink:
         self._probing = False
         self._prober: threading.Thread | None = None
         self._syncing = False
+        self._prober_store = None
 
     # -- availability ------------------------------------------------------------------------
     SOCKET_LOOK_S = 0.25   # while backing off, how often the daemon's socket is looked at
@@ -379,7 +380,7 @@ class StoreLink:
 
         def run():
             try:
-                store = self.store
+                store = self._probe_store()
                 if store is None:
                     return
                 t0 = time.perf_counter()
@@ -399,6 +400,19 @@ class StoreLink:
                 self._probing = False
         self._prober = threads.start(run, name=f"{self._name}-probe")
         return True
+
+    PROBE_TIMEOUT_S = 30.0   # a probe may wait this long for a slow tier (off every request's path)
+
+    def _probe_store(self):
+        """The store probes load through: a daemon link's own connection of its own (with a
+        long timeout), so that a probe of a slow tier never times out the connection requests
+        use (a lookup link's deadline is tens of milliseconds); an embedded store itself."""
+        if self._url is None:
+            return self.store
+        if self._prober_store is None:
+            base = self._url.split("?", 1)[0]
+            self._prober_store = tierd.connect(f"{base}?timeout_s={self.PROBE_TIMEOUT_S:g}&index=0&retries=0")
+        return self._prober_store
 
     def cost_model(self):
         """The store's cost model (tierd/costs.py) without a request on the caller's thread: a
@@ -437,6 +451,18 @@ class StoreLink:
             self._worker.join(5)
         if self._prober is not None:
             self._prober.join(5)       # (it reads through the store: done before the store closes)
+        if self._prober_store is not None:
+            try:
+                self._prober_store.close()
+            except STORE_ERRORS:
+                pass
+        store = self.store
+        if store is not None and hasattr(store, "hold") and hasattr(store, "cost_model") and store.connected:
+            try:    # what this engine measured since the last exchange reaches the daemon's model
+                store.cost_model(sync=False).synced_at = 0.0
+                store.cost_model()
+            except Exception as e:  # noqa: BLE001 -- a close never fails over measurements
+                log.debug("tierd: the last cost measurements were not sent (%s)", e)
         if self._owns_store and self.store is not None:
             try:
                 self.store.close()

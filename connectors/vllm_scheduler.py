@@ -287,6 +287,7 @@ class SchedulerHalf:
         spent = self.stats.get("sched_s", 0.0)     # (this call's own time goes with the next)
         meta.sched_s, self._sched_sent = spent - self._sched_sent, spent
         meta.loads, self._loads = self._loads, []
+        self.link.cost_model()     # the node's measurements come in when due, off this thread
         scheduled = scheduler_output.num_scheduled_tokens
         live = getattr(scheduler_output, "kv_connector_block_state", None)
         # (what this step's forward computes, per request: the workers time it for the cost model)

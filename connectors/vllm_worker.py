@@ -477,6 +477,7 @@ class WorkerHalf:
         prefill and loads nothing before it (a load's copies would be counted as compute). On a
         GPU the forward is timed by events, read once they have passed (never a synchronize)."""
         self._resolve_forward_timings()
+        self.link.cost_model()     # (exchanged with the daemon's when due, off this thread)
         terms = list(getattr(meta, "forward", None) or ())
         self._fwd = None
         if self._rank != 0 or getattr(meta, "loads", None) or not any(n > 1 for n, _ in terms):
