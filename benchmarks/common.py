@@ -72,11 +72,20 @@ def report(name: str, results: list[Result], json_path: str | None) -> None:
             seen.add((r.name, r.note))
             print(f"note ({r.name}): {r.note}")
     if json_path:
-        doc = {"benchmark": name, "machine": machine(), "results": [r.to_json() for r in results]}
-        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-        with open(json_path, "w") as f:
-            json.dump(doc, f, indent=2)
+        save_json(name, results, json_path)
         print(f"wrote {json_path}")
+
+
+def save_json(name: str, results: list[Result], json_path: str | None) -> None:
+    """Write the figures so far (a benchmark that may be stopped by a time limit calls this
+    after each part: what was measured is kept). Written whole, then renamed into place."""
+    if not json_path:
+        return
+    doc = {"benchmark": name, "machine": machine(), "results": [r.to_json() for r in results]}
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    with open(json_path + ".tmp", "w") as f:
+        json.dump(doc, f, indent=2)
+    os.replace(json_path + ".tmp", json_path)
 
 
 def last_level_cache_bytes() -> int:

@@ -90,3 +90,33 @@ def test_node_pool_quick_serves_the_trace_in_every_configuration_with_recompute_
     assert "ratio" in p.stdout
     left = _leftovers() - before
     assert not left, f"benchmarks.node_pool left {sorted(left)}"
+
+
+def test_the_gpu_check_summary_exits_non_zero_on_a_missed_or_missing_goal(tmp_path):
+    """benchmarks/gpu_summary.py (the GPU check's last screen) reads the figures the GPU parts
+    wrote: every goal met exits 0; one missed, or a figure a goal needs missing (a part stopped
+    by its time limit), exits 1 and says which."""
+    def row(name, params, ratio, reference="recompute TTFT ms"):
+        return {"name": name, "params": params, "value": 1.0, "unit": "ms", "reference_name": reference,
+                "reference_value": ratio, "ratio": ratio}
+    good = [row("TTFT host hit", {"prompt_tokens": 2048, "cached_tokens": 2047}, 6.0),
+            row("TTFT host hit", {"prompt_tokens": 8192, "cached_tokens": 8191}, 12.0),
+            row("recompute TTFT", {"prompt_tokens": 2048}, 0.7, "floor ms"),
+            row("load part of host hit, device time", {}, 0.9, "floor ms"),
+            row("paged decode triton", {}, 0.95, "fused SDPA on dense KV"),
+            row("TTFT slowed disk, decide", {"prompt_tokens": 2048}, 0.95)]
+
+    def summary(rows):
+        (tmp_path / "gpu_ttft.json").write_text(json.dumps({"results": rows}))
+        return subprocess.run([sys.executable, "-m", "benchmarks.gpu_summary", str(tmp_path)], cwd=ROOT,
+                              capture_output=True, text=True)
+    p = summary(good)
+    assert p.returncode == 0, p.stdout
+    # a 2K host hit declined (computed: as fast as recompute) meets its goal; a slow one does not
+    declined = [row("TTFT host hit", {"prompt_tokens": 2048, "cached_tokens": 0}, 1.0)] + good[1:]
+    assert summary(declined).returncode == 0
+    slow = [row("TTFT host hit", {"prompt_tokens": 2048, "cached_tokens": 2047}, 0.85)] + good[1:]
+    p = summary(slow)
+    assert p.returncode == 1 and "MISSED" in p.stdout and "2K host hit" in p.stdout
+    p = summary(good[:-1])
+    assert p.returncode == 1 and "MISSING" in p.stdout and "slowed disk" in p.stdout
