@@ -81,12 +81,14 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 import tierd
+from tierd import threads
+from tierd.costs import load_policy, primary_tier
 from tierd.errors import TierdError
 from tierd.namespace import Namespace, read_model_config
 
 from . import identity
 from .identity import Declined, adapter_identity
-from .link import DEFAULT_TIMEOUT_S, STORE_ERRORS, holding
+from .link import DEFAULT_TIMEOUT_S, STORE_ERRORS, StoreLink, holding
 from .vllm import _open
 
 log = logging.getLogger("tierd.connectors.vllm_tier")
@@ -132,10 +134,32 @@ def request_keying(request) -> RequestKeying:
         return RequestKeying(declined=f"LoRA adapter {name!r} cannot be keyed by its content ({e})")
 
 
+def engine_key(vllm_config) -> str | None:
+    """This engine in the node's cost model (tierd/costs.py): its weights' identity, KV cache
+    dtype and tensor-parallel size (what its prefill costs depend on, with the hardware); None
+    where the engine cannot be keyed."""
+    try:
+        ident = identity.identify(identity.from_vllm(vllm_config))
+    except (Declined, TierdError, OSError, AttributeError):
+        return None
+    tp = int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
+    return f"vllm/{ident.model[:32]}/{ident.kv_dtype}/tp{tp}"
+
+
+def _tier_url(vllm_config) -> str:
+    """The daemon a tierd secondary tier of this engine's offloading config names."""
+    extra = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector_extra_config", None) or {}
+    for t in extra.get("secondary_tiers") or ():
+        if isinstance(t, dict) and t.get("type") == "TierdTier" and t.get("url"):
+            return str(t["url"])
+    return os.environ.get("TIERD_URL", "unix:///run/tierd/tierd.sock")
+
+
 class TierdOffloadingConnector(OffloadingConnector):
     """vLLM's `OffloadingConnector`, unchanged, except that it tells the tierd tier which LoRA
     adapter (by content) each request uses: vLLM's tiering API gives a secondary tier only the
-    request's id, and vLLM's block hashes name an adapter by name and path."""
+    request's id, and vLLM's block hashes name an adapter by name and path; and that it times
+    the engine's prefill forwards for the node's cost model (the tier's lookups decide with it)."""
 
     def __init__(self, vllm_config, role, kv_cache_config):
         depth, outer = getattr(_constructing, "depth", 0), getattr(_constructing, "vllm_config", None)
@@ -146,6 +170,53 @@ class TierdOffloadingConnector(OffloadingConnector):
             super().__init__(vllm_config, role, kv_cache_config)
         finally:
             _constructing.depth, _constructing.vllm_config = depth, outer
+        self._tierd_engine = engine_key(vllm_config)
+        self._tierd_fwd = None
+        self._tierd_link: StoreLink | None = None
+        self._tierd_url = _tier_url(vllm_config)
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            self._tierd_rank0 = get_tensor_model_parallel_rank() == 0
+        except Exception:  # noqa: BLE001 -- outside a vLLM worker (the scheduler, tools)
+            self._tierd_rank0 = True
+
+    # the forward's cost, for the tier's decisions (tierd/costs.py)
+    def build_connector_meta(self, scheduler_output):
+        meta = super().build_connector_meta(scheduler_output)
+        try:
+            scheduled = scheduler_output.num_scheduled_tokens
+            cached = scheduler_output.scheduled_cached_reqs
+            terms = [(scheduled.get(nr.req_id, 0), nr.num_computed_tokens) for nr in scheduler_output.scheduled_new_reqs]
+            terms += [(scheduled.get(r, 0), cached.num_computed_tokens[i]) for i, r in enumerate(cached.req_ids)]
+            meta.tierd_forward = terms
+        except (AttributeError, TypeError, IndexError):
+            pass   # another vLLM's scheduler output: no timing, nothing else changes
+        return meta
+
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        terms = getattr(connector_metadata, "tierd_forward", None) or ()
+        # (a prefill's forward, on the CPU where its wall time is its cost; rank 0 reports)
+        self._tierd_fwd = None
+        if self._tierd_engine and self._tierd_rank0 and any(n > 1 for n, _ in terms) \
+                and not current_platform.is_cuda_alike():
+            self._tierd_fwd = (time.perf_counter(), list(terms))
+
+    def wait_for_save(self):
+        fwd, self._tierd_fwd = self._tierd_fwd, None
+        if fwd is not None:
+            spent = time.perf_counter() - fwd[0]
+            try:
+                if self._tierd_link is None:
+                    self._tierd_link = StoreLink(_open(self._tierd_url), background_connect=True,
+                                                 name="tierd-vllm-tier-costs")
+                if self._tierd_link.get() is not None:
+                    model = self._tierd_link.cost_model()
+                    if model is not None:
+                        model.observe_forward(self._tierd_engine, fwd[1], spent)
+            except Exception as e:  # noqa: BLE001 -- a measurement never fails a step
+                log.debug("tierd tier: a forward was not measured (%s)", e)
+        return super().wait_for_save()
 
     def on_new_request(self, request) -> None:
         _announced[request.request_id] = request_keying(request)
@@ -215,11 +286,14 @@ class _Lookups(AsyncLookupManager):
             return [False] * len(keys)
         try:
             found = store.where(self._tier.ns, [bytes(k) for k in keys])
+            hit = [bool(t) for t in found]
+            if self._tier.load_policy == "decide" and self._tier.engine_key and any(hit):
+                hit = self._tier.decide(store, [bytes(k) for k in keys], found)
         except STORE_ERRORS as e:
             self._tier._failed("lookup", e)
             return [False] * len(keys)
         self._tier.stats["lookups"] += len(keys)
-        return [bool(t) for t in found]
+        return hit
 
 
 class TierdTier(SecondaryTierManager):
@@ -229,7 +303,8 @@ class TierdTier(SecondaryTierManager):
 
     def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector=None, url: str | None = None, model: str | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, locality: str | None = None, **unknown: Any):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, locality: str | None = None,
+                 load_policy: str | None = None, **unknown: Any):
         if not getattr(_constructing, "depth", 0):
             raise TierdError("the tierd tier runs under kv_connector \"TierdOffloadingConnector\" "
                              "(kv_connector_module_path \"tierd.connectors.vllm_tier\"), not vLLM's "
@@ -238,7 +313,9 @@ class TierdTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if unknown:
             raise TierdError(f"unknown tierd tier options: {', '.join(sorted(unknown))}; "
-                             "known: url, model, timeout_s, locality")
+                             "known: url, model, timeout_s, locality, load_policy")
+        self.load_policy = _policy(load_policy)
+        self.engine_key = engine_key(getattr(_constructing, "vllm_config", None))
         self.declined = ""
         try:
             self.ns = chunk_namespace(offloading_spec, model, getattr(_constructing, "vllm_config", None))
@@ -259,7 +336,8 @@ class TierdTier(SecondaryTierManager):
         self._row = self.block_size_bytes
         self._used = self.ns.block_bytes if self.ns is not None else 0
         self.stats = dict.fromkeys(("lookups", "stored", "present", "loaded", "load_missing", "failures",
-                                    "declined_requests"), 0)
+                                    "declined_requests", "declined_chunks", "probes"), 0)
+        self._probing = False
         self._jobs: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
         self._pending = 0
@@ -271,6 +349,51 @@ class TierdTier(SecondaryTierManager):
         self._lookups = _Lookups(self)
         if self.ns is not None:
             log.info("tierd tier: namespace %s, %d-byte chunks (row %d)", self.ns.name, self._used, self._row)
+
+    # -- load or recompute (tierd/costs.py) ---------------------------------------------------
+    def decide(self, store, keys: list[bytes], found: list[str]) -> list[bool]:
+        """Of the chunks found (`found`: `where`'s answer per key), those worth promoting: the
+        leading ones the node's cost model predicts to load faster than the engine computes
+        them (the others are reported absent: vLLM computes them). Declined tokens go in its
+        ledger; a declined tier is re-measured off the request's path."""
+        model = store.cost_model()
+        plan = model.plan(self.engine_key, [primary_tier(w) for w in found], self._used, self.ns.block_tokens)
+        for tier, n in plan.declined().items():
+            model.count(tier, declined_tokens=n * self.ns.block_tokens)
+            self.stats["declined_chunks"] += n
+        if plan.probe >= 0:
+            tier = plan.tiers[plan.probe]
+            run = [k for k, w in zip(keys[plan.probe:plan.probe + 8], found[plan.probe:plan.probe + 8])
+                   if primary_tier(w) == tier]
+            self._probe(run, tier, model)
+        return [bool(w) and i < plan.blocks for i, w in enumerate(found)]
+
+    def _probe(self, keys: list[bytes], tier: str, model) -> None:
+        with self._lock:
+            if self._probing or self._stop or not keys:
+                return
+            self._probing = True
+
+        def run():
+            try:
+                store = self._connect("probe")
+                if store is None:
+                    return
+                t0 = time.perf_counter()
+                lease = store.acquire(self.ns, keys)
+                try:
+                    for buf in lease.buffers:
+                        np.array(buf, copy=True)
+                    if len(lease):
+                        model.observe_transfer(tier, "load", len(lease) * self._used, time.perf_counter() - t0)
+                        self.stats["probes"] += 1
+                finally:
+                    store.release(lease)
+            except Exception as e:  # noqa: BLE001 -- a measurement off the path
+                log.debug("tierd tier: probing the %s tier failed (%s)", tier, e)
+            finally:
+                self._probing = False
+        threads.start(run, name="tierd-vllm-tier-probe")
 
     # -- connections -------------------------------------------------------------------------
     def _connect(self, role: str):
@@ -447,6 +570,20 @@ class TierdTier(SecondaryTierManager):
         self.stats["present"] += sum(s == "present" for s in res.status)
         return JobResult(job.job_id, True, transfer_bytes=written * self._used)
 
+    def _observe(self, store, tiers: list[str], n: int, seconds: float) -> None:
+        """A promotion of `n` chunks from `tiers` took `seconds`: the tier's estimate, the ledger,
+        and a slow hit where computing the chunks was estimated to be faster."""
+        order = ("gpu", "host", "disk", "remote")
+        tier = max((t for t in tiers if t in order), key=order.index, default="host")
+        model = store.cost_model(sync=False)
+        model.observe_transfer(tier, "load", n * self._used, seconds)
+        tokens = n * self.ns.block_tokens
+        model.count(tier, loads=1, loaded_tokens=tokens)
+        fit = model.recompute.get(self.engine_key) if self.engine_key else None
+        saving = fit.saving(0, tokens) if fit is not None else None
+        if saving is not None and seconds > saving:
+            model.count(tier, slow_hits=1)
+
     def _load(self, job: TransferJob, tkeys: list[bytes]) -> JobResult:
         store = self._connect("transfer")
         keys = list(job.keys)
@@ -458,6 +595,7 @@ class TierdTier(SecondaryTierManager):
         try:
             # keys are independent chunks: lease the longest present run, then continue after a gap
             while i < len(keys):
+                t0 = time.perf_counter()
                 lease = store.acquire(self.ns, tkeys[i:])
                 n = len(lease)
                 try:
@@ -466,6 +604,8 @@ class TierdTier(SecondaryTierManager):
                             np.copyto(rows[i + j], np.asarray(lease.buffers[j]).reshape(-1))
                 finally:
                     store.release(lease, confirm=True)   # raises if the lease was lost meanwhile
+                if n:
+                    self._observe(store, lease.tiers[:n], n, time.perf_counter() - t0)
                 ok.extend(keys[i:i + n])
                 i += n if n else 1
                 if n == 0:
@@ -477,6 +617,10 @@ class TierdTier(SecondaryTierManager):
             return JobResult(job.job_id, True, transfer_bytes=len(ok) * self._used)
         return JobResult(job.job_id, False, successful_keys=tuple(ok) or None,
                          transfer_bytes=len(ok) * self._used)
+
+
+def _policy(setting: str | None) -> str:
+    return load_policy(setting)
 
 
 # -- the worker side: a host-memory copy worker for CPU-only hosts --------------------------------

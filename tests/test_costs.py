@@ -39,6 +39,18 @@ def test_a_tier_that_slows_down_shows_within_two_transfers_and_so_does_its_recov
     assert fit.predict(1 << 20) < 3e-3
 
 
+def test_one_transfer_far_off_the_estimate_restarts_the_fit():
+    """A disk that stalls (5 s a MiB) after a hundred healthy reads, then heals: one transfer
+    each way is enough for the estimate to follow."""
+    fit = TransferFit(C.SEED["disk"])
+    for _ in range(100):
+        fit.add(1 << 20, 1e-3)
+    fit.add(1 << 20, 5.0)
+    assert fit.predict(1 << 20) == pytest.approx(5.0, rel=0.01)
+    fit.add(1 << 20, 1e-3)
+    assert fit.predict(1 << 20) == pytest.approx(1e-3, rel=0.01)
+
+
 def test_an_unmeasured_tier_uses_its_seed():
     fit = TransferFit((1e-3, 1e9))
     assert fit.predict(1e9) == pytest.approx(1.001)

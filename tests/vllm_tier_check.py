@@ -199,6 +199,30 @@ def main() -> int:
     tier.on_request_finished(peer)
     assert tier.stats["declined_requests"] == 3, tier.stats
 
+    # load or recompute (tierd/costs.py): with the node's model saying that this engine computes
+    # a chunk far faster than the host tier loads it, a chunk found is reported absent (vLLM
+    # computes it) and counted as declined; once the tier is measured fast again, it is a hit
+    assert tier.engine_key, "the tier cannot key this engine for the cost model"
+    model = tier._connect("lookup").cost_model()
+    for n in (64, 256, 1024):
+        model.observe_forward(tier.engine_key, [(n, 0)], 1e-7 * n)
+    for _ in range(3):
+        model.observe_transfer("host", "load", tier._used, 5.0)
+    tier.load_policy = "decide"
+    d1 = request("d1", LoRARequest("adapter", 2, str(adapter)))
+    assert lookup(*d1) is LookupResult.MISS, "a chunk that loads slower than it computes was reported a hit"
+    assert tier.stats["declined_chunks"] >= 1, tier.stats
+    assert model.ledger["host"]["declined_tokens"] >= tier.ns.block_tokens
+    finish(d1)
+    for _ in range(3):
+        model.observe_transfer("host", "load", tier._used, 1e-6)
+    d2 = request("d2", LoRARequest("adapter", 2, str(adapter)))
+    assert lookup(*d2) is LookupResult.HIT
+    assert set(load(*d2, chunk=5)) == {9}
+    assert model.ledger["host"]["loaded_tokens"] >= tier.ns.block_tokens
+    finish(d2)
+    tier.load_policy = "always"
+
     conn.shutdown()
 
     # a hybrid model (a sliding-window group beside a full-attention one): the tier declines with

@@ -8,8 +8,9 @@ nothing here is configured; everything is fitted from what the node measures.
 - **Transfers**, per tier ("gpu", "host", "disk", "remote") and direction ("load": tier to
   engine, "store": engine to tier): seconds ≈ latency + bytes / bandwidth, a least-squares fit
   over recent transfers in which every new one weighs as much as all the older ones together
-  (`TRANSFER_DECAY`), and one `REGIME_FACTOR` off the estimate outweighs all of them: a tier
-  that slows down or stalls shows in its estimate after one request, and so does one that heals. Before a tier's first measured transfer its estimate is
+  (`TRANSFER_DECAY`), and one `REGIME_FACTOR` off the estimate starts the fit again from itself:
+  a tier that slows down or stalls shows in its estimate after one request, and so does one that
+  heals. Before a tier's first measured transfer its estimate is
   a conservative placeholder (`SEED`), shown as such.
 - **Recompute**, per engine (its namespace): one forward pass that computes n_i new tokens
   after k_i cached ones, for each sequence i of its batch, takes
@@ -50,7 +51,7 @@ DIRECTIONS = ("load", "store")
 # congested network's, so that an unmeasured tier is not trusted to beat an engine
 SEED = {"gpu": (20e-6, 100e9), "host": (50e-6, 4e9), "disk": (500e-6, 1e9), "remote": (2e-3, 0.25e9)}
 TRANSFER_DECAY = 0.5     # weight of earlier transfers against a new one (0.5: the new one is half)
-REGIME_FACTOR = 4.0      # a transfer this far off its estimate starts the fit almost afresh
+REGIME_FACTOR = 4.0      # a transfer this far off its estimate starts the fit afresh
 RECOMPUTE_DECAY = 0.95   # forwards change slowly; ~20 of them make the estimate
 ABANDON_FACTOR = 1.5     # a load past 1.5x its prediction ...
 ABANDON_SLACK_S = 2e-3   # ... and 2 ms over it is abandoned where the engine can recompute
@@ -94,10 +95,11 @@ class TransferFit:
         x, y = float(nbytes), float(seconds)
         if self.n:
             # A transfer 4x off the estimate either way is a tier that changed (a disk slowed
-            # or stalled, or healed), not noise: the older transfers then count for little
+            # or stalled, or healed), not noise: the fit starts again from it (a lone outlier is
+            # undone as fast, by the next transfer, 4x off it)
             expected = self.predict(x)
             if y > REGIME_FACTOR * expected or y * REGIME_FACTOR < expected:
-                decay *= 0.1
+                decay = 0.0
         self.sw = self.sw * decay + 1.0
         self.sx = self.sx * decay + x
         self.sy = self.sy * decay + y
