@@ -140,7 +140,7 @@ class SchedulerHalf:
             return 0, False
         self.link.ok()
         st.hit, st.local = n, num_computed_tokens
-        st.hit_host = min(n_host, n) if auto else None
+        st.hit_host = min(n_host, n) if auto or decide else None
         # Every stored tier block carries what every KV cache group needs for a hit ending at
         # it (a sliding window's tail included: vllm_groups), so the hit is the stored prefix
         # (with recurrent state: the longest one whose end has a stored state, `_state_hit`).
@@ -161,7 +161,8 @@ class SchedulerHalf:
         """The tokens this connector loads for `request`, by tier, for vLLM's metrics: those in
         blocks the lookup found in host RAM under HOST; the rest (disk or the remote tier, which
         a lookup does not tell apart) unspecified. With a fixed load mode the lookup asks no
-        tier (`load_mode` "auto" asks), so all of them are unspecified."""
+        tier (`load_mode` "auto" asks, and so does `load_policy` "decide"), so all of them are
+        unspecified."""
         if num_external_tokens <= 0:
             return {}
         st = self._reqs.get(request.request_id)
