@@ -50,10 +50,12 @@ class EngineConnector:
         self.stats = self.link.stats
         # copies between the caches and tier slots: gather/scatter kernels and their own streams
         # on a GPU (loads also from HBM-tier copies on this device), the references on CPU
-        self.xfer = BlockTransfer([k for k, _ in kv_caches], [v for _, v in kv_caches], self.ratio)
+        self.xfer = BlockTransfer([k for k, _ in kv_caches], [v for _, v in kv_caches], self.ratio,
+                                  stats=self.stats)   # its page-locking and load paths counted here
         self.device = kv_caches[0][0].device
         if self.xfer.pinning is not None:
-            # page-lock the arena now (a second or more for GiBs), not in the first hit's TTFT
+            # start page-locking the arena now (in the background, a chunk at a time: a second
+            # or more per GiB), not in the first hit's TTFT
             store = self.link.get()
             try:
                 if store is not None:

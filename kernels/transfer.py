@@ -18,6 +18,11 @@ HBM tier), on their own CUDA streams.
 - `store(store, ns, keys, block_ids)` / `load(store, ns, keys, block_ids)`: the same with a Store
   (reserve, gather, commit / acquire, scatter, release).
 
+Host memory is page-locked by `attach(store)` (the arena) in chunks of at most
+`pinning.PIN_CHUNK_BYTES`, on a background thread (kernels/pinning.py): attach returns at once,
+and a tier block in a chunk not (yet) registered is copied up through a staging buffer, never
+read in place. `stats` counts what was pinned or failed and which path each load's blocks took.
+
 On CPU the same calls copy at once (the kernels' references) and return no events. The stream
 work goes through a `streams` object (`CudaStreams` on a CUDA device); tests give a CPU stand-in
 that runs queued work only when something waits for it, so a missing wait shows as missing
@@ -51,7 +56,9 @@ import numpy as np
 import torch
 
 from . import gather_blocks, native, ops, reference, scatter_blocks
+from . import pinning as host_pinning
 from .loader import available
+from .pinning import _PINS, CudaHostPinning, HostPins  # noqa: F401 -- _PINS: the process's pins, for tests
 
 log = logging.getLogger("tierd.kernels")
 
@@ -63,80 +70,6 @@ def host_tensor(buf) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(arr)
-
-
-def _clear_cuda_error() -> None:
-    """Reset the CUDA runtime's last error after a failed runtime call made outside torch's
-    checks (cudaHostRegister): left set, the next torch call that checks it (an allocation)
-    raises it as its own. The runtime is the one this process loaded (torch's), found by name."""
-    import ctypes
-    import os
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libcudart" in line and line.rstrip().endswith(tuple("0123456789o"))}
-        for path in sorted(paths):
-            lib = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 4) | ctypes.RTLD_GLOBAL)
-            lib.cudaGetLastError()
-    except (OSError, AttributeError):     # no such runtime here (linked into torch): nothing to reset
-        pass
-
-
-def _code(rc) -> int:
-    """A runtime call's result as the error code (the binding may return a tuple)."""
-    return int(rc[0] if isinstance(rc, tuple) else rc)
-
-
-def _cuda_error_name(rc) -> str:
-    code = _code(rc)
-    try:
-        return f"{torch.cuda.cudart().cudaGetErrorString(rc)} ({code})"
-    except Exception:  # noqa: BLE001 - only the message is at stake
-        return f"CUDA error {code}"
-
-
-# Host ranges this process has page-locked, shared by every transfer in it (two transfers may
-# attach the same arena: the CUDA runtime refuses a second registration of a range, and its
-# error, left set, would fail the next torch call): ptr -> [size, tag, holders]. `tag` names the
-# mapping (an arena re-mapped at the same address has other pages behind the same range).
-_PINS: dict[int, list] = {}
-_PINS_LOCK = threading.Lock()
-
-
-class CudaHostPinning:
-    """Page-locking through the CUDA runtime (cudaHostRegister / cudaHostUnregister), counted
-    per process: a range registered by one transfer is shared by the others that attach it."""
-
-    def register(self, ptr: int, size: int, tag=None) -> bool:
-        cudart = torch.cuda.cudart()
-        with _PINS_LOCK:
-            held = _PINS.get(ptr)
-            if held is not None and held[0] == size and held[1] == tag:
-                held[2] += 1
-                return True
-            if held is not None:
-                # what was registered here is another mapping's: its pages are gone from this range
-                if _code(cudart.cudaHostUnregister(ptr)):
-                    _clear_cuda_error()
-                del _PINS[ptr]
-            rc = cudart.cudaHostRegister(ptr, size, 0)
-            if _code(rc):
-                _clear_cuda_error()
-                log.warning("cudaHostRegister of %d bytes failed: %s; host copies will not overlap",
-                            size, _cuda_error_name(rc))
-                return False
-            _PINS[ptr] = [size, tag, 1]
-            return True
-
-    def unregister(self, ptr: int, tag=None) -> None:
-        with _PINS_LOCK:
-            held = _PINS.get(ptr)
-            if held is None or held[1] != tag:
-                return                # re-registered since for another mapping: not this holder's
-            held[2] -= 1
-            if held[2] == 0:
-                del _PINS[ptr]
-                if _code(torch.cuda.cudart().cudaHostUnregister(ptr)):
-                    _clear_cuda_error()
 
 
 class CudaStreams:
@@ -208,7 +141,8 @@ class LoadJob:
 class BlockTransfer:
     def __init__(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor] | None, ratio: int,
                  *, pinning=None, streams=None, layer_groups: Sequence[int] | None = None,
-                 direct: bool | None = None, launcher=None):
+                 direct: bool | None = None, launcher=None, stats: dict | None = None,
+                 pin_chunk_bytes: int | None = None):
         # v_caches None: latent caches (MLA's: a row per token), one plane per layer in a tier block
         self.k, self.ratio = list(k_caches), ratio
         self.v = None if v_caches is None else list(v_caches)
@@ -230,9 +164,17 @@ class BlockTransfer:
         # who page-locks host memory: the CUDA runtime on a CUDA device, nobody on CPU (a test
         # may pass a stand-in to watch what would be pinned)
         self.pinning = pinning if pinning is not None else (CudaHostPinning() if self.cuda else None)
-        self._pinned: dict[int, tuple] = {}            # registered host ranges: ptr -> (size, tag)
-        self._mapping: dict[int, tuple[int, int, int]] = {}  # id(store) -> arena range, generation
         self._pin_lock = threading.Lock()              # loads and saves attach from several threads
+        # facts of this transfer for the connector's stats (pass its dict: they show there too):
+        # the arena's page-locking (host_pinning.STAT_KEYS), and the host tier blocks each load read
+        # in place (load_direct_blocks) or copied up through a staging buffer (load_staged_blocks)
+        self.stats = stats if stats is not None else {}
+        for k in ("load_direct_blocks", "load_staged_blocks"):
+            self.stats.setdefault(k, 0)
+        # the host ranges page-locked: chunk by chunk (<= pin_chunk_bytes), in the background
+        self._pins = HostPins(self.pinning, self._pin_lock, self.drain, self.stats,
+                              host_pinning.PIN_CHUNK_BYTES if pin_chunk_bytes is None else pin_chunk_bytes,
+                              on_thread=(lambda: torch.cuda.set_device(self.device)) if self.cuda else None)
         # streams: CUDA's on a CUDA device; none on CPU (copies run at once), or a test's stand-in
         self.streams = streams if streams is not None else (CudaStreams(self.device) if self.cuda else None)
         # loads straight from the registered arena (no staging copy): None decides at the first
@@ -266,50 +208,45 @@ class BlockTransfer:
 
     # -- pinned host memory -----------------------------------------------------------------------
     def register_host(self, array: np.ndarray, tag=None) -> bool:
-        """Page-lock a host buffer (the shared arena) for async copies. False if it cannot be
-        (copies then still work, synchronously). `tag` names the mapping behind the range."""
+        """Page-lock a host buffer now, in the caller's thread (chunk by chunk). False if some of
+        it cannot be (copies from that part are staged). `tag` names the mapping behind the range."""
         if self.pinning is None:
             return False
-        ptr, size = array.ctypes.data, array.nbytes
-        if self._pinned.get(ptr) == (size, tag):
-            return True
-        if ptr in self._pinned:
-            self.pinning.unregister(ptr, tag=self._pinned.pop(ptr)[1])
-        ok = self.pinning.register(ptr, size, tag=tag)
-        if ok:
-            self._pinned[ptr] = (size, tag)
-        return ok
+        with self._pin_lock:
+            return self._pins.register_now(array.ctypes.data, array.nbytes, tag)
 
     def attach(self, store) -> bool:
         """Page-lock `store`'s host arena (embedded, or the daemon's as the client maps it) once
-        per mapping, so that copies to and from its slots are asynchronous. A client re-maps the
-        arena after a daemon restart: the old range is unregistered (its pages are gone) and the
-        new one registered. Done by store/load. Returns whether the current arena is pinned."""
+        per mapping, so that copies to and from its slots are asynchronous, and loads may read it
+        in place. Returns at once: the arena is registered in chunks on a background thread
+        (`wait_pinned`), and until a chunk is, loads from it are staged. A client re-maps the
+        arena after a daemon restart: the old range's chunks are unregistered (after the copies
+        queued from them; its pages are gone) and the new one's registered. Done by store/load.
+        Returns False where there is nothing to page-lock, or a chunk of the arena failed to."""
         if self.pinning is None:
             return False
         array = getattr(store, "host_array", lambda: None)()
         if array is None:
             return False
         with self._pin_lock:
-            return self._attach(store, array)
-
-    def _attach(self, store, array: np.ndarray) -> bool:
-        # a mapping is its range and its generation: a re-mapped arena may come back at the
-        # same address with other pages behind it
-        now = (array.ctypes.data, array.nbytes, getattr(store, "arena_generation", 0))
-        tag = (id(store), now[2])
-        old = self._mapping.get(id(store))
-        if old == now:
-            return self._pinned.get(now[0]) == (now[1], tag)
-        if old is not None and self._pinned.get(old[0], (None,))[0] == old[1] and \
-                old[:2] not in (m[:2] for k, m in self._mapping.items() if k != id(store)):
-            self.drain()             # no copy queued from the old range may still be running
-            self.pinning.unregister(old[0], tag=self._pinned.pop(old[0])[1])
-        self._mapping[id(store)] = now
-        ok = self.register_host(array, tag)
-        if ok and self.cuda:
+            # a mapping is its range and its generation: a re-mapped arena may come back at the
+            # same address with other pages behind it
+            ok = self._pins.attach(id(store), array.ctypes.data, array.nbytes,
+                                   getattr(store, "arena_generation", 0))
+        if self.cuda:
             self._decide_direct()    # when a connector starts, not at the first hit
         return ok
+
+    def wait_pinned(self, timeout_s: float | None = None) -> bool:
+        """Wait until every chunk of the attached ranges is registered or has failed (at most
+        `timeout_s`); whether all of them are registered."""
+        with self._pin_lock:
+            return self._pins.wait(timeout_s)
+
+    def pin_failures(self) -> list[tuple[int, int, int, str]]:
+        """The chunks that failed to register: (range address, offset, size, error)."""
+        with self._pin_lock:
+            return list(self._pins.failures)
 
     def drain(self) -> None:
         """Wait on the host for every copy queued on this transfer's streams (after a failed
@@ -319,12 +256,12 @@ class BlockTransfer:
                 self.streams.synchronize(self.streams.record(stream))
 
     def close(self) -> None:
+        """Wait for the copies queued, unregister every chunk registered, and stop registering."""
         with self._pin_lock:
             self.drain()
-            for ptr, (_, tag) in list(self._pinned.items()):
-                self.pinning.unregister(ptr, tag=tag)
-            self._pinned.clear()
-            self._mapping.clear()
+            worker = self._pins.release_all()
+        if worker is not None and worker is not threading.current_thread():
+            worker.join()            # it unregisters the chunk it was registering, if any
 
     # -- block ids per layer group ----------------------------------------------------------------
     def _flat_ids(self, block_ids: torch.Tensor) -> torch.Tensor:
@@ -478,6 +415,7 @@ class BlockTransfer:
 
         timer = getattr(sx, "timer", None)
         with self._pin_lock:         # queued whole: an arena re-mapped meanwhile waits for it
+            self.stats["load_staged_blocks"] += len(up)
             sx.wait(self.h2d, sx.record(sx.current()))   # queued compute may still use these blocks
             start = timer(self.h2d) if timer else None
             if not layered:
@@ -512,12 +450,13 @@ class BlockTransfer:
         return self._geometry_ok
 
     def _reads_host(self, src: torch.Tensor) -> bool:
-        """Whether the device reads this host tier block where it is: a whole block inside a
-        range this transfer registered, and the path checked on this device (at its first use)."""
+        """Whether the device reads this host tier block where it is: a whole block inside
+        chunks this transfer has registered (not one pending or failed: that memory is pageable),
+        and the path checked on this device (at its first use)."""
         if self._direct is False:
             return False
         a, bb = src.data_ptr(), self.block_bytes
-        if src.numel() < bb or not any(p <= a and a + bb <= p + size for p, (size, _) in self._pinned.items()):
+        if src.numel() < bb or not self._pins.covers(a, bb):
             return False
         return self._decide_direct()
 
@@ -580,7 +519,7 @@ class BlockTransfer:
         each range before the launches of its layers, so the first layer's compute waits for
         its range only. Copies, uploads and launches do not grow with layers x blocks."""
         sx, events = self.streams, []
-        staged = [i for i in up if not self._reads_host(srcs[i])]
+        staged: list[int] = []       # the host blocks not read in place: decided under the lock
         lb, layers = self.layer_bytes, self.layers
         parts = min(layers, self.LOAD_CHUNKS) if layered else 1
         ends = {layers * c // parts: layers * (c + 1) // parts for c in range(parts)}   # first layer -> end
@@ -610,6 +549,11 @@ class BlockTransfer:
             return work
         timer = getattr(sx, "timer", None)
         with self._pin_lock:         # queued whole: an arena re-mapped meanwhile waits for it
+            # read in place only from chunks registered now (none is unregistered before these
+            # copies have run: unregistering drains first, under this lock)
+            staged[:] = [i for i in up if not self._reads_host(srcs[i])]
+            self.stats["load_staged_blocks"] += len(staged)
+            self.stats["load_direct_blocks"] += len(up) - len(staged)
             sx.wait(self.h2d, sx.record(sx.current()))   # queued compute may still use these blocks
             start = timer(self.h2d) if timer else None
             sx.run(self.h2d, upload)

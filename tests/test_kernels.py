@@ -656,12 +656,14 @@ def test_transfer_pins_each_arena_mapping_once_and_never_keeps_stale_pages(daemo
         first = c.host_array()
         for _ in range(3):
             assert tr.attach(c)
+        assert tr.wait_pinned()                       # registered in the background
         assert pin.pinned == {first.ctypes.data: first.nbytes} and len(pin.calls) == 1
         daemon.kill()
         daemon.start()
         keys = ns.block_keys(list(range(16)))
         assert tr.store(c, ns, keys, torch.tensor([[2]])) == 1    # reconnects, re-maps, re-pins
         second = c.host_array()
+        assert tr.wait_pinned()
         # re-pinned even were the new mapping at the old address (other pages behind it)
         assert pin.calls[1:] == [("unregister", first.ctypes.data), ("register", second.ctypes.data)]
         assert pin.pinned == {second.ctypes.data: second.nbytes}
@@ -720,12 +722,14 @@ def test_gpu_transfer_store_and_load(host_store):
     them closes."""
     from tierd.kernels import transfer
     src, dst = _transfer_roundtrip(host_store, "cuda")
+    assert src.wait_pinned() and dst.wait_pinned()     # registered in the background
     ptr = host_store.host_array().ctypes.data
     assert transfer._PINS[ptr][2] == 2                 # one registration, two holders
     src.close()
     assert transfer._PINS[ptr][2] == 1
     torch.empty(1 << 20, dtype=torch.uint8, device="cuda")   # no runtime error left pending
     more = _transfer_roundtrip(host_store, "cuda", "transfer-test-2")   # new transfers beside the open one
+    assert all(t.wait_pinned() for t in more)
     dst.close()
     assert transfer._PINS[ptr][2] == 2
     for t in more:
