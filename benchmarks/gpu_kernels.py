@@ -8,7 +8,9 @@
   same bytes;
 - paged decode attention (the CUDA kernel's v1 and v2, and the Triton kernel, split-KV and
   GQA-grouped) beside torch's fused SDPA over the same KV already gathered into dense tensors
-  (what an engine without paging runs), the torch reference, and the Triton kernel beside its
+  (what an engine without paging runs: every sequence at the full context, 4-D tensors, no
+  mask, only the fused backends allowed -- `reference.fused_sdpa_decode`), the torch
+  reference, and the Triton kernel beside its
   floor: reading the KV bytes once (half a device-to-device copy of them, which reads and
   writes each byte), with which kernel the dispatcher chose for the shape.
 
@@ -131,29 +133,24 @@ def main() -> int:
                                   "device-to-device copy", total / t_d2d / 1e9))
 
     # -- paged decode: kernel vs fused SDPA on the same KV made dense, and vs the torch reference --
-    import torch.nn.functional as F
     from tierd.kernels import triton_decode
     for heads, kv, ctx, version, batch in ((32, 8, 2048, "v1", 16), (32, 8, 16384, "v2", 16),
                                            (64, 8, 4096, "v1", 16), (32, 8, 8192, "v2", 1),
                                            (32, 8, 2048, "v1", 4)):
         if args.quick and ctx > 4096:
             continue
+        # every sequence ctx tokens long: the dense KV needs no mask, and both read the same bytes
         a = cases.decode_inputs(dev, batch=batch, heads=heads, kv_heads=kv, head_dim=128, block_size=16,
-                                num_blocks=batch * ctx // 16 + 64, max_len=ctx, dtype=torch.float16)
+                                num_blocks=batch * ctx // 16 + 64, max_len=ctx, dtype=torch.float16, full=True)
         t_k = cuda_time(lambda: K.ops.paged_attention_decode(**a, version=version, max_seq_len=ctx), repeats=5)
-        # dense K/V (B, kv, ctx, d) of the same tokens, NaN padding masked out as SDPA's mask
+        # dense K/V (B, kv, ctx, d) of the same tokens, through torch's fused kernel (no mask)
         lens = a["seq_lens"].long()
-        per = (ctx + 15) // 16
-        kd = a["k_cache"][a["block_tables"].long()].reshape(batch, per * 16, kv, 128)[:, :ctx].transpose(1, 2)
-        vd = a["v_cache"][a["block_tables"].long()].reshape(batch, per * 16, kv, 128)[:, :ctx].transpose(1, 2)
-        mask = (torch.arange(ctx, device=dev)[None, :] < lens[:, None])[:, None, None, :]
-        kd, vd = kd.nan_to_num(0.0).contiguous(), vd.nan_to_num(0.0).contiguous()
-        q = a["q"].unsqueeze(2)
+        kd, vd = reference.dense_kv(a["k_cache"], a["v_cache"], a["block_tables"], ctx)
 
         def sdpa():
-            return F.scaled_dot_product_attention(q, kd, vd, attn_mask=mask, scale=a["scale"], enable_gqa=True)
+            return reference.fused_sdpa_decode(a["q"], kd, vd, a["scale"])
         got = K.ops.paged_attention_decode(**a, version=version, max_seq_len=ctx)
-        diff = (sdpa().squeeze(2).float() - got.float()).abs().max().item()
+        diff = (sdpa().float() - got.float()).abs().max().item()
         t_sdpa = cuda_time(sdpa, repeats=5)
         p = dict(batch=batch, heads=heads, kv_heads=kv, max_ctx=ctx, max_abs_diff_vs_sdpa=round(diff, 5))
         results.append(Result(f"paged decode {version}", p, t_k * 1e3, "ms", "fused SDPA on dense KV",
@@ -165,7 +162,7 @@ def main() -> int:
         if triton_decode.available() and triton_decode.takes(a["q"], a["k_cache"], a["v_cache"]) is None:
             args_t = {k: v for k, v in a.items() if k not in ("k_scale", "v_scale")}
             got_t = triton_decode.paged_attention_decode(**args_t, max_seq_len=ctx)
-            diff_t = (sdpa().squeeze(2).float() - got_t.float()).abs().max().item()
+            diff_t = (sdpa().float() - got_t.float()).abs().max().item()
             t_t = cuda_time(lambda: triton_decode.paged_attention_decode(**args_t, max_seq_len=ctx), repeats=5)
             splits, _ = triton_decode.plan(batch, kv, ctx, 16, dev)
             kv_bytes = 2 * int(lens.sum()) * kv * 128 * 2

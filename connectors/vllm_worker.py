@@ -123,8 +123,13 @@ class WorkerHalf:
         # copies between these views and tier slots: gather/scatter kernels on a GPU (on their own
         # streams, loads layer by layer), their references on CPU
         self._xfer = BlockTransfer([k for k, _ in layers], None if self.latent else [v for _, v in layers],
-                                   self.ratio, layer_groups=groups.layer_group)
+                                   self.ratio, layer_groups=groups.layer_group, stats=self.stats)
         self._layer_idx = {n: i for i, n in enumerate(names)}
+        if self._xfer.cuda:
+            # the in-place read check (a scatter from registered host memory, and a synchronize)
+            # now, on this thread, before vLLM captures its CUDA graphs -- not in the warm-up
+            # thread below, whose attach would otherwise run it during a capture
+            self._xfer._decide_direct()
         # the daemon's connections now, off this thread: the first hit and the first save do not
         # pay for connecting, mapping the arena and faulting its pages in, nor (on a GPU) for
         # page-locking it

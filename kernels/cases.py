@@ -3,6 +3,8 @@ seeded inputs on `device`, runs `fn` (a kernel or its reference) and returns its
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .reference import quantize_fp8
@@ -38,12 +40,16 @@ def poisoned_caches(num_blocks: int, block_size: int, kv_heads: int, head_dim: i
 
 
 def decode_inputs(device, *, batch: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                  num_blocks: int, max_len: int, dtype: torch.dtype, fp8: bool = False, seed: int = 0):
-    """vLLM-style decode case: `batch` sequences of random lengths, the last at max_len; random
-    block tables over `num_blocks` blocks (distinct across sequences), unused slots NaN."""
+                  num_blocks: int, max_len: int, dtype: torch.dtype, fp8: bool = False, seed: int = 0,
+                  full: bool = False):
+    """vLLM-style decode case: `batch` sequences of random lengths, the last at max_len (`full`:
+    every one at max_len); random block tables over `num_blocks` blocks (distinct across
+    sequences), unused slots NaN."""
     g = _gen(seed)
     lens = torch.randint(1, max_len + 1, (batch,), generator=g)
     lens[-1] = max_len
+    if full:
+        lens[:] = max_len
     per_seq = (max_len + block_size - 1) // block_size
     if batch * per_seq > num_blocks:
         raise ValueError("not enough blocks for distinct block tables")
@@ -89,6 +95,38 @@ def triton_attention_case(device, fn):
         outs.append(fn(a["q"], k, v, a["block_tables"], a["seq_lens"], a["scale"], max_seq_len=700,
                        splits=splits).float())
     return outs
+
+
+def triton_decode_grid(dtypes=(torch.float32, torch.float16, torch.bfloat16), *, every: int = 1):
+    """Shapes the Triton decode kernel is checked over (tests/test_triton.py: on a GPU, and a
+    small part under the interpreter): (dtype, heads, kv_heads, head_dim, block_size, splits,
+    layout), GQA groups of 1, 4 and 8, head sizes up to 256, block sizes up to 128 (pages read
+    in tiles smaller than a page where the shared memory would not hold a page's: `tiles`),
+    one context span or several, a contiguous and a head-major cache. `every`: each every-th
+    shape, in an order that still takes every value of each axis."""
+    axes = (dtypes, ((8, 2), (4, 4), (32, 4)), (64, 80, 128, 256), (16, 64, 128), (None, 3),
+            ("contiguous", "b2hnd"))
+    grid = list(itertools.product(*axes))
+    picked = grid[::every]
+    for i, axis in enumerate(axes):     # (each value of each axis is in the part)
+        missing = set(axis) - {g[i] for g in picked}
+        picked += [next(g for g in grid if g[i] == m) for m in missing]
+    return [(dt, heads, kvh, d, bs, splits, layout) for dt, (heads, kvh), d, bs, splits, layout in picked]
+
+
+def run_triton_grid_shape(device, shape, fn, *, batch: int = 3, max_len: int = 300, seed: int = 0):
+    """(fn's output, the reference's) for one shape of `triton_decode_grid` on `device`."""
+    dtype, heads, kvh, d, bs, splits, layout = shape
+    a = decode_inputs(device, batch=batch, heads=heads, kv_heads=kvh, head_dim=d, block_size=bs,
+                      num_blocks=batch * -(-max_len // bs) + 4, max_len=max_len, dtype=dtype, seed=seed)
+    k, v = a["k_cache"], a["v_cache"]
+    if layout != "contiguous":
+        _, k, v = cache_views(layout, k.shape[0], bs, kvh, d, lambda s: torch.empty(s, dtype=dtype, device=device))
+        k.copy_(a["k_cache"])
+        v.copy_(a["v_cache"])
+    from . import reference
+    args = (a["q"], k, v, a["block_tables"], a["seq_lens"], a["scale"])
+    return fn(*args, max_seq_len=max_len, splits=splits), reference.paged_attention_decode(*args)
 
 
 def cpu_attention_case(device, fn):
@@ -297,13 +335,20 @@ def _activations(rows: int, width: int, dtype, device, g, scale: float = 1.0) ->
     return (torch.randn((rows, width), generator=g) * scale).to(dtype).to(device)
 
 
-def norm_case(device, fn):
-    """RMSNorm with and without the residual add: float16, bfloat16 and float32, hidden sizes
-    that are and are not powers of two, rows that are views of a wider tensor. Outputs: the
-    normed rows and the residual (the sum, in place)."""
+def _of(dtype, cases):
+    """The sub-cases of `dtype` (None: all); the fused ops' checks run per dtype."""
+    return [c for c in cases if dtype is None or c[0] == dtype]
+
+
+def norm_case(device, fn, dtype=None):
+    """RMSNorm with and without the residual add: float16, bfloat16 and float32 (or `dtype`'s
+    alone), hidden sizes that are and are not powers of two (in float32 one of 4,096: a sum of
+    squares whose rsqrt a GPU's approximate instruction rounds), rows that are views of a wider
+    tensor. Outputs: the normed rows and the residual (the sum, in place)."""
     outs = []
     g = _gen(31)
-    for dtype, hidden, rows in ((torch.float16, 2048, 5), (torch.bfloat16, 576, 3), (torch.float32, 96, 4)):
+    for dtype, hidden, rows in _of(dtype, ((torch.float16, 2048, 5), (torch.bfloat16, 576, 3), (torch.float32, 96, 4),
+                                           (torch.float32, 4096, 2))):
         if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
             dtype = torch.float16   # (Triton's interpreter computes bfloat16 wrongly: a GPU checks it)
         wide = _activations(rows, hidden + 8, dtype, device, g, 3.0)
@@ -314,13 +359,13 @@ def norm_case(device, fn):
     return outs
 
 
-def rotary_case(device, fn):
+def rotary_case(device, fn, dtype=None):
     """RoPE in place on queries and keys that are views of one fused projection's rows (GQA),
     positions up to 32K, head sizes 64 and 128. Outputs: the rotated q and k."""
     outs = []
     g = _gen(37)
-    for dtype, heads, kv_heads, d in ((torch.float16, 8, 2, 64), (torch.bfloat16, 4, 4, 128),
-                                      (torch.float32, 8, 1, 64)):
+    for dtype, heads, kv_heads, d in _of(dtype, ((torch.float16, 8, 2, 64), (torch.bfloat16, 4, 4, 128),
+                                                 (torch.float32, 8, 1, 64))):
         if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
             dtype = torch.float16
         t = 6
@@ -334,12 +379,13 @@ def rotary_case(device, fn):
     return outs
 
 
-def silu_mul_case(device, fn):
+def silu_mul_case(device, fn, dtype=None):
     """silu(gate) * up of a fused gate/up projection's rows: float16, bfloat16, float32, widths
     that are no multiple of the kernel's block."""
     outs = []
     g = _gen(41)
-    for dtype, width, rows in ((torch.float16, 8192, 3), (torch.bfloat16, 1000, 2), (torch.float32, 2500, 4)):
+    for dtype, width, rows in _of(dtype, ((torch.float16, 8192, 3), (torch.bfloat16, 1000, 2),
+                                          (torch.float32, 2500, 4))):
         if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
             dtype = torch.float16
         outs.append(fn(_activations(rows, 2 * width, dtype, device, g, 4.0)))

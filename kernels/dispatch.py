@@ -7,10 +7,15 @@ random inputs twice (fixed seed), runs the reference on one copy and the kernel 
 and compares the outputs (bit-exact for cache ops, within a tolerance for attention). A
 mismatch, or an exception from compiling or launching, logs one warning and pins the device to
 the reference. A kernel that raises later falls back the same way for that call and after.
+
+An op made with `dtypes` is checked, and pinned, per device and dtype (of its first tensor
+argument): its case builds only that dtype's inputs, so a kernel that rounds differently in one
+dtype (the fused norm's rsqrt in float32, say) still serves the others.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -36,6 +41,13 @@ def close(atol: float, rtol: float = 0.0) -> Callable[[torch.Tensor, torch.Tenso
     return cmp
 
 
+def _dtype_of(args, kwargs) -> torch.dtype | None:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.dtype
+    return None
+
+
 def _device_of(args, kwargs) -> torch.device | None:
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor):
@@ -49,12 +61,15 @@ class KernelOp:
     """One op with a reference, optional kernels for some device types, and a self-check.
 
     `kernel`, `available` and `case` are each one callable for every type in `devices`, or a
-    dict by device type ("cuda": the CUDA kernel through NVRTC, "cpu": C built here)."""
+    dict by device type ("cuda": the CUDA kernel through NVRTC, "cpu": C built here).
+    `dtypes`: checked per dtype (see the module's docstring); the case is then called as
+    case(device, fn, dtype)."""
 
     def __init__(self, name: str, reference: Callable, kernel: Callable | dict | None = None, *,
                  case: Case | dict | None = None,
                  compare: Callable[[torch.Tensor, torch.Tensor], bool] = same_bytes,
-                 devices: tuple[str, ...] = ("cuda",), available: Callable[[], bool] | dict = lambda: True):
+                 devices: tuple[str, ...] = ("cuda",), available: Callable[[], bool] | dict = lambda: True,
+                 dtypes: tuple[torch.dtype, ...] | None = None):
         self.name = name
         self.reference = reference
         if isinstance(kernel, dict):
@@ -64,37 +79,61 @@ class KernelOp:
         self.available = available if isinstance(available, dict) else dict.fromkeys(self.kernels, available)
         self.cases = case if isinstance(case, dict) else dict.fromkeys(self.kernels, case)
         self.compare = compare
-        self._state: dict[str, str] = {}      # device -> "kernel" or "reference: why"
+        self.dtypes = dtypes
+        self._state: dict[str, str] = {}      # device (and dtype) -> "kernel" or "reference: why"
         self._lock = threading.Lock()
 
     def __call__(self, *args, **kwargs):
         device = _device_of(args, kwargs)
-        if device is not None and self.use_kernel(device):
+        dtype = _dtype_of(args, kwargs) if self.dtypes else None
+        if device is not None and self.use_kernel(device, dtype):
             try:
                 return self.kernels[device.type](*args, **kwargs)
             except ValueError:
                 pass  # an input the kernel does not take (layout, dtype): the reference does
             except Exception as e:  # noqa: BLE001 -- any kernel failure means the reference
-                self._pin(device, f"raised {e!r}")
+                self._pin(device, f"raised {e!r}", dtype)
         return self.reference(*args, **kwargs)
 
-    def status(self, device: torch.device) -> str:
-        return self._state.get(str(device), "unchecked")
+    @staticmethod
+    def _key(device: torch.device, dtype: torch.dtype | None) -> str:
+        return str(device) if dtype is None else f"{device} {str(dtype).removeprefix('torch.')}"
 
-    def use_kernel(self, device: torch.device) -> bool:
+    def status(self, device: torch.device, dtype: torch.dtype | None = None) -> str:
+        """"kernel", "reference: <why>" or "unchecked"; for an op checked per dtype without
+        `dtype`: "kernel" where every checked dtype runs it, else each dtype's state."""
+        if not self.dtypes or dtype is not None:
+            return self._state.get(self._key(device, dtype), "unchecked")
+        states = {d: self._state[self._key(device, d)] for d in self.dtypes if self._key(device, d) in self._state}
+        if not states:
+            return "unchecked"
+        if all(v == "kernel" for v in states.values()):
+            return "kernel"
+        return "; ".join(f"{str(d).removeprefix('torch.')}: {v}" for d, v in states.items())
+
+    def use_kernel(self, device: torch.device, dtype: torch.dtype | None = None) -> bool:
+        """Whether the kernel runs on `device` (checked at the first ask); for an op checked per
+        dtype, for `dtype` (None: for every one of its dtypes)."""
         if device.type not in self.kernels:
             return False
-        key = str(device)
+        if self.dtypes and dtype is None:
+            return all([self.use_kernel(device, d) for d in self.dtypes])
+        if self.dtypes and dtype not in self.dtypes:
+            return False
+        key = self._key(device, dtype)
         state = self._state.get(key)
         if state is None:
             with self._lock:
                 state = self._state.get(key)
                 if state is None:
-                    state = self._state[key] = self._self_check(device)
+                    state = self._state[key] = self._self_check(device, dtype)
         return state == "kernel"
 
-    def _self_check(self, device: torch.device) -> str:
+    def _self_check(self, device: torch.device, dtype: torch.dtype | None = None) -> str:
         kernel, case = self.kernels[device.type], self.cases.get(device.type)
+        if case is not None and dtype is not None:
+            case = functools.partial(case, dtype=dtype)
+        where = device if dtype is None else f"{device} ({str(dtype).removeprefix('torch.')})"
         if not self.available.get(device.type, lambda: True)():
             return "reference: CUDA or CuPy not available" if device.type == "cuda" else \
                 f"reference: no {device.type} kernel here"
@@ -111,12 +150,13 @@ class KernelOp:
         except Exception as e:  # noqa: BLE001
             why = f"reference: self-check failed: {e}"
             log.warning("tierd kernel %s on %s failed its self-check (%s); using the torch reference",
-                        self.name, device, e)
+                        self.name, where, e)
             return why
-        log.info("tierd kernel %s on %s passed its self-check", self.name, device)
+        log.info("tierd kernel %s on %s passed its self-check", self.name, where)
         return "kernel"
 
-    def _pin(self, device: torch.device, why: str) -> None:
+    def _pin(self, device: torch.device, why: str, dtype: torch.dtype | None = None) -> None:
         with self._lock:
-            self._state[str(device)] = f"reference: {why}"
-        log.warning("tierd kernel %s on %s %s; using the torch reference from now on", self.name, device, why)
+            self._state[self._key(device, dtype)] = f"reference: {why}"
+        log.warning("tierd kernel %s on %s %s; using the torch reference from now on", self.name,
+                    device if dtype is None else f"{device} ({str(dtype).removeprefix('torch.')})", why)

@@ -45,6 +45,42 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
+def dense_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+             ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's first `ctx` cached keys and values gathered into dense (B, kv_heads, ctx,
+    d) tensors, contiguous: the KV an engine without paging holds."""
+    B = block_tables.shape[0]
+    _, bs, kvh, d = k_cache.shape
+    per = -(-ctx // bs)
+    tables = block_tables[:, :per].long()
+    return tuple(c[tables].reshape(B, per * bs, kvh, d)[:, :ctx].transpose(1, 2).contiguous()
+                 for c in (k_cache, v_cache))
+
+
+def fused_sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence over dense KV through torch's fused attention kernel: q (B, heads,
+    d); k, v (B, kv_heads, ctx, d) from `dense_kv`, every sequence ctx tokens long. In the 4-D
+    (batch, heads, length, d) layout the fused kernels take, with no mask (one query at the end
+    of the context attends to all of it: nothing to mask, so not is_causal either, which for
+    one query would keep the first key alone); GQA by `enable_gqa` where torch's flash kernel
+    takes it, else the kv heads repeated. On CUDA only the fused backends may run (flash,
+    memory-efficient, cuDNN): inputs none of them takes raise instead of falling back to the
+    math path (which is no fused kernel). Returns (B, heads, d)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    heads, kvh = q.shape[1], k.shape[1]
+    gqa = heads != kvh
+    if gqa and q.device.type == "cuda":
+        from tierd.engine.attention import _flash_takes_gqa
+        if not _flash_takes_gqa(q.device, q.dtype, heads, kvh, q.shape[-1]):
+            k, v = (x.repeat_interleave(heads // kvh, dim=1) for x in (k, v))
+            gqa = False
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION] \
+        if q.device.type == "cuda" else [SDPBackend.FLASH_ATTENTION]
+    with sdpa_kernel(fused):
+        out = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=gqa)
+    return out.squeeze(2)
+
+
 def gather_blocks(k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
                   block_ids: torch.Tensor, slots: Sequence[torch.Tensor]) -> None:
     """Copy engine blocks into tier slots. k_caches, v_caches: per layer (num_blocks, block_size,

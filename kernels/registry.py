@@ -59,8 +59,9 @@ def ulps(n: int):
 
 def _fused(name: str, reference_fn, kernel, case):
     # Triton on CUDA, and on the CPU only under its interpreter (the tests' way to run it)
+    # checked per dtype: a kernel that rounds differently in one dtype still serves the others
     return KernelOp(name, reference_fn, {"cuda": kernel, "cpu": kernel}, case=case, compare=ulps(4),
-                    available={"cuda": triton_fused.available,
+                    dtypes=triton_fused.DTYPES, available={"cuda": triton_fused.available,
                                "cpu": lambda: triton_fused.available() and triton_fused.interpreted()})
 
 
@@ -76,23 +77,38 @@ class DecodeAttention:
     """Paged decode attention, chosen per shape: the Triton kernel where it takes the inputs and
     passed its self-check on the device, else the device's own kernel where it passed (CUDA; on
     the CPU the C kernel), else the engine's batched torch decode. Same arguments as
-    `paged_attention_decode`. Each choice is logged once per shape and listed by `choices()`."""
+    `paged_attention_decode`. Each choice is logged once per shape and listed by `choices()`.
+
+    A kernel that raises for a shape (a compile that runs out of shared memory, a launch that
+    fails) moves that shape alone to the next of these -- the Triton kernel's to the device's
+    kernel or the batched decode, the device kernel's to the batched decode -- never to the
+    per-sequence reference (which waits on the device and cannot be captured in a CUDA graph),
+    and never for other shapes: the kernel stays checked and chosen for them."""
 
     def __init__(self):
         self._chosen: dict[tuple, str] = {}
+        self._failed: dict[tuple, set[str]] = {}     # shape -> kernels that raised for it
         self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(q, k_cache, v_cache) -> tuple:
+        return (str(q.device), q.dtype, k_cache.dtype, tuple(k_cache.shape[1:]), q.shape[1],
+                k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1)
 
     def choose(self, q, k_cache, v_cache) -> str:
         """"triton", "cuda" (or "c" on the CPU) or "torch: <why>" for these inputs."""
-        key = (str(q.device), q.dtype, k_cache.dtype, tuple(k_cache.shape[1:]), q.shape[1],
-               k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1)
+        key = self._key(q, k_cache, v_cache)
         name = self._chosen.get(key)
         if name is None:
+            failed = self._failed.get(key, set())
             why = triton_decode.takes(q, k_cache, v_cache)
+            if "triton" in failed:
+                why = why or "raised for this shape"
+            device = "cuda" if q.device.type == "cuda" else "c"
             if why is None and paged_attention_decode_triton.use_kernel(q.device):
                 name = "triton"
-            elif paged_attention_decode.use_kernel(q.device):
-                name = "cuda" if q.device.type == "cuda" else "c"
+            elif device not in failed and paged_attention_decode.use_kernel(q.device):
+                name = device
             else:
                 name = "torch: " + (why or paged_attention_decode_triton.status(q.device))
             with self._lock:
@@ -106,14 +122,33 @@ class DecodeAttention:
         with self._lock:
             return {" ".join(map(str, k[:5])): v for k, v in self._chosen.items()}
 
+    def _drop(self, key: tuple, name: str, e: Exception, quiet: bool = False) -> None:
+        """`name` raised for this shape (ValueError, `quiet`: inputs it does not take)."""
+        with self._lock:
+            self._failed.setdefault(key, set()).add(name)
+            self._chosen.pop(key, None)
+        (log.info if quiet else log.warning)(
+            "tierd decode attention: the %s kernel raised %r for %s; this shape uses the next kernel",
+            name, e, " ".join(map(str, key[:5])))
+
     def __call__(self, q, k_cache, v_cache, *args, **kwargs):
-        name = self.choose(q, k_cache, v_cache)
-        if name == "triton":
-            return paged_attention_decode_triton(q, k_cache, v_cache, *args, **kwargs)
-        if name in ("cuda", "c"):
-            return paged_attention_decode(q, k_cache, v_cache, *args, **kwargs)
+        while True:
+            name = self.choose(q, k_cache, v_cache)
+            if name == "triton":
+                kernel = paged_attention_decode_triton.kernels[q.device.type]
+            elif name in ("cuda", "c"):
+                kernel = paged_attention_decode.kernels[q.device.type]
+            else:
+                break
+            try:        # (both passed their self-checks on this device: called directly)
+                return kernel(q, k_cache, v_cache, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 -- this shape moves to the next kernel
+                self._drop(self._key(q, k_cache, v_cache), name, e, quiet=isinstance(e, ValueError))
         from tierd.engine.attention import decode_attention
         kwargs.pop("version", None)
+        kwargs.pop("splits", None)
+        if kwargs.get("max_seq_len") is None and len(args) > 1:     # (the batched decode needs it)
+            kwargs["max_seq_len"] = int(args[1].max()) if args[1].numel() else 1
         return decode_attention(q, k_cache, v_cache, *args, **kwargs)
 
 

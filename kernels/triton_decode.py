@@ -9,7 +9,10 @@ and values are rows of head_dim contiguous elements, loaded whole (16-byte vecto
 
 Takes float32, float16 and bfloat16 caches in the queries' dtype, any cache layout whose
 head_dim is contiguous (K and V views with one set of strides), block sizes that are powers of
-two from 16 and head sizes up to 256. Anything else raises ValueError, and the dispatcher
+two from 16 and head sizes up to 256. Its tiles are bounded by the device's shared memory
+(`tiles`: a page is read in tiles of up to block_size tokens, fewer where the smem would not hold
+them). Arguments that vary from step to step are not specialised on (`SPLIT_VARYING`): no
+recompile while serving. Anything else raises ValueError, and the dispatcher
 (`tierd.kernels.decode_attention`) uses the CUDA kernel instead: fp8 caches among them (the CUDA
 kernel takes them), and INT4 caches, which have their own op.
 
@@ -68,6 +71,9 @@ def takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str 
         return "queries need a contiguous head_dim"
     if q.device.type != "cuda" and not interpreted():
         return f"{q.device.type} tensors (Triton runs on CUDA, or under its interpreter)"
+    smem = smem_per_block(q.device)
+    if tiles(d, bs, q.dtype, smem, q.shape[1] // kvh) is None:
+        return f"tiles of head size {d} over {smem} bytes of shared memory"
     return None
 
 
@@ -90,35 +96,88 @@ def plan(batch: int, kv_heads: int, max_seq_len: int, block_size: int, device: t
     return -(-pages // per), per
 
 
+STAGES = 2                 # the launches' software-pipelining depth (K and V tiles in flight)
+INTERPRETER_SMEM = 101376  # (the interpreter has no shared memory: an sm_86's 99 KiB per block)
+
+
+def smem_needed(block_h: int, block_d: int, block_n: int, esize: int, stages: int = STAGES) -> int:
+    """Shared memory one program of `_decode_split` asks for, as bytes: the operands `tl.dot`
+    stages there -- the queries' tile, `stages` K and V tiles (the loop's pipelining) and the
+    probabilities' tile, in the cache's dtype -- and the float32 accumulator's tile (layout
+    conversions go through shared memory)."""
+    return esize * (block_h * block_d + stages * 2 * block_n * block_d + block_h * block_n) + 4 * block_h * block_d
+
+
+def tiles(head_dim: int, block_size: int, dtype: torch.dtype, smem_bytes: int, group: int = 1):
+    """(BLOCK_H, BLOCK_D, BLOCK_N, stages) of `_decode_split` for these inputs within
+    `smem_bytes` of shared memory per block, or None where even the smallest tiles do not fit
+    (the dispatcher then uses another kernel). BLOCK_N, the tokens of one K/V tile, is the
+    largest power of two from 16 up to the block size that fits: a page is read in
+    block_size / BLOCK_N tiles; two pipeline stages where they fit, else one."""
+    block_h, block_d = max(16, _pow2(group)), max(16, _pow2(head_dim))
+    esize = torch.empty((), dtype=dtype).element_size()
+    for stages in (STAGES, 1):
+        block_n = max(16, _pow2(block_size))
+        while block_n > 16 and smem_needed(block_h, block_d, block_n, esize, stages) > smem_bytes:
+            block_n //= 2
+        if smem_needed(block_h, block_d, block_n, esize, stages) <= smem_bytes:
+            return block_h, block_d, block_n, stages
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def smem_per_block(device: torch.device) -> int:
+    """Shared memory a program may use on `device` (the opt-in maximum per block)."""
+    if device.type != "cuda":
+        return INTERPRETER_SMEM
+    props = torch.cuda.get_device_properties(device)
+    for name in ("shared_memory_per_block_optin", "shared_memory_per_block"):
+        v = getattr(props, name, None)
+        if v:
+            return int(v)
+    try:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return int(triton.runtime.driver.active.utils.get_device_properties(idx)["max_shared_mem"])
+    except Exception:  # noqa: BLE001
+        return 48 * 1024      # every CUDA device has this much per block
+
+
+# Arguments that change from step to step (the context's pages per span, the tables' width,
+# the spans' strides) are not specialised on (Triton would compile a variant for a value of 1
+# and for multiples of 16): one compile per shape, none while serving.
+SPLIT_VARYING = ("pages_per_split", "stride_tb", "stride_pb", "stride_ph", "stride_lb", "stride_lh")
+MERGE_VARYING = ("n_splits", "stride_pb", "stride_ph", "stride_lb", "stride_lh")
+
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=SPLIT_VARYING)
     def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
                       stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb,
                       stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                       pages_per_split, scale, v_scale,
                       GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BS: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr):
+                      BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         s = tl.program_id(2)
         seq_len = tl.load(lens_ptr + b)
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
-        t = tl.arange(0, BS)
+        t = tl.arange(0, BLOCK_N)
+        TILES = BS // BLOCK_N     # K/V tiles per page
         hmask = h < GROUP
         dmask = d < D
         heads = kvh * GROUP + h
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                     mask=hmask[:, None] & dmask[None, :], other=0.0)
-        first = s * pages_per_split
-        last = tl.minimum(first + pages_per_split, tl.cdiv(seq_len, BS))
+        first = s * pages_per_split * TILES
+        last = tl.minimum(first + pages_per_split * TILES, tl.cdiv(seq_len, BLOCK_N))
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        for p in range(first, last):
-            blk = tl.load(tables_ptr + b * stride_tb + p).to(tl.int64)
-            tmask = p * BS + t < seq_len
-            rows = blk * stride_kb + kvh * stride_kh + t[:, None] * stride_kt + d[None, :]
+        for it in range(first, last):             # tile `it`: page it // TILES, its (it % TILES)-th part
+            blk = tl.load(tables_ptr + b * stride_tb + it // TILES).to(tl.int64)
+            tmask = it * BLOCK_N + t < seq_len
+            rows = blk * stride_kb + kvh * stride_kh + ((it % TILES) * BLOCK_N + t)[:, None] * stride_kt + d[None, :]
             kvmask = tmask[:, None] & dmask[None, :]
             k = tl.load(k_ptr + rows, mask=kvmask, other=0.0)     # slots past the length: never read
             v = tl.load(v_ptr + rows, mask=kvmask, other=0.0)
@@ -149,7 +208,7 @@ if triton is not None:
             lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
             tl.store(lse_ptr + b * stride_lb + heads * stride_lh + s, lse, mask=hmask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=MERGE_VARYING)
     def _decode_merge(part_ptr, lse_ptr, out_ptr, n_splits,
                       stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -167,6 +226,11 @@ if triton is not None:
         total = tl.sum(w, 0)
         o = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
         tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def _launch(kernel, grid, *args, **kwargs) -> None:
+    """Every launch of this module's kernels (the boundary where the tests inject a failure)."""
+    kernel[grid](*args, **kwargs)
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
@@ -188,7 +252,7 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: f
     if b == 0:
         return out
     n_splits, per = plan(b, kvh, max_seq_len, bs, q.device, splits)
-    block_h, block_d = max(16, _pow2(group)), max(16, _pow2(d))
+    block_h, block_d, block_n, stages = tiles(d, bs, q.dtype, smem_per_block(q.device), group)
     direct = n_splits == 1
     if direct:
         part = lse = out    # (unused)
@@ -197,14 +261,14 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: f
         part = torch.empty((b, heads, n_splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((b, heads, n_splits), dtype=torch.float32, device=q.device)
         part_strides, lse_strides = part.stride()[:3], lse.stride()[:2]
-    _decode_split[(b, kvh, n_splits)](
-        q, k_cache, v_cache, tables, lens, out, part, lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
-        out.stride(0), out.stride(1), *part_strides, *lse_strides,
-        per, float(scale) * float(k_scale), float(v_scale),
-        GROUP=group, BLOCK_H=block_h, D=d, BLOCK_D=block_d, BS=bs, DIRECT=direct,
-        IEEE=q.dtype == torch.float32)
+    _launch(_decode_split, (b, kvh, n_splits),
+            q, k_cache, v_cache, tables, lens, out, part, lse,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+            out.stride(0), out.stride(1), *part_strides, *lse_strides,
+            per, float(scale) * float(k_scale), float(v_scale),
+            GROUP=group, BLOCK_H=block_h, D=d, BLOCK_D=block_d, BS=bs, BLOCK_N=block_n, DIRECT=direct,
+            IEEE=q.dtype == torch.float32, num_stages=stages)
     if not direct:
-        _decode_merge[(b, heads)](part, lse, out, n_splits, *part_strides, *lse_strides, out.stride(0),
-                                  out.stride(1), D=d, BLOCK_D=block_d, BLOCK_S=max(2, _pow2(n_splits)))
+        _launch(_decode_merge, (b, heads), part, lse, out, n_splits, *part_strides, *lse_strides, out.stride(0),
+                out.stride(1), D=d, BLOCK_D=block_d, BLOCK_S=max(2, _pow2(n_splits)))
     return out

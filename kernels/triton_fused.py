@@ -29,7 +29,7 @@ from .triton_decode import DTYPES, _pow2, available, interpreted, triton
 if triton is not None:
     import triton.language as tl
 
-__all__ = ["add_rms_norm", "rotary", "silu_mul", "available", "takes"]
+__all__ = ["add_rms_norm", "rotary", "silu_mul", "available", "takes", "DTYPES"]
 
 MAX_ROW = 16384       # hidden sizes (and intermediate sizes) one program normalises or gates
 
@@ -70,7 +70,7 @@ if triton is not None:
         else:
             h = x
         hf = h.to(tl.float32)
-        r = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / n + eps)
+        r = tl.rsqrt(tl.sum(hf * hf, 0) / n + eps)      # (as torch.rsqrt; self-checked per dtype)
         y = (hf * r).to(x.dtype)
         w = tl.load(w_ptr + c, mask=m, other=0.0)
         tl.store(out_ptr + row * stride_o + c, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=m)

@@ -12,12 +12,18 @@ once per bucket of batch size and context bound, and replays it: one launch for 
 - Inputs live in static device buffers: the tokens, positions, slots and lengths in one int32
   tensor, each context bound's block tables in another. A step writes them into page-locked
   host copies and copies them up (two copies), then replays.
-- A graph is captured at its bucket's first use (the engine's warm-up captures the buckets up
-  to 8,192 tokens): two eager runs first (the kernels' self-checks, Triton's compiles and
-  cuBLAS's workspaces happen there, not in the capture), then the capture, then a check: the
-  replay on other inputs must give what the same step run eagerly gives. A capture that fails
-  or a check that differs turns graphs off for the engine (logged; steps run eagerly, as
-  without graphs), never a wrong step.
+- Every bucket writes its logits into one buffer (max_num_seqs, vocab), rows 0..B-1: the
+  buckets' graphs share it (and their memory pool), so no bucket keeps logits of its own.
+- Graphs are captured off the serving path: the engine's warm-up captures the buckets up to
+  8,192 tokens (`capture_all`); a step that needs a bucket not captured yet runs the model's
+  forward (`run` returns None) and queues the bucket, which `capture_pending` captures when
+  the engine is idle (no step waits for a capture). A capture: two eager runs first (the
+  kernels' self-checks, Triton's compiles and cuBLAS's workspaces happen there, not in the
+  capture), then the capture, then a check: the replay on other inputs must give what the same
+  step run eagerly gives. A capture that fails or a check that differs turns graphs off for
+  the engine (logged; steps run eagerly, as without graphs), never a wrong step. (A kernel
+  that raises for a shape is not such a failure: the decode dispatcher moves that shape to
+  another kernel in the eager runs, `tierd.kernels.DecodeAttention`.)
 - Without capture (`capture=False`: the CPU, where there are no graphs) the same static buffers
   and the same padded step run eagerly: the path tests check on the CPU.
 """
@@ -76,6 +82,8 @@ class DecodeGraphs:
                              for c in self.contexts}
         self._tables = {c: (t.to(self.device) if capture else t) for c, t in self._host_tables.items()}
         self._graphs: dict[tuple[int, int], tuple] = {}
+        self.pending: set[tuple[int, int]] = set()    # buckets a step asked for, to capture when idle
+        self._logits: torch.Tensor | None = None      # every bucket's logits: rows 0..B-1
         self._pool = None
         self._copied = None           # the event after the last step's copies up
         self.captured_seconds = 0.0
@@ -88,17 +96,31 @@ class DecodeGraphs:
         c = next((x for x in self.contexts if x >= longest), None)
         return None if b is None or c is None else (b, c)
 
+    def logits_buffer(self) -> torch.Tensor:
+        """The one (max_num_seqs, vocab) float32 buffer every bucket's step writes its logits to."""
+        if self._logits is None:
+            self._logits = torch.empty((self.batches[-1], self.model.cfg.vocab_size), dtype=torch.float32,
+                                       device=self.device)
+        return self._logits
+
     def _step(self, b: int, c: int):
         head = self._head
         tables = self._tables[c][:b]
-        return lambda: self.model.decode_step(head[0, :b], head[1, :b], head[2, :b], tables, head[3, :b],
-                                              self.kv_caches, self.kv_scales, c)
+        logits = self.logits_buffer()[:b]
+
+        def step() -> torch.Tensor:
+            logits.copy_(self.model.decode_step(head[0, :b], head[1, :b], head[2, :b], tables, head[3, :b],
+                                                self.kv_caches, self.kv_scales, c))
+            return logits
+        return step
 
     # -- one step ----------------------------------------------------------------------------------
     def run(self, tokens: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
             lengths: list[int]) -> torch.Tensor | None:
-        """Logits (len(tokens), vocab) of one decode step, on the device; None where this step
-        takes no bucket or graphs went off (the caller runs the model's forward)."""
+        """Logits (len(tokens), vocab) of one decode step, on the device (rows of the shared
+        logits buffer: valid until the next step); None where this step takes no bucket, its
+        bucket is not captured yet (queued for `capture_pending`: no capture here) or graphs
+        went off (the caller runs the model's forward)."""
         n = len(tokens)
         where = self.bucket(n, max(lengths)) if n and self.enabled else None
         if where is None:
@@ -106,8 +128,9 @@ class DecodeGraphs:
         b, c = where
         graph = None
         if self.capture:
-            graph = self._graphs.get(where) or self._capture(b, c)     # (first: it uses the buffers)
+            graph = self._graphs.get(where)
             if graph is None:
+                self.pending.add(where)
                 return None
         if self._copied is not None:
             self._copied.synchronize()      # the last step's copies up have read the host buffers
@@ -144,6 +167,19 @@ class DecodeGraphs:
                     return done
                 if (b, c) not in self._graphs and self._capture(b, c) is not None:
                     done += 1
+        return done
+
+    def capture_pending(self) -> int:
+        """Capture the buckets steps asked for that were not captured (call it off the serving
+        path: the engine does when idle). Returns how many."""
+        done = 0
+        while self.pending and self.enabled:
+            b, c = min(self.pending)
+            self.pending.discard((b, c))
+            if (b, c) not in self._graphs and self._capture(b, c) is not None:
+                done += 1
+        if not self.enabled:
+            self.pending.clear()
         return done
 
     def _fill_padding(self, b: int, c: int, rng: np.random.Generator | None = None) -> None:
@@ -209,5 +245,6 @@ class DecodeGraphs:
         return self._graphs[(b, c)]
 
     def stats(self) -> dict:
-        return {"state": self.reason, "graphs": len(self._graphs), "replays": self.replays,
-                "eager_steps": self.eager_steps, "captured_seconds": round(self.captured_seconds, 3)}
+        return {"state": self.reason, "graphs": len(self._graphs), "pending": len(self.pending),
+                "replays": self.replays, "eager_steps": self.eager_steps,
+                "captured_seconds": round(self.captured_seconds, 3)}

@@ -436,6 +436,8 @@ class LLM:
         if not batch:
             if self.connector is not None:
                 self._recompute(self.connector.finish_loads())
+            if self.graphs is not None and self.graphs.pending:
+                self.graphs.capture_pending()      # idle: the buckets steps asked for (none is captured in a step)
             return []
         bs = self.block_size
         tokens, positions, slots, seqs, logits_rows, sampled = [], [], [], [], [], []
@@ -607,6 +609,8 @@ class LLM:
         while len(done) < n:
             for out in self.step():
                 done[out.request_id] = out
+        if self.graphs is not None and self.graphs.pending and not self.scheduler.has_work():
+            self.graphs.capture_pending()          # off the serving path: every request is done
         return [done[rid] for rid in ids]
 
     def abort_request(self, request_id: str) -> None:
