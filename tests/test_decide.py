@@ -95,7 +95,7 @@ def slow_then_healed(model_dir, store, faults, down, ps, cold):
 def test_embedded_a_slow_disk_is_declined_and_a_healed_one_loaded_again(model_dir, tmp_path):
     faults = tmp_path / "faults"
     store = TieredStore(host_bytes="64MiB", disk_path=str(tmp_path / "d"), disk_bytes="64MiB",
-                        disk_slab_bytes="4MiB", disk_fault_file=str(faults))
+                        disk_slab_bytes="4MiB", disk_fault_file=str(faults), disk_stall_s=600)
     try:
         ps = prompts(1, 8)
         cold, _ = store_all(model_dir, store, ps)
@@ -113,7 +113,8 @@ def test_embedded_a_slow_disk_is_declined_and_a_healed_one_loaded_again(model_di
 def test_through_a_daemon_a_slow_disk_is_declined_and_a_healed_one_loaded_again(model_dir, tmp_path):
     faults = tmp_path / "faults"
     d = DaemonProc(tmp_path, host_bytes="64MiB", disk_bytes="64MiB",
-                   toml=f'[disk]\nslab_bytes = "4MiB"\nfile_bytes = "32MiB"\nfault_file = "{faults}"\n').start()
+                   toml=f'[disk]\nslab_bytes = "4MiB"\nfile_bytes = "32MiB"\nfault_file = "{faults}"\n'
+                        'stall_s = 600\n').start()
     url = d.url
     try:
         ps = prompts(2, 8)
@@ -136,7 +137,7 @@ def test_through_a_daemon_a_slow_disk_is_declined_and_a_healed_one_loaded_again(
 def test_a_head_in_host_ram_is_loaded_and_a_slow_tail_on_disk_computed(model_dir, tmp_path):
     faults = tmp_path / "faults"
     store = TieredStore(host_bytes="64MiB", disk_path=str(tmp_path / "d"), disk_bytes="64MiB",
-                        disk_slab_bytes="4MiB", disk_fault_file=str(faults))
+                        disk_slab_bytes="4MiB", disk_fault_file=str(faults), disk_stall_s=600)
     try:
         ps = prompts(3, 4)
         cold, recompute_s = store_all(model_dir, store, ps)

@@ -64,7 +64,7 @@ def run(tmp_path_factory):
     faults = tmp / "faults"
     (tmp / "d").mkdir()
     daemon = DaemonProc(tmp / "d", host_bytes="64MiB", disk_bytes="256MiB",
-                        toml=TOML + f'fault_file = "{faults}"\n').start(timeout_s=120)
+                        toml=TOML + f'fault_file = "{faults}"\nstall_s = 600\n').start(timeout_s=120)
     url = daemon.url
     out: dict = {}
     try:
