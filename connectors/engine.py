@@ -103,7 +103,13 @@ class EngineConnector:
         bt = self.block_tokens
         try:
             model = self.link.cost_model()
-            plan = model.plan(self.ns.name, [primary_tier(w) for w in store.where(self.ns, keys)],
+            tiers = [primary_tier(w) for w in store.where(self.ns, keys)]
+            if "" in tiers:
+                # (`where` knows the node's tiers; a block only the remote tier holds is found by
+                # a lookup, which asks it: those continue the prefix, from "remote")
+                found = store.lookup(self.ns, keys)
+                tiers = [t or ("remote" if i < found else "") for i, t in enumerate(tiers)]
+            plan = model.plan(self.ns.name, tiers,
                               self.ns.block_bytes, bt, first_tokens=first * bt,
                               usable_tokens=seq.num_tokens - 1 - first * bt, policy=self.load_policy)
         except STORE_ERRORS as e:

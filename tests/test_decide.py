@@ -34,8 +34,9 @@ def prompts(seed: int, n: int) -> list[list[int]]:
 
 
 def engine(model_dir, store, **kw):
+    kw.setdefault("kv_load_policy", "decide")
     return LLM(model_dir, kv_cache_bytes="16MiB", kv_store=store, kv_block_tokens=BT,
-               enable_prefix_caching=False, kv_load_policy="decide", **kw)
+               enable_prefix_caching=False, **kw)
 
 
 def store_all(model_dir, store, ps) -> tuple[list[list[int]], float]:
@@ -164,3 +165,35 @@ def test_a_head_in_host_ram_is_loaded_and_a_slow_tail_on_disk_computed(model_dir
     finally:
         faults.write_text("")
         store.close()
+
+
+def test_a_prefix_only_the_remote_tier_holds_is_loaded_from_it(model_dir, tmp_path):
+    """`where` answers for this node's tiers; a block only the remote tier holds continues the
+    found prefix (a lookup asks the remote tier), so node B's engine loads what node A's stored,
+    from "remote", with A's tokens."""
+    pytest.importorskip("redis")
+    from .redis_servers import RedisServer
+    from .test_remote import node
+    server = RedisServer(tmp_path)
+    try:
+        a = node(server.url)
+        try:
+            ps = prompts(4, 1)
+            cold, _ = store_all(model_dir, a, ps)
+            deadline = time.monotonic() + 30
+            while a.stats()["tiers"]["remote"]["queue"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            a.close()
+        b = node(server.url)
+        try:
+            llm = engine(model_dir, b, kv_load_policy="always")
+            try:
+                toks, tier, src = ask(llm, ps[0])
+            finally:
+                llm.close()
+            assert toks == cold[0] and tier == 8 * BT and src == ["remote"], (tier, src)
+        finally:
+            b.close()
+    finally:
+        server.stop()
