@@ -26,6 +26,18 @@ Extra-config keys (besides SGLang's own, all optional):
   vLLM connector: an index answer can outlive a daemon stall by 100 ms).
 - ``timeout_s``: loads and stores to a daemon (1 by default, under SGLang's prefetch deadline of
   1 s + 0.25 s per 1,024 tokens).
+- ``load_policy``: ``"decide"`` (default, or ``$TIERD_LOAD_POLICY``) reports as a hit only the
+  pages worth loading (below); ``"always"`` every page found.
+
+Hits worth loading. SGLang asks `batch_exists` how many leading pages storage holds before it
+prefetches them; the backend answers with the longest prefix of them whose load, tier by tier, the
+node's cost model (tierd/costs.py) predicts to finish before recomputing it would. Pages in host
+RAM followed by pages on a slow disk: the head is reported and loaded, the tail computed. The
+tokens declined go in the model's ledger, and a declined tier is re-measured now and then by
+loading a few of its pages off the request's path. The model learns from this engine too: every
+load (tier, bytes, seconds; a "slow hit" where it took longer than computing its tokens), and
+every prefill forward of the scheduler, timed through tierd's SGLang plugin (below). Deciding
+changes no byte and no token: a page is loaded whole or computed.
 
 Identity. SGLang's page keys chain the token ids and the request's `extra_key`/`cache_salt`, but
 name no model, rank, dtype or layout; the namespace adds them, from the engine's server arguments
@@ -46,25 +58,34 @@ loads and stores answer False (SGLang recomputes), never an exception into SGLan
 wait past `timeout_s`. Hybrid models' extra pools (Mamba state, SWA windows) are declined with
 one logged line: their v2 calls report no hit and store nothing.
 
-Shutdown. SGLang's `Engine.shutdown` kills its scheduler processes without waiting for their
-storage writes. tierd's SGLang plugin (entry point `sglang.srt.plugins`, loaded by SGLang in
-every process where tierd is installed) makes `Engine.shutdown` first wait until every scheduler
-has no host or storage write pending (at most ``$TIERD_SGLANG_DRAIN_S`` seconds, 30 by default).
+The plugin. tierd's SGLang plugin (entry point `sglang.srt.plugins`, loaded by SGLang in every
+process where tierd is installed) hooks two things. Shutdown: SGLang's `Engine.shutdown` kills its
+scheduler processes without waiting for their storage writes; the plugin makes it first wait until
+every scheduler has no host or storage write pending (at most ``$TIERD_SGLANG_DRAIN_S`` seconds,
+30 by default). Forwards: the scheduler's `run_batch` of a prefill (extend or mixed) batch that
+loads nothing from SGLang's host pool is timed, as wall time on a CPU and by CUDA events read once
+they have passed on a GPU (never a synchronize), for the recompute estimate of every backend of
+the process.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from tierd import threads
+from tierd.costs import TIERS, primary_tier
+from tierd.costs import load_policy as costs_load_policy
 from tierd.errors import LeaseError
 from tierd.namespace import Namespace, read_model_config
 
@@ -103,7 +124,10 @@ log = logging.getLogger("tierd.connectors.sglang")
 
 _KEY_DOMAIN = b"tierd/sglang-page/v1\x00"
 STAT_NAMES = ("lookups", "hit_pages", "loaded_pages", "load_failures", "stored_pages", "stores_present",
-              "store_failures", "lost_leases", "lookup_failures")
+              "store_failures", "lost_leases", "lookup_failures", "declined_pages", "slow_hits", "probes")
+PROBE_PAGES = 8    # a declined tier is re-measured with at most this many of its pages
+# Every backend of this (scheduler) process, for the forward timings of the plugin's hook.
+_BACKENDS: weakref.WeakSet = weakref.WeakSet()
 
 
 def tier_keys(root: bytes, keys: Sequence[str]) -> list[bytes]:
@@ -158,6 +182,10 @@ class TierdStorage(HiCacheStorage):
         self.stats = dict.fromkeys(STAT_NAMES, 0)
         self._stats_lock = threading.Lock()
         self._warned: set[str] = set()
+        self.load_policy = costs_load_policy(extra.get("load_policy"))   # "decide" or "always"
+        # Every rank decides and loads for itself, and the node's ledger counts each request's
+        # tokens once: the first rank of the tensor-parallel group counts them.
+        self._counts_ledger = int(getattr(storage_config, "tp_rank", 0) or 0) == 0
         url = str(extra.get("url") or os.environ.get("TIERD_URL", DEFAULT_URL))
         self.url = url
         timeout_s = float(extra.get("timeout_s", 1.0))
@@ -173,6 +201,7 @@ class TierdStorage(HiCacheStorage):
         self.save_link = StoreLink(store, timeout_s=timeout_s, retries=0, background_connect=True,
                                    name="tierd-sglang-save", prefault=prefault)
         self._extra = extra
+        _BACKENDS.add(self)
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
@@ -260,22 +289,58 @@ class TierdStorage(HiCacheStorage):
 
     # -- lookups ---------------------------------------------------------------------------------
     def batch_exists(self, keys: list[str], extra_info=None) -> int:
-        """How many leading pages of `keys` tierd holds (0 on any failure)."""
+        """How many leading pages of `keys` to report as hits (0 on any failure): with the
+        "decide" load policy those of the pages tierd holds worth loading (`_decide`), else all
+        it holds. SGLang asks once per batch of at most 128 pages, each batch's `prefix_keys`
+        naming the pages before it."""
         if self.disabled or self.ns is None or not keys:
             return 0
         link = self.lookup_link
         store = link.get()
         if store is None:
             return 0
+        tkeys = self._keys(keys)
         try:
-            n = int(store.lookup(self.ns, self._keys(keys)))
+            n = int(store.lookup(self.ns, tkeys))
+            where = store.where(self.ns, tkeys[:n]) if n and self.load_policy == "decide" else None
         except STORE_ERRORS as e:
             link.failed(e, "lookup")
             self._count(lookups=1, lookup_failures=1)
             return 0
         link.ok()
+        if where is not None:
+            n = self._decide(tkeys[:n], where, extra_info)
         self._count(lookups=1, hit_pages=n)
         return n
+
+    def _decide(self, tkeys: list[bytes], where: list[str], extra_info) -> int:
+        """Of the pages found (`tkeys`, `where` they are), the leading ones whose load the cost
+        model predicts to beat computing them; the tokens of the others go in its ledger as
+        declined, and a declined tier is probed when due (on the load link, off this thread)."""
+        model = self.lookup_link.cost_model()
+        if model is None:
+            return len(tkeys)
+        bt = self.ns.block_tokens
+        # `where` names host and disk copies: a page the lookup found in neither is remote
+        tiers = [primary_tier(w) or "remote" for w in where[:len(tkeys)]]
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        plan = model.plan(self.ns.name, tiers, self.block_bytes, bt, first_tokens=len(prefix or ()) * bt)
+        for tier, pages in plan.declined().items():
+            if self._counts_ledger:
+                model.count(tier, declined_tokens=pages * bt)
+            self._count(declined_pages=pages)
+        if plan.probe >= 0:
+            tier, i = plan.tiers[plan.probe], plan.probe
+            run = [k for k, _ in itertools.takewhile(lambda kt: kt[1] == tier,
+                                                     zip(tkeys[i:i + PROBE_PAGES], plan.tiers[i:]))]
+            threads.start(self._probe, run, tier, model, name="tierd-sglang-probe")
+        return min(len(tkeys), plan.blocks)
+
+    def _probe(self, tkeys: list[bytes], tier: str, model) -> None:
+        """(A thread of its own.) Re-measure a declined tier by loading `tkeys` on the load link
+        (`StoreLink.probe`), connecting it first where this engine has not loaded yet."""
+        if self.load_link.get() is not None and self.load_link.probe(self.ns, tkeys, tier, model):
+            self._count(probes=1)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -286,6 +351,58 @@ class TierdStorage(HiCacheStorage):
         return PoolTransferResult(0, {name: 0 for name in _pool_names(pool_transfers or ())})
 
     # -- loads -----------------------------------------------------------------------------------
+    def _load(self, keys: list[str], copy, extra_info=None) -> int | None:
+        """Lease the leading present pages of `keys` and `copy(i, slot)` each into SGLang's
+        memory: how many pages arrived whole under a lease that held, None on a failure (then
+        none counts). The load's time goes in the cost model (`_observe_load`)."""
+        store = self.load_link.get()
+        if store is None:
+            return None
+        got = 0
+        t0 = time.perf_counter()
+        try:
+            lease = store.acquire(self.ns, self._keys(keys))
+            try:
+                with holding(store, lease):
+                    for i, buf in enumerate(lease.buffers):
+                        copy(i, buf)
+                        got += 1
+            finally:
+                store.release(lease, confirm=True)   # LeaseError: the bytes may be torn, none count
+        except LeaseError as e:
+            self._count(lost_leases=1, load_failures=1)
+            log.warning("tierd load lost its lease (%s); %d pages are recomputed", e, len(keys))
+            return None
+        except STORE_ERRORS as e:
+            self.load_link.failed(e, "load")
+            self._count(load_failures=1)
+            return None
+        self.load_link.ok()
+        self._count(loaded_pages=got)
+        if got:
+            prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+            self._observe_load(list(lease.tiers[:got]), got, time.perf_counter() - t0,
+                               len(prefix or ()) * self.ns.block_tokens)
+        return got
+
+    def _observe_load(self, tiers: list[str], pages: int, seconds: float, first_tokens: int) -> None:
+        """A load of `pages` pages (from `tiers`, per page) took `seconds`: the transfer estimate
+        of the slowest tier it read from, the ledger, and a slow hit where it took longer than
+        computing its tokens after `first_tokens` was estimated to."""
+        model = self.load_link.cost_model()
+        if model is None:
+            return
+        tier = max((t for t in tiers if t in TIERS), key=TIERS.index, default="host")
+        model.observe_transfer(tier, "load", pages * self.block_bytes, seconds)
+        tokens = pages * self.ns.block_tokens
+        fit = model.recompute.get(self.ns.name)
+        saving = fit.saving(first_tokens, tokens) if fit is not None else None
+        slow = saving is not None and seconds > saving
+        if slow:
+            self._count(slow_hits=1)
+        if self._counts_ledger:
+            model.count(tier, loads=1, loaded_tokens=tokens, slow_hits=int(slow))
+
     def batch_get_v1(self, keys: list[str], host_indices, extra_info=None) -> list[bool]:
         """Copy the leading present pages of `keys` from leased slots straight into SGLang's host
         pool at `host_indices`; True for each page that arrived whole under a lease that held."""
@@ -293,32 +410,15 @@ class TierdStorage(HiCacheStorage):
         if self.disabled or self.ns is None or not n:
             return [False] * n
         runs = self._page_runs(host_indices, n)
-        store = self.load_link.get() if runs is not None else None
-        if store is None:
+        if runs is None:
             return [False] * n
-        got = 0
-        try:
-            lease = store.acquire(self.ns, self._keys(keys))
-            try:
-                with holding(store, lease):
-                    for buf, page in zip(lease.buffers, runs):
-                        base, off = buf.ctypes.data, 0
-                        for addr, size in page:
-                            ctypes.memmove(addr, base + off, size)
-                            off += size
-                        got += 1
-            finally:
-                store.release(lease, confirm=True)   # LeaseError: the bytes may be torn, none count
-        except LeaseError as e:
-            self._count(lost_leases=1, load_failures=1)
-            log.warning("tierd load lost its lease (%s); %d pages are recomputed", e, n)
-            return [False] * n
-        except STORE_ERRORS as e:
-            self.load_link.failed(e, "load")
-            self._count(load_failures=1)
-            return [False] * n
-        self.load_link.ok()
-        self._count(loaded_pages=got)
+
+        def copy(i, buf):
+            base, off = buf.ctypes.data, 0
+            for addr, size in runs[i]:
+                ctypes.memmove(addr, base + off, size)
+                off += size
+        got = self._load(keys, copy, extra_info) or 0
         return [True] * got + [False] * (n - got)
 
     # -- stores ----------------------------------------------------------------------------------
@@ -382,21 +482,8 @@ class TierdStorage(HiCacheStorage):
             self._warn_once("flat", "tierd storage backend: a target page is not a contiguous tensor of "
                                     f"{self.block_bytes} bytes; not loaded")
             return [None] * n
-        store = self.load_link.get()
-        if store is None:
-            return [None] * n
-        try:
-            got = store.get(self.ns, self._keys(keys), out=dsts)
-        except LeaseError:
-            self._count(lost_leases=1, load_failures=1)
-            return [None] * n
-        except STORE_ERRORS as e:
-            self.load_link.failed(e, "load")
-            self._count(load_failures=1)
-            return [None] * n
-        self.load_link.ok()
-        self._count(loaded_pages=len(got))
-        return [target_locations[i] if i < len(got) else None for i in range(n)]
+        got = self._load(keys, lambda i, buf: np.copyto(dsts[i], buf, casting="no")) or 0
+        return [target_locations[i] if i < got else None for i in range(n)]
 
     def set(self, key: str, value=None, target_location=None, target_sizes=None) -> bool:
         return self.batch_set([key], [value])
@@ -423,6 +510,18 @@ class TierdStorage(HiCacheStorage):
         self.save_link.ok()
         self._count(stored_pages=stored)
         return True
+
+    # -- the recompute estimate ---------------------------------------------------------------------
+    def observe_forward(self, batch, seconds: float) -> None:
+        """A prefill forward of this process's engine: (new tokens, cached tokens before them)
+        per request, and its seconds (from the plugin's `run_batch` hook). Recorded in the lookup
+        link's replica of the cost model, which `_decide` reads, and then exchanged with the
+        daemon's off this thread."""
+        store = self.lookup_link.store
+        if self.disabled or self.ns is None or store is None:
+            return
+        store.cost_model(sync=False).observe_forward(self.ns.name, batch, seconds)
+        self.lookup_link.cost_model()     # (starts the exchange when it is due)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def clear(self) -> None:
@@ -493,13 +592,99 @@ def sglang_plugin() -> None:
     """SGLang general plugin (entry point `sglang.srt.plugins`, loaded by SGLang in each of its
     processes): `Engine.shutdown` first waits for the schedulers' pending host and storage
     writes, at most $TIERD_SGLANG_DRAIN_S seconds (30; 0 turns the wait off), and only for an
-    engine whose storage backend is this module's. Set TIERD_SGLANG_PLUGIN=0 to load nothing."""
+    engine whose storage backend is this module's; the schedulers' prefill forwards are timed
+    for the backends' cost model (`_run_batch_hook`). Set TIERD_SGLANG_PLUGIN=0 to load
+    nothing."""
     if os.environ.get("TIERD_SGLANG_PLUGIN", "1") == "0":
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     HookRegistry.register("sglang.srt.entrypoints.engine.Engine.shutdown", _shutdown_hook, HookType.AROUND)
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.handle_rpc_request", _rpc_hook,
                           HookType.AROUND)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.run_batch", _run_batch_hook, HookType.AROUND)
+
+
+# -- the plugin's forward timings: the recompute estimate ------------------------------------------
+TIMED_MODES = ("EXTEND", "MIXED")   # prefill batches (mixed: with decodes); not a verify or a split
+FORWARD_EVENTS_KEPT = 64            # CUDA timings waiting to be read (never more than a few steps)
+_forward_events: list = []          # (start, end, terms) of CUDA forwards, oldest first
+
+
+def _run_batch_hook(original, self, batch, *args, **kwargs):
+    """(In each scheduler, around `Scheduler.run_batch`.) Time a prefill batch for the cost
+    model of every backend of this process. Nothing here raises into SGLang, and without a
+    backend of this module nothing is done."""
+    timing = _begin_forward(self, batch) if _BACKENDS else None
+    result = original(self, batch, *args, **kwargs)
+    if timing is not None:
+        _end_forward(timing)
+    return result
+
+
+def _begin_forward(scheduler, batch):
+    """What `_end_forward` needs to time this batch's forward, or None where it is not timed:
+    not a prefill, or one that also waits for pages loaded from SGLang's host pool (their copies
+    would count as compute), a pipeline stage (one of several forwards in flight), or a device
+    whose work cannot be timed without a synchronize."""
+    try:
+        _read_forward_events()
+        mode = getattr(getattr(batch, "forward_mode", None), "name", "")
+        if mode not in TIMED_MODES or getattr(batch, "hicache_consumer_index", -1) >= 0:
+            return None
+        if int(getattr(getattr(scheduler, "pp_group", None), "world_size", 1) or 1) > 1:
+            return None
+        terms = [(int(n), int(k)) for n, k in zip(batch.extend_lens or (), batch.prefix_lens or ())]
+        if not terms:
+            return None
+        device = str(getattr(scheduler, "device", "cpu"))
+        if device == "cpu":
+            return time.perf_counter(), None, terms
+        if not device.startswith("cuda"):
+            return None
+        import torch
+        # the forward runs on the scheduler's forward stream when it overlaps, else on the
+        # current one; an event there passes once the work queued before it has run
+        stream = None
+        if getattr(scheduler, "enable_overlap", False):
+            stream = getattr(scheduler, "forward_stream", None)
+            if stream is None:
+                return None
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        return start, stream, terms
+    except Exception:  # noqa: BLE001 -- a measurement: never SGLang's error
+        log.debug("tierd: a forward was not timed", exc_info=True)
+        return None
+
+
+def _end_forward(timing) -> None:
+    start, stream, terms = timing
+    try:
+        if isinstance(start, float):
+            _observe_forward(terms, time.perf_counter() - start)
+            return
+        import torch
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        _forward_events.append((start, end, terms))
+        del _forward_events[:-FORWARD_EVENTS_KEPT]
+    except Exception:  # noqa: BLE001
+        log.debug("tierd: a forward was not timed", exc_info=True)
+
+
+def _read_forward_events() -> None:
+    """Observe the CUDA forwards whose end event has passed (`query`: no wait)."""
+    while _forward_events and _forward_events[0][1].query():
+        start, end, terms = _forward_events.pop(0)
+        _observe_forward(terms, start.elapsed_time(end) / 1e3)
+
+
+def _observe_forward(terms, seconds: float) -> None:
+    for backend in list(_BACKENDS):
+        try:
+            backend.observe_forward(terms, seconds)
+        except Exception:  # noqa: BLE001
+            log.debug("tierd: a forward timing was not recorded", exc_info=True)
 
 
 def pending_writes(scheduler) -> int:

@@ -146,6 +146,7 @@ def run(tmp_path_factory):
             while c.stats()["tiers"]["host"]["blocks"] < expected and time.monotonic() < deadline:
                 time.sleep(0.1)
             res["blocks_after_A"] = c.stats()["tiers"]["host"]["blocks"]
+            res["costs_after_A"] = c.stats()["costs"]
         res["daemon_warnings_after_A"] = [line for line in daemon.log.read_text(errors="replace").splitlines()
                                           if " WARNING " in line or " ERROR " in line][-10:]
         proc, out, log = eng.start("B", [
@@ -211,6 +212,14 @@ def test_engine_shutdown_waits_for_its_writes(run):
     assert drain is not None and drain["drained"], why
     assert late_b["cached"] == hit_tokens(len(PROMPTS["late"])) and late_b["tokens"] == late_a["tokens"], why
     assert run["blocks_after_A"] >= expected, why
+
+
+def test_the_engines_prefill_forwards_feed_the_recompute_estimate(run):
+    """tierd's plugin times A's prefill batches (its `run_batch` hook) for the cost model: the
+    daemon's model holds a recompute estimate measured from them."""
+    recompute = run["costs_after_A"]["recompute"]
+    assert any(r.get("measured", 0) >= 1 and r["per_token_s"] + r["per_token_context_s"] > 0
+               for r in recompute.values()), recompute
 
 
 def test_a_killed_daemon_means_recompute_not_errors(run):

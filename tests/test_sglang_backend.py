@@ -384,3 +384,197 @@ def test_lora_engines_unknown_kv_dtypes_and_unnamed_drafts_are_declined_with_one
         assert sum("disabled" in r.getMessage() for r in caplog.records) == 1
         ks = keys(1, seed=43)
         assert b.batch_exists(ks) == 0 and b.batch_set_v1(ks, pages(0)) == [False]
+
+
+# -- hits worth loading (tierd/costs.py) -----------------------------------------------------------
+def measure(model, engine, block_bytes, *, disk_s=None, token_s=1e-4):
+    """Feed `model` what an engine and a load would have measured: forwards of `engine` at
+    `token_s` a token, and with `disk_s` the disk's loads of 4 pages taking that long."""
+    for _ in range(3):
+        for n in (16, 64, 256, 1024):
+            model.observe_forward(engine, [(n, 0)], 1e-6 + n * token_s)
+        if disk_s is not None:
+            model.observe_transfer("disk", "load", 4 * block_bytes, disk_s)
+
+
+def until(what, check, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def replica_knows(b, c, *, disk=False):
+    """Whether the backend's lookup replica has the recompute fit for its namespace (and the
+    disk's loads) that client `c` measured: asked again, each replica exchanges with the daemon's
+    model when due (every 0.5 s)."""
+    c.cost_model()
+    m = b.lookup_link.cost_model()
+    return m.has_recompute(b.ns.name) and (not disk or m.transfers[("disk", "load")].n >= 3)
+
+
+def test_decide_reports_the_host_head_and_declines_a_slow_disk_tail(daemon, models):
+    """Six pages on disk only, the first two read back into host RAM; the disk measured far
+    slower than recomputing a page: with "decide" the existence check reports the host head (2),
+    the declined tail goes in the backend's stats and the daemon's ledger, and the disk is probed
+    (which reads the tail into host RAM: then all six are worth loading). "always" reports all
+    six throughout; a page is never reported that is not held."""
+    import tierd
+    from tierd.costs import primary_tier
+    from tierd.errors import ConfigError
+    pool = MHATokenToKVPoolHost(seed=4)
+    decide = backend(pool, models[0], daemon.url, load_policy="decide")
+    always = backend(MHATokenToKVPoolHost(), models[0], daemon.url, load_policy="always")
+    assert decide.load_policy == "decide" and always.load_policy == "always"
+    with pytest.raises(ConfigError):
+        backend(MHATokenToKVPoolHost(), models[0], daemon.url, load_policy="sometimes")
+    ks = keys(6, seed=51)
+    assert decide.batch_set_v1(ks, pages(0, 16, 32, 48, 64, 80)) == [True] * 6
+    tk = tier_keys(decide.ns.root_key, ks)
+    with tierd.connect(daemon.url) as c:
+        c.sync()
+        c.flush(tier="host")
+        assert c.where(decide.ns, tk) == ["disk"] * 6
+        c.release(c.acquire(decide.ns, tk[:2]))                        # the head read back into host RAM
+        assert [primary_tier(w) for w in c.where(decide.ns, tk)] == ["host"] * 2 + ["disk"] * 4
+        measure(c.cost_model(), decide.ns.name, decide.block_bytes, disk_s=0.5)
+        until("the backend's replica never got the daemon's model", lambda: replica_knows(decide, c, disk=True))
+        assert always.batch_exists(ks) == 6
+        assert decide.batch_exists(ks + keys(2, seed=52)) == 2
+        assert decide.stats["hit_pages"] == 2 and decide.stats["declined_pages"] == 4
+        # the ledger reaches the daemon with the replica's next exchange
+        until("the declined tokens never reached the daemon's ledger",
+              lambda: decide.lookup_link.cost_model() is not None
+              and c.stats()["costs"]["ledger"]["disk"]["declined_tokens"] >= 4 * PAGE)
+        # the probe read the declined pages (into host RAM, as any load does): now all load
+        until("the disk was never probed", lambda: decide.load_link.stats.get("probes", 0) >= 1)
+        assert decide.stats["probes"] == 1
+        assert [primary_tier(w) for w in c.where(decide.ns, tk)] == ["host"] * 6
+    assert decide.batch_exists(ks) == 6 and always.batch_exists(ks) == 6
+    assert decide.batch_get_v1(ks, pages(96, 112, 128, 144, 160, 176)) == [True] * 6
+    for src, dst in zip((0, 16, 32, 48, 64, 80), (96, 112, 128, 144, 160, 176)):
+        assert torch.equal(pool.page(src), pool.page(dst))
+
+
+def test_decide_reports_every_page_in_host_ram_and_loads_feed_the_model(daemon, models):
+    """Pages in host RAM load far faster than they compute: all are reported, none declined.
+    Their loads go in the model: the host tier's transfer estimate and the ledger's loaded
+    tokens (the daemon's, after an exchange), through both the zero-copy and the generic calls;
+    a load that took longer than computing its tokens was estimated to is a slow hit (the
+    generic calls' namespace, measured to compute a token in a nanosecond)."""
+    import tierd
+    b = backend(MHATokenToKVPoolHost(seed=5), models[0], daemon.url, load_policy="decide")
+    flat = backend(MHATokenToKVPoolHost(), models[0], daemon.url, v1=False, load_policy="decide")
+    ks = keys(4, seed=61)
+    assert b.batch_set_v1(ks, pages(0, 16, 32, 48)) == [True] * 4
+    with tierd.connect(daemon.url) as c:
+        measure(c.cost_model(), b.ns.name, b.block_bytes, disk_s=0.5, token_s=1e-3)
+        measure(c.cost_model(), flat.ns.name, flat.block_bytes, token_s=1e-9)
+        until("the backend's replica never got the daemon's model", lambda: replica_knows(b, c, disk=True))
+        until("the generic backend's load link never connected", lambda: flat.load_link.get() is not None)
+        until("the generic backend's load replica never got the daemon's model",
+              lambda: flat.load_link.cost_model().has_recompute(flat.ns.name))
+        prefix = SimpleNamespace(prefix_keys=keys(3, seed=62))          # (pages before these: 48 tokens)
+        assert b.batch_exists(ks, prefix) == 4 and b.stats["declined_pages"] == 0
+        assert b.batch_get_v1(ks, pages(64, 80, 96, 112), prefix) == [True] * 4
+        vals = [torch.randn(flat.block_bytes // 4) for _ in range(2)]
+        fk = keys(2, seed=63)
+        assert flat.batch_set(fk, vals)
+        outs = [torch.zeros_like(v) for v in vals]
+        assert flat.batch_get(fk, outs) == outs and all(torch.equal(v, o) for v, o in zip(vals, outs))
+        assert b.load_link.cost_model().transfers[("host", "load")].n >= 1
+        assert b.stats["slow_hits"] == 0 and flat.stats["slow_hits"] == 1
+        until("the loads never reached the daemon's ledger",
+              lambda: b.load_link.cost_model() is not None and flat.load_link.cost_model() is not None
+              and c.stats()["costs"]["ledger"]["host"]["loaded_tokens"] >= 6 * PAGE)
+        ledger = c.stats()["costs"]["ledger"]["host"]
+        assert ledger["loads"] >= 2 and ledger["slow_hits"] >= 1
+
+
+def test_the_plugin_times_prefill_batches_for_every_backend(daemon, models):
+    """The `run_batch` hook: a prefill batch (extend or mixed) that loads nothing from the host
+    pool is timed into every backend's recompute estimate; decodes and batches with a host
+    load are not; SGLang's own result and exceptions pass through, and a batch the hook cannot
+    read never raises."""
+    from tierd.connectors import sglang as ts
+    b = backend(MHATokenToKVPoolHost(), models[0], daemon.url)
+    until("the lookup link never connected", lambda: b.lookup_link.store is not None)
+    sched = SimpleNamespace(device="cpu", enable_overlap=False)
+
+    def batch(mode, extend=(64, 1), prefix=(0, 100), load=-1):
+        return SimpleNamespace(forward_mode=SimpleNamespace(name=mode), extend_lens=list(extend),
+                               prefix_lens=list(prefix), hicache_consumer_index=load)
+
+    def forward(s, bt, *args, **kwargs):
+        time.sleep(0.002)
+        return ("result", args, kwargs)
+    assert ts._run_batch_hook(forward, sched, batch("EXTEND"), 1, k=2) == ("result", (1,), {"k": 2})
+    ts._run_batch_hook(forward, sched, batch("MIXED"))
+    for skipped in (batch("DECODE"), batch("TARGET_VERIFY"), batch("EXTEND", load=0),
+                    SimpleNamespace(forward_mode=None), batch("EXTEND", extend=(), prefix=())):
+        assert ts._run_batch_hook(forward, sched, skipped)[0] == "result"
+    broken = SimpleNamespace(forward_mode=SimpleNamespace(name="EXTEND"), extend_lens=None, prefix_lens=[0])
+    assert ts._run_batch_hook(forward, sched, broken)[0] == "result"
+
+    def failing(s, bt):
+        raise ValueError("SGLang's own error")
+    with pytest.raises(ValueError, match="SGLang's own error"):
+        ts._run_batch_hook(failing, sched, batch("EXTEND"))
+    import tierd
+    with tierd.connect(daemon.url) as c:
+        def measured():
+            b.lookup_link.cost_model()        # (exchanges the replica with the daemon's when due)
+            return c.stats()["costs"]["recompute"].get(b.ns.name, {}).get("measured", 0)
+        until("the forwards never reached the daemon's model", lambda: measured() >= 2)
+        time.sleep(0.6)
+        assert measured() == 2                # the extend and the mixed batch (not the one that failed)
+
+
+def test_the_plugin_times_gpu_forwards_by_events_read_once_passed(daemon, models, monkeypatch):
+    """On a GPU a prefill batch is timed by a pair of CUDA events on the stream its forward runs
+    on (the forward stream when the scheduler overlaps), read at a later batch once the end event
+    has passed: never a synchronize. (Stand-in events: the test needs no GPU.)"""
+    from tierd.connectors import sglang as ts
+
+    class Event:
+        made: list = []
+
+        def __init__(self, enable_timing=False):
+            self.passed, self.stream = False, "unrecorded"
+            Event.made.append(self)
+
+        def record(self, stream=None):
+            self.stream = stream
+
+        def query(self):
+            return self.passed
+
+        def elapsed_time(self, end):
+            return 5.0                       # milliseconds
+
+        def synchronize(self):
+            raise AssertionError("a forward timing waited for the GPU")
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(ts, "_forward_events", [])
+    b = backend(MHATokenToKVPoolHost(), models[0], daemon.url)
+    until("the lookup link never connected", lambda: b.lookup_link.store is not None)
+    extend = SimpleNamespace(forward_mode=SimpleNamespace(name="EXTEND"), extend_lens=[32], prefix_lens=[16],
+                             hicache_consumer_index=-1)
+    decode = SimpleNamespace(forward_mode=SimpleNamespace(name="DECODE"))
+
+    def forward(s, bt):
+        return "result"
+    overlap = SimpleNamespace(device="cuda", enable_overlap=True, forward_stream="forward stream")
+    assert ts._run_batch_hook(forward, overlap, extend) == "result"
+    assert [e.stream for e in Event.made] == ["forward stream"] * 2 and len(ts._forward_events) == 1
+    assert ts._run_batch_hook(forward, overlap, decode) == "result" and len(ts._forward_events) == 1   # not passed
+    for e in Event.made:
+        e.passed = True
+    plain = SimpleNamespace(device="cuda:0", enable_overlap=False)
+    assert ts._run_batch_hook(forward, plain, extend) == "result"     # reads the first, times this one
+    assert [e.stream for e in Event.made[2:]] == [None, None] and len(ts._forward_events) == 1
+    fit = b.lookup_link.store.cost_model(sync=False).recompute.get(b.ns.name)
+    assert fit is not None and fit.n >= 1
+    for untimed in (SimpleNamespace(device="npu"), SimpleNamespace(device="cuda", enable_overlap=True)):
+        assert ts._run_batch_hook(forward, untimed, extend) == "result"
+    assert len(Event.made) == 4
