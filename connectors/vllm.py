@@ -238,9 +238,9 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
             self.save_link = StoreLink(store, timeout_s=timeout_s, name="tierd-vllm-save", prefault=prefault)
             self.save_link.stats = self.link.stats
         self.stats = self.link.stats
-        for k in ("declined_tokens", "slow_hits", "probes", "lookup_timeouts", "loads_async", "stores_present",
-                  "lost_leases", "requests_not_keyed", "save_s", "hbm_hit_blocks", "loads_unordered", "stores_skipped", "state_misses",
-                  "state_load_misses", "load_acquire_s", "load_copy_s", "unleased_loads", "requests_opted_out",
+        for k in ("declined_tokens", "abandoned_tokens", "slow_hits", "probes", "lookup_timeouts", "loads_async",
+                  "stores_present", "lost_leases", "requests_not_keyed", "save_s", "hbm_hit_blocks",
+                  "loads_unordered", "stores_skipped", "state_misses", "state_load_misses", "load_acquire_s", "load_copy_s", "unleased_loads", "requests_opted_out",
                   "sched_s", "hook_s"):
             self.stats.setdefault(k, 0)
         if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":

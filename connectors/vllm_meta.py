@@ -22,6 +22,9 @@ class LoadSpec:
     is_async: bool = False
     state_keys: list[bytes] = field(default_factory=list)    # per rank: the state after the last block
     state_ids: list[list[int]] = field(default_factory=list)  # per state group: the blocks it goes into
+    # the cost model's deadline for this load (tierd/costs.py): past it, the worker stops between
+    # two parts and vLLM computes the rest; inf: none (not decided, or the load policy "always")
+    deadline_s: float = float("inf")
 
     @property
     def num_blocks(self) -> int:

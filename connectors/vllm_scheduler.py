@@ -264,10 +264,11 @@ class SchedulerHalf:
                 return
             state_keys, state_ids = [k[last_tier - 1] for k in st.state_keys], [[b] for b in ids]
         st.load_attempts += 1
+        deadline = st.plan.deadline_s if st.plan is not None and not state_keys else float("inf")
         self._loads.append(LoadSpec(request.request_id, st.salt,
                                     [k[first_tier:last_tier] for k in st.keys], first_tier, first_block,
                                     self.groups.ids(table, first_block, last_block), st.load_async,
-                                    state_keys, state_ids))
+                                    state_keys, state_ids, deadline))
         self.stats["hit_blocks"] += last_tier - first_tier
         self.stats["loaded_tokens"] += num_external_tokens
         if st.load_async:

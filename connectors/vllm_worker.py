@@ -66,6 +66,41 @@ class _Loading:
         self.tiers = list(getattr(lease, "tiers", None) or ())    # where each block was found
 
 
+class _Leases:
+    """The leases of one load leased in parts (`WorkerHalf._acquire`), as one: the prefix of
+    blocks they hold together, released (and confirmed) together."""
+
+    def __init__(self, store, parts: list):
+        self.store, self.parts = store, parts
+        self.buffers = [b for p in parts for b in p.buffers]
+        self.tiers = [t for p in parts for t in (p.tiers or ["host"] * len(p))]
+        gpu = [getattr(p, "gpu_buffers", None) for p in parts]
+        self.gpu_buffers = [b for g, p in zip(gpu, parts) for b in (g or [None] * len(p))] if any(gpu) else None
+        self._generation = parts[0]._generation if hasattr(parts[0], "_generation") else None
+
+    def __len__(self) -> int:
+        return len(self.buffers)
+
+    def hold(self):
+        """Every part's `holding`, entered together."""
+        stack = contextlib.ExitStack()
+        for p in self.parts:
+            stack.enter_context(holding(self.store, p))
+        return stack
+
+    def release(self, *, confirm: bool) -> None:
+        """Release every part; with `confirm`, raise (LeaseError) if any was lost, after all
+        were released."""
+        lost = None
+        for p in self.parts:
+            try:
+                self.store.release(p, confirm=confirm)
+            except STORE_ERRORS as e:
+                lost = lost or e
+        if lost is not None:
+            raise lost
+
+
 class WorkerHalf:
     """Part of `TierdConnector`: the methods vLLM calls on a worker's connector."""
 
@@ -239,7 +274,7 @@ class WorkerHalf:
                 return done
         if store is not None:
             try:
-                lease = acquire_for(store, self.namespace(spec.salt), keys, self._device)
+                lease = self._acquire(store, spec, keys, t0)
                 self.stats["load_acquire_s"] += time.perf_counter() - t0
                 self.link.ok()
             except STORE_ERRORS as e:
@@ -249,7 +284,7 @@ class WorkerHalf:
         if loaded:
             hold = contextlib.ExitStack()
             try:    # the bytes count only if the lease holds from before the copy until its end
-                hold.enter_context(holding(store, lease))
+                hold.enter_context(lease.hold() if isinstance(lease, _Leases) else holding(store, lease))
                 self._xfer.attach(store)
                 ids = self._load_ids(spec, loaded)
                 gpu = list(getattr(lease, "gpu_buffers", None) or ())[:loaded] or None
@@ -274,6 +309,37 @@ class WorkerHalf:
             self._release_quietly(store, lease)
         self.stats["load_s"] += time.perf_counter() - t0
         return self._missing(spec, loaded)
+
+    ABANDON_PARTS = 8   # tier blocks a decided load leases at a time (tierd/costs.py)
+
+    def _acquire(self, store, spec: LoadSpec, keys, t0: float):
+        """The lease of `keys`. A decided load (a finite `spec.deadline_s`) leases them in parts;
+        past its deadline it stops between two parts: the blocks leased stay, vLLM computes the
+        rest (its `kv_load_failure_policy` "recompute"), and their tokens are counted as
+        abandoned."""
+        ns = self.namespace(spec.salt)
+        if not spec.deadline_s < float("inf") or len(keys) <= self.ABANDON_PARTS:
+            return acquire_for(store, ns, keys, self._device)
+        parts: list = []
+        try:
+            for a in range(0, len(keys), self.ABANDON_PARTS):
+                if parts and time.perf_counter() - t0 > spec.deadline_s:
+                    left = len(keys) - a
+                    self.stats["abandoned_tokens"] += left * self.block_tokens
+                    model = self.link.cost_model()
+                    if model is not None and self._rank == 0:
+                        model.count(parts[-1].tiers[-1] if parts[-1].tiers else "disk",
+                                    abandoned_tokens=left * self.block_tokens)
+                    break
+                part = acquire_for(store, ns, keys[a:a + self.ABANDON_PARTS], self._device)
+                parts.append(part)
+                if len(part) < len(keys[a:a + self.ABANDON_PARTS]):
+                    break
+        except BaseException:
+            for p in parts:
+                self._release_quietly(store, p)
+            raise
+        return parts[0] if len(parts) == 1 else _Leases(store, parts)
 
     def _load_unleased(self, store, spec: LoadSpec, keys, t0: float) -> set[int] | None:
         """A CPU load without a lease (the daemon's shared index shows the blocks ready in host
@@ -346,7 +412,10 @@ class WorkerHalf:
         try:
             ld.job.synchronize()
             lease, ld.lease = ld.lease, None
-            ld.store.release(lease, confirm=True)
+            if isinstance(lease, _Leases):
+                lease.release(confirm=True)
+            else:
+                ld.store.release(lease, confirm=True)
         except STORE_ERRORS as e:
             self.stats["lost_leases"] += 1
             log.warning("tierd lease lost during a load (%s); the blocks are recomputed", e)
@@ -376,7 +445,10 @@ class WorkerHalf:
 
     def _release_quietly(self, store, lease) -> None:
         try:
-            store.release(lease)
+            if isinstance(lease, _Leases):
+                lease.release(confirm=False)
+            else:
+                store.release(lease)
         except STORE_ERRORS:
             pass
 

@@ -1063,3 +1063,37 @@ def test_a_worker_whose_rank_or_stage_is_unknown_declines_instead_of_guessing(em
         assert worker.get_block_ids_with_load_errors() == {1, 2}
         worker.clear_connector_metadata()
         worker.shutdown()
+
+
+def test_a_decided_load_past_its_deadline_stops_between_parts_and_vllm_computes_the_rest(embedded_url):
+    """A load the cost model decided carries its deadline (tierd/costs.py); the worker leases
+    it in parts of 8 tier blocks and, past the deadline, stops between two: the blocks loaded
+    hold the stored bytes, the rest are reported for vLLM to compute (its "recompute" policy)
+    and counted as abandoned. (The deadline here is already past when the first part is in.)"""
+    sched, worker = pair(embedded_url, load_async=False)
+    objs = drv.Objects()
+    torch.manual_seed(3)
+    prompt = torch.randint(0, 32000, (12 * drv.BLOCK_TOKENS + 5,)).tolist()
+    nb = -(-len(prompt) // drv.BLOCK_SIZE)
+    a = objs.request("A", prompt)
+    drv.admit(sched, objs, a, 0, list(range(nb)), worker)
+    drv.step(sched, worker, objs, objs.output([(a, range(nb), 0, len(prompt))]))
+    assert worker.flush(30)
+    sched.request_finished(a, list(range(nb)))
+    b = objs.request("B", prompt)
+    ext, is_async = sched.get_num_new_matched_tokens(b, 0)
+    assert ext == 12 * drv.BLOCK_TOKENS and not is_async
+    ids = list(range(30, 30 + nb))
+    sched.update_state_after_alloc(b, objs.blocks(ids), ext)
+    (spec,) = sched._loads
+    spec.deadline_s = 0.0
+    drv.step(sched, worker, objs, objs.output([(b, ids, ext, len(prompt) - ext)]))
+    ratio = drv.BLOCK_TOKENS // drv.BLOCK_SIZE
+    assert objs.take_errors() == set(ids[8 * ratio:12 * ratio])      # the last 4 tier blocks
+    assert worker.stats["abandoned_tokens"] == 4 * drv.BLOCK_TOKENS
+    for layer in range(drv.LAYERS):
+        for i in range(8 * ratio):
+            assert torch.equal(drv.layer_block(worker, layer, ids[i]), drv.layer_block(worker, layer, i))
+    sched.request_finished(b, ids)
+    worker.shutdown()
+    sched.shutdown()
