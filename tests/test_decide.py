@@ -59,6 +59,13 @@ def ask(llm, p) -> tuple[list[int], int, list[str]]:
     return out.outputs[0].token_ids, out.metrics["tier_cached_tokens"], out.metrics["tier_sources"]
 
 
+def disk_store(tmp_path, faults) -> TieredStore:
+    """An embedded store whose disk reads `faults` can slow (its stall watch is set past the
+    hang: a slow disk, not a stalled one)."""
+    return TieredStore(host_bytes="64MiB", disk_path=str(tmp_path / "d"), disk_bytes="64MiB",
+                       disk_slab_bytes="4MiB", disk_fault_file=str(faults), disk_stall_s=600)
+
+
 def slow_then_healed(model_dir, store, faults, down, ps, cold):
     """Prompts on disk only, the disk's reads slowed to several recomputes: the first hit is
     slow (the model had not measured the disk), then the disk is declined; healed, it is
@@ -95,8 +102,7 @@ def slow_then_healed(model_dir, store, faults, down, ps, cold):
 
 def test_embedded_a_slow_disk_is_declined_and_a_healed_one_loaded_again(model_dir, tmp_path):
     faults = tmp_path / "faults"
-    store = TieredStore(host_bytes="64MiB", disk_path=str(tmp_path / "d"), disk_bytes="64MiB",
-                        disk_slab_bytes="4MiB", disk_fault_file=str(faults), disk_stall_s=600)
+    store = disk_store(tmp_path, faults)
     try:
         ps = prompts(1, 8)
         cold, _ = store_all(model_dir, store, ps)
@@ -137,8 +143,7 @@ def test_through_a_daemon_a_slow_disk_is_declined_and_a_healed_one_loaded_again(
 
 def test_a_head_in_host_ram_is_loaded_and_a_slow_tail_on_disk_computed(model_dir, tmp_path):
     faults = tmp_path / "faults"
-    store = TieredStore(host_bytes="64MiB", disk_path=str(tmp_path / "d"), disk_bytes="64MiB",
-                        disk_slab_bytes="4MiB", disk_fault_file=str(faults), disk_stall_s=600)
+    store = disk_store(tmp_path, faults)
     try:
         ps = prompts(3, 4)
         cold, recompute_s = store_all(model_dir, store, ps)

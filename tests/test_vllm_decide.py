@@ -24,7 +24,7 @@ import pytest
 from . import vllm_wait
 from .daemon import DaemonProc
 from .test_vllm_connector import required_vllm_python
-from .test_vllm_engine import BLOCK_TOKENS, TOML, _finish, _start
+from .test_vllm_engine import BLOCK_TOKENS, TOML, _finish, _start, e2e_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(vllm_wait.BUDGET_S + 600)]
 
@@ -53,14 +53,11 @@ def _batch(name: str, key: str, *, pause: bool = True, tier: bool = True) -> dic
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     py = required_vllm_python()
-    from tierd.engine import LLM, SamplingParams
-    from tierd.engine.random_model import write_random_model
     import tierd
+    from tierd.engine import LLM, SamplingParams
 
     tmp = tmp_path_factory.mktemp("vllm-decide")
-    model = write_random_model(tmp / "model", vocab_size=512, hidden_size=128, intermediate_size=256,
-                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                               max_position_embeddings=4096, seed=5)
+    model = e2e_model(tmp / "model")
     faults = tmp / "faults"
     (tmp / "d").mkdir()
     daemon = DaemonProc(tmp / "d", host_bytes="64MiB", disk_bytes="256MiB",

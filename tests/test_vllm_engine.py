@@ -166,16 +166,22 @@ def _retrain_in_place(adapter: Path, new_weights: Path) -> None:
         shutil.copyfile(f, adapter / f.name)
 
 
+def e2e_model(path: Path) -> Path:
+    """The random-weight checkpoint the vLLM end-to-end tests run (fp32 on a CPU in seconds)."""
+    from tierd.engine.random_model import write_random_model
+    return write_random_model(path, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                              max_position_embeddings=4096, seed=5)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     py = required_vllm_python()
     from tierd.engine import LLM, SamplingParams
-    from tierd.engine.random_model import write_random_lora, write_random_model
+    from tierd.engine.random_model import write_random_lora
 
     tmp = tmp_path_factory.mktemp("vllm-e2e")
-    model = write_random_model(tmp / "model", vocab_size=512, hidden_size=128, intermediate_size=256,
-                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                               max_position_embeddings=4096, seed=5)
+    model = e2e_model(tmp / "model")
     loras = {"A": str(write_random_lora(tmp / "lora-a", model, seed=1)),
              "B": str(write_random_lora(tmp / "lora-b", model, seed=2)),
              "A2": str(write_random_lora(tmp / "lora-a2", model, seed=3))}   # A retrained
