@@ -12,14 +12,13 @@ waits for the store.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import time
 
 import torch
 
+from tierd.costs import Plan, primary_tier, slowest_tier
 from tierd.costs import load_policy as costs_load_policy
-from tierd.costs import primary_tier
 from tierd.errors import TierdError
 from tierd.kernels.transfer import BlockTransfer
 from tierd.keys import extend_keys
@@ -101,31 +100,32 @@ class EngineConnector:
         self.stats["lookups"] += 1
         t0 = time.perf_counter()
         bt = self.block_tokens
-        try:
-            model = self.link.cost_model()
-            tiers = [primary_tier(w) for w in store.where(self.ns, keys)]
-            if "" in tiers:
-                # (`where` knows the node's tiers; a block only the remote tier holds is found by
-                # a lookup, which asks it: those continue the prefix, from "remote")
-                found = store.lookup(self.ns, keys)
-                tiers = [t or ("remote" if i < found else "") for i, t in enumerate(tiers)]
-            plan = model.plan(self.ns.name, tiers,
-                              self.ns.block_bytes, bt, first_tokens=first * bt,
-                              usable_tokens=seq.num_tokens - 1 - first * bt, policy=self.load_policy)
-        except STORE_ERRORS as e:
-            self.stats["load_failures"] += 1
-            self.link.failed(e, "load")
-            return 0
-        self.link.ok()
-        for tier, n in plan.declined().items():
-            model.count(tier, declined_tokens=n * bt)
-            self.stats["declined_tokens"] += n * bt
-        if plan.probe >= 0:
-            tier = plan.tiers[plan.probe]
-            run = [k for k, _ in itertools.takewhile(
-                lambda kt: kt[1] == tier, zip(keys[plan.probe:plan.probe + self.CHUNK_BLOCKS], plan.tiers[plan.probe:]))]
-            self.link.probe(self.ns, run, tier, model)
-        loaded, done, sources = 0, 0, set()
+        model = self.link.cost_model()
+        if self.load_policy == "always":
+            # every block found, in one part (no question asked first: the lease says where
+            # each block was)
+            plan = Plan(found=len(keys), blocks=len(keys), tiers=["host"] * len(keys), reason="always")
+        else:
+            try:
+                tiers = [primary_tier(w) for w in store.where(self.ns, keys)]
+                if "" in tiers:
+                    # (`where` knows this node's tiers; a block only the remote tier holds is
+                    # found by a lookup, which asks it: those continue the prefix, from "remote")
+                    found = store.lookup(self.ns, keys)
+                    tiers = [t or ("remote" if i < found else "") for i, t in enumerate(tiers)]
+            except STORE_ERRORS as e:
+                self.stats["load_failures"] += 1
+                self.link.failed(e, "load")
+                return 0
+            plan = model.plan(self.ns.name, tiers, self.ns.block_bytes, bt, first_tokens=first * bt,
+                              usable_tokens=seq.num_tokens - 1 - first * bt)
+            for tier, n in plan.declined().items():
+                model.count(tier, declined_tokens=n * bt)
+                self.stats["declined_tokens"] += n * bt
+            tier, run = plan.probe_run(keys)
+            if run:
+                self.link.probe(self.ns, run, tier, model)
+        loaded, done, sources = 0, 0, []
         for tier, s, e in plan.runs():
             step = e - s if tier in ("gpu", "host") else self.CHUNK_BLOCKS
             for a in range(s, e, step):
@@ -135,43 +135,45 @@ class EngineConnector:
                     left = plan.blocks - done
                     model.count(tier, abandoned_tokens=left * bt)
                     self.stats["abandoned_tokens"] += left * bt
-                    return self._loaded(seq, model, plan, loaded, done, sources, t0)
+                    return self._loaded(seq, model, plan, loaded, sources, t0)
                 t1 = time.perf_counter()
-                got, n = self._load_part(store, seq, block_manager, first + a, keys[a:b])
-                if n:
-                    model.observe_transfer(tier, "load", n * self.ns.block_bytes, time.perf_counter() - t1)
-                    sources.add(tier)
+                got, found_in = self._load_part(store, seq, block_manager, first + a, keys[a:b])
+                if found_in:
+                    model.observe_transfer(slowest_tier(found_in), "load", len(found_in) * self.ns.block_bytes,
+                                           time.perf_counter() - t1)
                 loaded += got
-                done += n
-                if n < b - a:       # fewer than asked (evicted meanwhile, no room, a failure)
-                    return self._loaded(seq, model, plan, loaded, done, sources, t0)
-        return self._loaded(seq, model, plan, loaded, done, sources, t0)
+                done += len(found_in)
+                sources += found_in
+                if len(found_in) < b - a:    # fewer than asked (evicted meanwhile, no room, a failure)
+                    return self._loaded(seq, model, plan, loaded, sources, t0)
+        return self._loaded(seq, model, plan, loaded, sources, t0)
 
-    def _loaded(self, seq, model, plan, loaded: int, done: int, sources: set, t0: float) -> int:
-        """The ledger of one load: tokens per tier, and a slow hit where it took longer than
-        computing its tokens was estimated to."""
+    def _loaded(self, seq, model, plan, loaded: int, sources: list[str], t0: float) -> int:
+        """The ledger of one load (`sources`: where each block loaded was found): tokens per
+        tier, and a slow hit where it took longer than computing its tokens was estimated to."""
         took = time.perf_counter() - t0
-        if done:
-            seq.tier_sources = sorted(sources)
-            self.stats["hit_blocks"] += done
+        if sources:
+            seq.tier_sources = sorted(set(sources))
+            self.stats["hit_blocks"] += len(sources)
             self.stats["loaded_tokens"] += loaded
-            self.stats["loaded_bytes"] += done * self.ns.block_bytes
+            self.stats["loaded_bytes"] += len(sources) * self.ns.block_bytes
             self.stats["load_s"] += took
-            for t in sources:
-                model.count(t, loads=1, loaded_tokens=sum(self.block_tokens for x in plan.tiers[:done] if x == t))
+            for t in set(sources):
+                model.count(t, loads=1, loaded_tokens=sources.count(t) * self.block_tokens)
             if plan.reason == "model" and took > plan.recompute_s:
-                model.count(plan.tiers[done - 1], slow_hits=1)
+                model.count(slowest_tier(sources), slow_hits=1)
                 self.stats["slow_hits"] += 1
         return loaded
 
-    def _load_part(self, store, seq, block_manager, first: int, keys: list[bytes]) -> tuple[int, int]:
-        """Load `keys`, the tier blocks from `first` on: (tokens loaded, blocks loaded)."""
+    def _load_part(self, store, seq, block_manager, first: int, keys: list[bytes]) -> tuple[int, list[str]]:
+        """Load `keys`, the tier blocks from `first` on: (tokens loaded, where each block loaded
+        was found)."""
         try:
             lease = acquire_for(store, self.ns, keys, self.device)
         except STORE_ERRORS as e:
             self.stats["load_failures"] += 1
             self.link.failed(e, "load")
-            return 0, 0
+            return 0, []
         handed = False
         hold = contextlib.ExitStack()
         try:
@@ -179,7 +181,7 @@ class EngineConnector:
             while n and not block_manager.can_allocate(seq, (first + n) * self.block_tokens - seq.num_computed):
                 n -= 1
             if n == 0:
-                return 0, 0
+                return 0, []
             # the bytes count only if the lease holds from before the copy until its end: a
             # daemon connection lost meanwhile may have handed the slots to another writer
             hold.enter_context(holding(store, lease))
@@ -205,17 +207,17 @@ class EngineConnector:
             loaded = upto - seq.num_computed
             seq.num_computed = upto
             seq.tier_loaded = first + n
-            return loaded, n
+            return loaded, list(lease.tiers[:n])
         except STORE_ERRORS as e:     # the lease was lost: what was copied is not used
             self.stats["lost_leases"] += 1
             self.stats["load_failures"] += 1
             log.warning("tierd lease lost during a load (%s); the prefix is recomputed", e)
-            return 0, 0
+            return 0, []
         except Exception:  # noqa: BLE001 - a failed copy never fails the request: it recomputes
             log.exception("tierd: loading a cached prefix failed; recomputing it")
             self.stats["load_failures"] += 1
             drain_quietly(self.xfer)
-            return 0, 0
+            return 0, []
         finally:
             if not handed:
                 hold.close()

@@ -459,8 +459,7 @@ class StoreLink:
         store = self.store
         if store is not None and hasattr(store, "hold") and hasattr(store, "cost_model") and store.connected:
             try:    # what this engine measured since the last exchange reaches the daemon's model
-                store.cost_model(sync=False).synced_at = 0.0
-                store.cost_model()
+                store.cost_model(now=True)
             except Exception as e:  # noqa: BLE001 -- a close never fails over measurements
                 log.debug("tierd: the last cost measurements were not sent (%s)", e)
         if self._owns_store and self.store is not None:

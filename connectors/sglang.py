@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import itertools
 import logging
 import os
 import threading
@@ -83,8 +82,7 @@ from typing import Any
 
 import numpy as np
 
-from tierd import threads
-from tierd.costs import TIERS, primary_tier
+from tierd.costs import primary_tier
 from tierd.costs import load_policy as costs_load_policy
 from tierd.errors import LeaseError
 from tierd.namespace import Namespace, read_model_config
@@ -125,7 +123,6 @@ log = logging.getLogger("tierd.connectors.sglang")
 _KEY_DOMAIN = b"tierd/sglang-page/v1\x00"
 STAT_NAMES = ("lookups", "hit_pages", "loaded_pages", "load_failures", "stored_pages", "stores_present",
               "store_failures", "lost_leases", "lookup_failures", "declined_pages", "slow_hits", "probes")
-PROBE_PAGES = 8    # a declined tier is re-measured with at most this many of its pages
 # Every backend of this (scheduler) process, for the forward timings of the plugin's hook.
 _BACKENDS: weakref.WeakSet = weakref.WeakSet()
 
@@ -329,18 +326,10 @@ class TierdStorage(HiCacheStorage):
             if self._counts_ledger:
                 model.count(tier, declined_tokens=pages * bt)
             self._count(declined_pages=pages)
-        if plan.probe >= 0:
-            tier, i = plan.tiers[plan.probe], plan.probe
-            run = [k for k, _ in itertools.takewhile(lambda kt: kt[1] == tier,
-                                                     zip(tkeys[i:i + PROBE_PAGES], plan.tiers[i:]))]
-            threads.start(self._probe, run, tier, model, name="tierd-sglang-probe")
-        return min(len(tkeys), plan.blocks)
-
-    def _probe(self, tkeys: list[bytes], tier: str, model) -> None:
-        """(A thread of its own.) Re-measure a declined tier by loading `tkeys` on the load link
-        (`StoreLink.probe`), connecting it first where this engine has not loaded yet."""
-        if self.load_link.get() is not None and self.load_link.probe(self.ns, tkeys, tier, model):
+        tier, run = plan.probe_run(tkeys)
+        if run and self.load_link.probe(self.ns, run, tier, model):     # (on a thread of its own)
             self._count(probes=1)
+        return min(len(tkeys), plan.blocks)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -386,22 +375,14 @@ class TierdStorage(HiCacheStorage):
         return got
 
     def _observe_load(self, tiers: list[str], pages: int, seconds: float, first_tokens: int) -> None:
-        """A load of `pages` pages (from `tiers`, per page) took `seconds`: the transfer estimate
-        of the slowest tier it read from, the ledger, and a slow hit where it took longer than
-        computing its tokens after `first_tokens` was estimated to."""
+        """A load of `pages` pages (from `tiers`, per page) after `first_tokens` took `seconds`:
+        for the cost model (`CostModel.record_load`; the first rank keeps the ledger)."""
         model = self.load_link.cost_model()
         if model is None:
             return
-        tier = max((t for t in tiers if t in TIERS), key=TIERS.index, default="host")
-        model.observe_transfer(tier, "load", pages * self.block_bytes, seconds)
-        tokens = pages * self.ns.block_tokens
-        fit = model.recompute.get(self.ns.name)
-        saving = fit.saving(first_tokens, tokens) if fit is not None else None
-        slow = saving is not None and seconds > saving
-        if slow:
+        if model.record_load(self.ns.name, tiers, pages * self.block_bytes, pages * self.ns.block_tokens, seconds,
+                             first_tokens=first_tokens, ledger=self._counts_ledger):
             self._count(slow_hits=1)
-        if self._counts_ledger:
-            model.count(tier, loads=1, loaded_tokens=tokens, slow_hits=int(slow))
 
     def batch_get_v1(self, keys: list[str], host_indices, extra_info=None) -> list[bool]:
         """Copy the leading present pages of `keys` from leased slots straight into SGLang's host

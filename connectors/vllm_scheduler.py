@@ -208,10 +208,8 @@ class SchedulerHalf:
             for tier, blocks in plan.declined().items():
                 model.count(tier, declined_tokens=blocks * bt)
                 self.stats["declined_tokens"] += blocks * bt
-        if plan.probe >= 0:
-            i = local + plan.probe
-            tier = plan.tiers[plan.probe]
-            run = st.keys[0][i:min(n if tier != "host" else n_host, i + 8)]
+        tier, run = plan.probe_run(st.keys[0][local:n])
+        if run:
             self.link.probe(ns, run, tier, model)
         return local + plan.blocks
 

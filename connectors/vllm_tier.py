@@ -81,8 +81,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 import tierd
-from tierd import threads
-from tierd.costs import load_policy, primary_tier
+from tierd.costs import load_policy as costs_load_policy
+from tierd.costs import primary_tier
 from tierd.errors import TierdError
 from tierd.namespace import Namespace, read_model_config
 
@@ -314,7 +314,7 @@ class TierdTier(SecondaryTierManager):
         if unknown:
             raise TierdError(f"unknown tierd tier options: {', '.join(sorted(unknown))}; "
                              "known: url, model, timeout_s, locality, load_policy")
-        self.load_policy = _policy(load_policy)
+        self.load_policy = costs_load_policy(load_policy)
         self.engine_key = engine_key(getattr(_constructing, "vllm_config", None))
         self.declined = ""
         try:
@@ -327,6 +327,8 @@ class TierdTier(SecondaryTierManager):
             url += ("&" if "?" in url else "?") + f"timeout_s={timeout_s:g}"
         self._url = url
         self._timeout_s = float(timeout_s)
+        # re-measures a tier the cost model declined, off the lookups' path (`decide`)
+        self._probe_link = StoreLink(_open(url), name="tierd-vllm-tier")
         self._stores: dict[str, Any] = {}
         self._down_until = 0.0
         self._lock = threading.Lock()
@@ -337,7 +339,7 @@ class TierdTier(SecondaryTierManager):
         self._used = self.ns.block_bytes if self.ns is not None else 0
         self.stats = dict.fromkeys(("lookups", "stored", "present", "loaded", "load_missing", "failures",
                                     "declined_requests", "declined_chunks", "probes"), 0)
-        self._probing = False
+        self._probe_link.stats = self.stats      # (its probes counted here)
         self._jobs: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
         self._pending = 0
@@ -361,39 +363,10 @@ class TierdTier(SecondaryTierManager):
         for tier, n in plan.declined().items():
             model.count(tier, declined_tokens=n * self.ns.block_tokens)
             self.stats["declined_chunks"] += n
-        if plan.probe >= 0:
-            tier = plan.tiers[plan.probe]
-            run = [k for k, w in zip(keys[plan.probe:plan.probe + 8], found[plan.probe:plan.probe + 8])
-                   if primary_tier(w) == tier]
-            self._probe(run, tier, model)
+        tier, run = plan.probe_run(keys)
+        if run:
+            self._probe_link.probe(self.ns, run, tier, model)
         return [bool(w) and i < plan.blocks for i, w in enumerate(found)]
-
-    def _probe(self, keys: list[bytes], tier: str, model) -> None:
-        with self._lock:
-            if self._probing or self._stop or not keys:
-                return
-            self._probing = True
-
-        def run():
-            try:
-                store = self._connect("probe")
-                if store is None:
-                    return
-                t0 = time.perf_counter()
-                lease = store.acquire(self.ns, keys)
-                try:
-                    for buf in lease.buffers:
-                        np.array(buf, copy=True)
-                    if len(lease):
-                        model.observe_transfer(tier, "load", len(lease) * self._used, time.perf_counter() - t0)
-                        self.stats["probes"] += 1
-                finally:
-                    store.release(lease)
-            except Exception as e:  # noqa: BLE001 -- a measurement off the path
-                log.debug("tierd tier: probing the %s tier failed (%s)", tier, e)
-            finally:
-                self._probing = False
-        threads.start(run, name="tierd-vllm-tier-probe")
 
     # -- connections -------------------------------------------------------------------------
     def _connect(self, role: str):
@@ -507,6 +480,7 @@ class TierdTier(SecondaryTierManager):
         self._jobs.put(None)
         self._thread.join(5)
         self._lookups.shutdown()
+        self._probe_link.close()
         self._primary = None         # let vLLM unmap its region
         for store in self._stores.values():
             if hasattr(store, "hold"):        # a daemon connection of ours, not the shared embedded store
@@ -571,18 +545,10 @@ class TierdTier(SecondaryTierManager):
         return JobResult(job.job_id, True, transfer_bytes=written * self._used)
 
     def _observe(self, store, tiers: list[str], n: int, seconds: float) -> None:
-        """A promotion of `n` chunks from `tiers` took `seconds`: the tier's estimate, the ledger,
-        and a slow hit where computing the chunks was estimated to be faster."""
-        order = ("gpu", "host", "disk", "remote")
-        tier = max((t for t in tiers if t in order), key=order.index, default="host")
-        model = store.cost_model(sync=False)
-        model.observe_transfer(tier, "load", n * self._used, seconds)
-        tokens = n * self.ns.block_tokens
-        model.count(tier, loads=1, loaded_tokens=tokens)
-        fit = model.recompute.get(self.engine_key) if self.engine_key else None
-        saving = fit.saving(0, tokens) if fit is not None else None
-        if saving is not None and seconds > saving:
-            model.count(tier, slow_hits=1)
+        """A promotion of `n` chunks from `tiers` took `seconds`: for the cost model
+        (`CostModel.record_load`)."""
+        store.cost_model(sync=False).record_load(self.engine_key or "", tiers, n * self._used,
+                                                 n * self.ns.block_tokens, seconds)
 
     def _load(self, job: TransferJob, tkeys: list[bytes]) -> JobResult:
         store = self._connect("transfer")
@@ -617,10 +583,6 @@ class TierdTier(SecondaryTierManager):
             return JobResult(job.job_id, True, transfer_bytes=len(ok) * self._used)
         return JobResult(job.job_id, False, successful_keys=tuple(ok) or None,
                          transfer_bytes=len(ok) * self._used)
-
-
-def _policy(setting: str | None) -> str:
-    return load_policy(setting)
 
 
 # -- the worker side: a host-memory copy worker for CPU-only hosts --------------------------------

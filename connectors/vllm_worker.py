@@ -76,17 +76,16 @@ class _Leases:
         self.tiers = [t for p in parts for t in (p.tiers or ["host"] * len(p))]
         gpu = [getattr(p, "gpu_buffers", None) for p in parts]
         self.gpu_buffers = [b for g, p in zip(gpu, parts) for b in (g or [None] * len(p))] if any(gpu) else None
-        self._generation = parts[0]._generation if hasattr(parts[0], "_generation") else None
 
     def __len__(self) -> int:
         return len(self.buffers)
 
     def hold(self):
-        """Every part's `holding`, entered together."""
-        stack = contextlib.ExitStack()
-        for p in self.parts:
-            stack.enter_context(holding(self.store, p))
-        return stack
+        """Every part's `holding`, entered together (none stays entered if one raises)."""
+        with contextlib.ExitStack() as stack:
+            for p in self.parts:
+                stack.enter_context(holding(self.store, p))
+            return stack.pop_all()
 
     def release(self, *, confirm: bool) -> None:
         """Release every part; with `confirm`, raise (LeaseError) if any was lost, after all
@@ -590,23 +589,16 @@ class WorkerHalf:
             model.observe_forward(self.engine_key, terms, seconds)
 
     def _observe_load(self, spec: LoadSpec, tiers, loaded: int, seconds: float) -> None:
-        """A load of `loaded` tier blocks from `tiers` (per block) took `seconds`: the tier's
-        transfer estimate, the ledger, and a slow hit where it took longer than computing its
-        tokens was estimated to."""
+        """A load of `loaded` tier blocks from `tiers` (per block) took `seconds`: for the cost
+        model (`CostModel.record_load`; rank 0 keeps the ledger)."""
         model = self.link.cost_model()
         if model is None or not loaded:
             return
-        order = {"gpu": 0, "host": 1, "disk": 2, "remote": 3}
-        tier = max((t for t in (tiers or ["host"])[:loaded] if t in order), key=order.get, default="host")
-        ns, bt = self.namespace(spec.salt), self.block_tokens
-        model.observe_transfer(tier, "load", loaded * ns.block_bytes, seconds)
-        if self._rank == 0:
-            model.count(tier, loads=1, loaded_tokens=loaded * bt)
-            fit = model.recompute.get(self.engine_key)
-            saving = fit.saving(spec.first_tier * bt, loaded * bt) if fit is not None else None
-            if saving is not None and seconds > saving:
-                model.count(tier, slow_hits=1)
-                self.stats["slow_hits"] += 1
+        bt = self.block_tokens
+        if model.record_load(self.engine_key, (tiers or ["host"])[:loaded],
+                             loaded * self.namespace(spec.salt).block_bytes, loaded * bt, seconds,
+                             first_tokens=spec.first_tier * bt, ledger=self._rank == 0):
+            self.stats["slow_hits"] += 1
 
     @timed("hook_s")
     def bind_connector_metadata(self, connector_metadata) -> None:

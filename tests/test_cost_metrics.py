@@ -60,8 +60,7 @@ def test_the_ledger_and_the_estimates_are_exported_after_a_client_reports(daemon
         m.observe_forward("e", [(64, 0)], 0.01)
         m.count("disk", slow_hits=1, loads=1, loaded_tokens=64)
         m.count("remote", declined_tokens=32)     # a tier this daemon lacks: shown once counted
-        m.synced_at = 0.0
-        c.cost_model()                      # sends what it measured
+        c.cost_model(now=True)              # sends what it measured
         st = c.stats()
     after = scrape(daemon.metrics_port)
 

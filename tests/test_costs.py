@@ -107,6 +107,8 @@ def test_a_head_in_host_ram_is_loaded_and_a_slow_tail_computed():
     assert p.blocks == 5 and p.declined() == {"disk": 3}
     assert p.runs() == [("host", 0, 5)]
     assert p.probe == 5                              # the first declined block re-measures the disk ...
+    keys = [bytes([i]) * 16 for i in range(8)]
+    assert p.probe_run(keys) == ("disk", keys[5:8]) and p.probe_run(keys, most=2) == ("disk", keys[5:7])
     assert m.plan("e", ["host"] * 5 + ["disk"] * 3, BB, BT).probe == -1   # ... once a period
 
 
@@ -131,8 +133,7 @@ def test_a_daemon_model_is_what_its_clients_measured(tmp_path):
                 ma.observe_forward("engine-a", [(n, 0)], 1e-4 * n)
             ma.observe_transfer("disk", "load", 1 << 20, 0.25)
             ma.count("disk", loads=1, loaded_tokens=64, slow_hits=1)
-            ma.synced_at = 0.0
-            a.cost_model()                            # sent
+            a.cost_model(now=True)                    # sent
             mb = b.cost_model()                       # another engine on the node sees it
             assert mb.has_recompute("engine-a")
             assert mb.transfers[("disk", "load")].predict(1 << 20) == pytest.approx(0.25, rel=0.05)

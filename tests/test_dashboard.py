@@ -201,8 +201,7 @@ def exported(tmp_path_factory) -> dict[str, set[str]]:
             c.stats()    # hits of a get read without a lease are reported by then
             m = c.cost_model()     # an engine's forward pass, sent to the daemon's cost model
             m.observe_forward(ns.name, [(64, 0)], 0.01)
-            m.synced_at = 0.0
-            c.cost_model()
+            c.cost_model(now=True)
             samples = scrape(d.metrics_port)
     finally:
         assert d.stop() == 0

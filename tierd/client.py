@@ -705,14 +705,14 @@ class Client(DaemonConnection):
     def stats(self) -> dict:
         return self._call("stats")["stats"]
 
-    def cost_model(self, *, sync: bool = True) -> CostModel:
+    def cost_model(self, *, sync: bool = True, now: bool = False) -> CostModel:
         """This client's replica of the daemon's cost model (tierd/costs.py). What this process
-        measures goes into it at once; at most every `costs.SYNC_S` it is exchanged with the
-        daemon's (one request; never with `sync=False`), which holds what every engine on the
-        node measured. A daemon that cannot be asked leaves the replica as it is: decisions go
-        on from it."""
+        measures goes into it at once; at most every `costs.SYNC_S` (at once with `now`: a
+        closing engine's last measurements) it is exchanged with the daemon's (one request;
+        never with `sync=False`), which holds what every engine on the node measured. A daemon
+        that cannot be asked leaves the replica as it is: decisions go on from it."""
         m = self._costs
-        if sync and self._costs_ok and time.monotonic() - m.synced_at >= SYNC_S:
+        if sync and self._costs_ok and (now or time.monotonic() - m.synced_at >= SYNC_S):
             report = m.take_outbox()
             m.synced_at = time.monotonic()   # (one try per period, whatever it meets)
             try:

@@ -39,11 +39,14 @@ engine on the node measured, and `tierd stats` and the metrics show it.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .errors import ConfigError
 
 TIERS = ("gpu", "host", "disk", "remote")
 DIRECTIONS = ("load", "store")
@@ -55,7 +58,8 @@ REGIME_FACTOR = 4.0      # a transfer this far off its estimate starts the fit a
 RECOMPUTE_DECAY = 0.95   # forwards change slowly; ~20 of them make the estimate
 ABANDON_FACTOR = 1.5     # a load past 1.5x its prediction ...
 ABANDON_SLACK_S = 2e-3   # ... and 2 ms over it is abandoned where the engine can recompute
-PROBE_S = 1.0            # a declined tier is re-measured (one block, off the request's path) this often
+PROBE_S = 1.0            # a declined tier is re-measured (off the request's path) this often,
+PROBE_BLOCKS = 8         # by loading at most this many of its blocks
 SYNC_S = 0.5             # a client exchanges its measurements with the daemon's model this often
 LEDGER_KEYS = ("loads", "loaded_tokens", "declined_tokens", "abandoned_tokens", "slow_hits")
 # How connectors use the decision: "decide" (the default) loads what wins; "always" loads every
@@ -68,9 +72,6 @@ LOAD_POLICY_ENV = "TIERD_LOAD_POLICY"
 
 def load_policy(setting: str | None = None) -> str:
     """The load policy: `setting`, else $TIERD_LOAD_POLICY, else "decide"."""
-    import os
-
-    from .errors import ConfigError
     value = setting if setting not in (None, "") else os.environ.get(LOAD_POLICY_ENV, "") or "decide"
     if value not in LOAD_POLICIES:
         raise ConfigError(f"load policy {value!r}: use one of {', '.join(LOAD_POLICIES)}")
@@ -249,15 +250,12 @@ class Plan:
     reason: str = "model"         # "model": decided; "unmeasured": no recompute estimate, loads
     #                               all; "always": the load policy loads all
     probe: int = -1               # a declined block to re-measure its tier with, off the path
-    block_tokens: int = 0
     deadline_s: float = field(default=math.inf)
 
-    def runs(self, upto: int | None = None) -> list[tuple[str, int, int]]:
-        """(tier, start, end) of the runs of one tier among the first `upto` blocks to load."""
+    def runs(self) -> list[tuple[str, int, int]]:
+        """(tier, start, end) of the runs of one tier among the blocks to load."""
         out: list[tuple[str, int, int]] = []
-        end = self.blocks if upto is None else upto
-        for i in range(end):
-            t = self.tiers[i]
+        for i, t in enumerate(self.tiers[:self.blocks]):
             if out and out[-1][0] == t:
                 out[-1] = (t, out[-1][1], i + 1)
             else:
@@ -270,6 +268,22 @@ class Plan:
         for t in self.tiers[self.blocks:self.found]:
             out[t] = out.get(t, 0) + 1
         return out
+
+    def probe_run(self, keys: list, most: int = PROBE_BLOCKS) -> tuple[str, list]:
+        """(tier, keys) to re-measure a declined tier with: the run of at most `most` blocks of
+        one tier from `probe` on (`keys` as the plan's blocks); ("", []) when none is due."""
+        if self.probe < 0:
+            return "", []
+        tier, i = self.tiers[self.probe], self.probe
+        end = i
+        while end < min(self.found, i + most) and self.tiers[end] == tier:
+            end += 1
+        return tier, list(keys[i:end])
+
+
+def slowest_tier(tiers) -> str:
+    """Of the tiers a load read from (per block), the slowest: what its time is charged to."""
+    return max((t for t in tiers if t in TIERS), key=TIERS.index, default="host")
 
 
 def primary_tier(where: str) -> str:
@@ -324,22 +338,37 @@ class CostModel:
                     row[k] += int(v)
                     out[k] = out.get(k, 0) + int(v)
 
+    def record_load(self, engine: str, tiers, nbytes: int, tokens: int, seconds: float, *,
+                    first_tokens: int = 0, ledger: bool = True) -> bool:
+        """A load of `tokens` tokens (`nbytes`, from `tiers` per block) after `first_tokens`
+        cached ones took `seconds`: the transfer estimate of the slowest tier it read from and,
+        with `ledger` (one rank of an engine counts), that tier's loads and tokens loaded, and a
+        slow hit where it took longer than computing the tokens was estimated to. Returns
+        whether it was slow."""
+        tier = slowest_tier(tiers)
+        self.observe_transfer(tier, "load", nbytes, seconds)
+        fit = self.recompute.get(engine)
+        saving = fit.saving(first_tokens, tokens) if fit is not None else None
+        slow = saving is not None and seconds > saving
+        if ledger:
+            self.count(tier, loads=1, loaded_tokens=tokens, slow_hits=int(slow))
+        return slow
+
     def has_recompute(self, engine: str) -> bool:
         fit = self.recompute.get(engine)
         return fit is not None and fit.n > 0
 
     # -- the decision --------------------------------------------------------------------------
     def plan(self, engine: str, tiers: list[str], block_bytes: int, block_tokens: int, *,
-             first_tokens: int = 0, usable_tokens: int | None = None, policy: str = "decide") -> Plan:
+             first_tokens: int = 0, usable_tokens: int | None = None) -> Plan:
         """Which prefix of the found blocks (`tiers`: per block the tier it loads from, "" where
         none: the found prefix ends there) to load for `engine`. The blocks start after
         `first_tokens` tokens the engine holds; of their tokens at most `usable_tokens` count
-        (the last prompt token is always computed). `policy` "always": every found block."""
+        (the last prompt token is always computed)."""
         found = next((i for i, t in enumerate(tiers) if t not in TIERS), len(tiers))
         tiers = list(tiers[:found])
-        plan = Plan(found=found, blocks=found, tiers=tiers, block_tokens=block_tokens)
-        if not found or policy == "always":
-            plan.reason = "always" if found else plan.reason
+        plan = Plan(found=found, blocks=found, tiers=tiers)
+        if not found:
             return plan
         cap = found * block_tokens if usable_tokens is None else max(0, usable_tokens)
         with self._lock:

@@ -567,7 +567,7 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Dis
                     "staged_slots": staged, "policy": self.config.eviction_policy, "time": time.time(),
                     "costs": self.costs.describe()}
 
-    def cost_model(self, *, sync: bool = True) -> CostModel:
+    def cost_model(self, *, sync: bool = True, now: bool = False) -> CostModel:
         """The node's cost model (tierd/costs.py): what connectors decide loads with and record
         their measurements and ledger in."""
         return self.costs
