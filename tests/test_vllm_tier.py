@@ -23,7 +23,15 @@ def test_the_secondary_tier_keys_lora_adapters_by_content_with_vllms_classes(tmp
             pytest.fail(f"the vLLM environment {VLLM_ENVS['cpu-build']} is part of this suite here, and it is missing")
         pytest.skip(f"no {VLLM_ENVS['cpu-build']} environment; `make vllm-env` builds it")
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING", TMPDIR=str(tmp_path))
-    r = vllm_wait.run_script([py, "-m", "tests.vllm_tier_check"], "tests/vllm_tier_check.py in the vLLM "
-                             "environment", cwd=ROOT, env=env)
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    before = set(os.listdir(shm)) if shm else set()
+    try:
+        r = vllm_wait.run_script([py, "-m", "tests.vllm_tier_check"], "tests/vllm_tier_check.py in the vLLM "
+                                 "environment", cwd=ROOT, env=env)
+    finally:
+        # vLLM's offload region of a check that failed before its shutdown (the process is gone)
+        for name in set(os.listdir(shm)) - before if shm else ():
+            if name.startswith("vllm_offload_"):
+                os.unlink(os.path.join(shm, name))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "vLLM secondary tier check: OK" in r.stdout
