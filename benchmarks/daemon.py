@@ -1,32 +1,19 @@
 """What does going through the daemon cost?
 
-  lookup latency p50/p99 through the daemon   beside the same lookup on an embedded store
-                                              (goal: p50 <= 50 us): from the daemon's shared
-                                              index, and asked over the socket (with and without
-                                              busy-polling for the reply)
-  store / fetch GB/s through the daemon       beside the embedded store, same blocks, same run,
-                                              (fetch: `get` into the caller's buffers, which the
-                                              daemon's client copies without a lease where its
-                                              index allows; also acquire + copy + release)
-                                              measured alternately, five runs (--quick: three):
-                                              medians, and each run's ratio printed (goals: the
-                                              median >= 0.9x at 1 MiB, >= 0.7x at 64 KiB); and at
-                                              64 KiB and 1 MiB beside an embedded store that also
-                                              records its blocks for restarts, as the daemon does
-                                              (host.keep): what the socket alone adds; and
-                                              a daemon that does not record (host.keep =
-                                              false) beside the bare embedded store: the
-                                              data plane alone, neither side keeping blocks
-                                              for restarts. The client maps the daemon's
-                                              arena ahead of use (prefault), as the engines'
-                                              connectors do
-  p99 with 32 clients                         32 client processes, each pacing 80% lookups and
-                                              20% acquire+release like an engine's scheduler
-                                              (100 requests/s each), beside one such client
-                                              alone (goal: <= 5x)
-  ops/s with 1, 4 and 16 client processes     closed loop (each sends as fast as it can),
-                                              beside 1 client (scaling)
-  start-up time and idle RSS                  beside a bare Python interpreter's
+Each figure beside the same work on an embedded store (or one client, or a bare Python) in the
+same run:
+
+  lookup latency p50/p99      from the daemon's shared index, and asked over the socket
+                              (goal: p50 <= 50 us)
+  store / fetch GB/s          64 KiB and 1 MiB blocks, alternated, medians of five runs
+                              (--quick: three) (goals: >= 0.9x at 1 MiB, >= 0.7x at 64 KiB);
+                              also with both sides recording blocks for restarts, and neither
+  p99 with 32 clients         32 processes pacing 100 requests/s each, beside one such client
+                              (goal: <= 5x)
+  ops/s with 1, 4, 16 clients closed loop, beside 1 client
+  start-up time and idle RSS  beside a bare Python interpreter's
+
+Method (what each side does, why the comparison is like for like): docs/benchmarks.md#daemon.
 
     python -m benchmarks.daemon [--json PATH] [--quick]
 """

@@ -1,70 +1,20 @@
 """One KV pool for every engine on a node, against a pool per engine of the same total memory:
 real vLLM engines (its CPU build, small random-weight models) serve one multi-tenant trace.
 
-The node: n vLLM engines (3; --quick 2), each a process of its own (tests/vllm_engine.py in the
-vLLM environment, `make vllm-env`; random-weight Llama, fp32, greedy; --quick the 4-layer model
-of the engine benchmarks, else an 8-layer one, hidden 512, whose prefill dominates the machine's
-noise), with vLLM's own prefix cache on and a small KV cache of its own (`num_gpu_blocks_override`
-14 blocks of 128 tokens: about one prompt), so that a prefix needed again beyond the last request
-must come from a pool. A load balancer routes requests round-robin (request i to engine i mod n,
-no cache affinity), so a prefix one engine computed is often asked for next on another. Requests
-run one at a time on a node, in trace order, so every configuration can hit the same prefixes;
-a request's TTFT is vLLM's own (from its arrival at its engine).
+Configurations, in one run, on the same seeded trace, with the same total pool memory B:
+`shared tierd daemon` (one `tierd serve` of B shared by every engine), `tierd per engine`
+(embedded, B/n each), `vLLM CPU offloading per engine` (B/n each) and `no offloading` (the
+reference of TTFT, of throughput and of every request's greedy tokens). n engines (3; --quick 2)
+behind a round-robin balancer. Needs vLLM's environment (`make vllm-env`).
 
-Configurations, in one run, on the same trace, with the same total pool memory B:
-- `shared tierd daemon`: one `tierd serve` (a real process; host tier of B, no disk tier) shared
-  by every engine through tierd's KV connector (`unix://`);
-- `tierd per engine`: tierd embedded in each engine (`embedded://?host=B/n`, no disk tier);
-- `vLLM CPU offloading per engine`: vLLM's own offloading (its OffloadingConnector's CPU tier,
-  `cpu_bytes_to_use` = B/n) in each engine. Its stock worker needs CUDA, so tierd's
-  `HostCPUOffloadingSpec` swaps in a host-memory copy worker and runs the rest of vLLM's
-  offloading unchanged (docs/vllm.md);
-- `no offloading`: the engines alone (vLLM's own prefix cache only): the reference of TTFT, of
-  throughput and of every request's greedy tokens.
-Each configuration is a node of its own, all started at once; they serve the trace interleaved,
-request by request (taking turns to go first), so the machine's drift over the run falls on all
-alike. Every engine runs vLLM in one process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, in every
-configuration): tierd embedded in an engine needs vLLM's scheduler and worker in one process.
-B is what one LRU pool would need to serve 90% of the trace's ceiling when shared (it "holds the
-hot set"), over 0.85 (sized when tierd kept a host tier without a disk between its eviction
-watermarks, 80-90% full; it now keeps it full, and B stays as it was so that runs compare).
-tierd's slabs are one block each, so B/n wastes no slab tail. The LRU model's expected hit rates are printed beside the sizes.
+Figures: the shared daemon's pool hit rate beside each per-engine pool's (goal >= 2x); each
+configuration's prefix hit rate beside the trace's ceiling; TTFT p50 beside the per-engine pools'
+(goal <= 0.7x) and no offloading's; throughput; and an engine restarted mid-trace, its hit rate
+after it is back beside before (goal with the shared daemon: >= 0.9x). Exits non-zero if any
+configuration's greedy tokens differ from no offloading's.
 
-The trace (seeded; its measured shape is printed and in the JSON's params): tenants, each with a
-system prompt (512 tokens) and RAG documents of its own (512; full: 768; popularity Zipf-like),
-and users who come back for further turns of a conversation. A request is a RAG question (system
-prompt + one of the tenant's documents + a new question) or a user's turn (system prompt + the
-conversation so far + a new message; each earlier turn is a message and an answer that fill one
-256-token block; after 4 turns the user starts a new conversation). Tenants are picked with
-weights 1/sqrt(rank). The answers in a history are the trace's own tokens, not the model's, so
-the trace is fixed before the run. Questions and messages are shorter than a vLLM block (16-120
-tokens), so every prefix two requests share ends on a 256-token boundary, where vLLM's own cache
-and the pools can both hit it. Printed: requests, tenants, users, documents, prompt lengths,
-reuse distances (requests since a hit prefix was last in a prompt) and distinct blocks.
-
-Figures, per configuration: the prefix hit rate (prompt tokens not recomputed, from the engine's
-own cache or from the pool: vLLM's `num_cached_tokens`, over prompt tokens) beside the trace's
-ceiling (every block-aligned prefix that any earlier request held, with unbounded memory), so
-the ratio is the hit rate as a fraction of the ceiling; the pool's share (vLLM's external prefix
-cache hits: tokens the connector loaded) in its params; TTFT p50/p90 and throughput (prompt
-tokens per second of serving) beside no offloading's; the share of requests whose greedy tokens
-equal no offloading's (must be all). Then the shared daemon against each per-engine pool: pool
-hit rate (goal >= 2x), prefix hit rate, TTFT p50 (goal <= 0.7x).
-
-Engines that come and go: at the trace's midpoint, engine 0 of every node is stopped (SIGTERM,
-as an upgrade's drain) and started again; its requests wait at the balancer meanwhile. Its hit
-rate over the requests it serves in the first 60 s of its node's serving after it is back
-(--quick: its next 5 requests) is printed beside its hit rate over the 60 s (its last 5
-requests) before the stop (goal with the shared daemon: >= 0.9 of before), with both as
-fractions of those requests' ceiling and the pool's share; the full run also prints its next 10
-requests against its last 10 (60 s of one-at-a-time serving can span the rest of the trace, long
-enough for a cold per-engine pool to fill again). A node's clock is its own serving time (the
-sum of its requests' wall times), what it would have taken alone.
-
-The benchmark exits non-zero if any configuration's greedy tokens differ from no offloading's. A
-configuration that cannot run here is reported as such (a row saying why), never faked. It stops
-every engine and daemon it started and removes its files (kept after a failure, or with --keep:
-the engines' logs and every request's record are in the printed directory).
+Method (the engines, the trace, how B is sized, the restart, why it is fair):
+docs/benchmarks.md#node_pool.
 
     python -m benchmarks.node_pool [--json PATH] [--quick] [--engines N] [--requests N]
                                    [--pool-bytes B] [--seed S] [--only shared,tierd-each,vllm-each] [--keep]

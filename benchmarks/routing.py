@@ -1,62 +1,18 @@
 """How close does routing on KV events come to the trace's ceiling? N simulated nodes, two traces.
 
-Each node is a real tierd store whose host tier holds `--capacity` blocks (16-token blocks,
-evicted in LRU order exactly when room is needed), publishing its KV events in tierd's wire
-format. The events reach the router late, as they would: a request's blocks are published when
-its prefill ends (the node's queue, modelled below) plus the publisher's 20 ms batching.
+Each node is a real tierd store (an LRU host tier of `--capacity` blocks) that publishes its KV
+events; they reach the router late, as they would. Two seeded traces: chat with returning users,
+and RAG with shared documents. Policies: round-robin, least-loaded, and cache-aware
+(`tierd.routing.Router`, which sees only the events, the queues and its own decisions).
 
-Traces (seeded; `trace_stats` prints their prompt lengths and reuse distances):
+Figures per trace and policy: the hit rate beside the trace's ceiling (a greedy oracle that reads
+every node's true cache at each request, under the same 1.2x load cap), the load imbalance (max
+over mean prefill per node), and the hit rate beside the capacity bound (optimal offline eviction
+on one cache of all the nodes' memory). A modelled TTFT (a queue per node) is printed for
+information.
 
-- **chat** (seed 11), returning users: 8 tenants, each with a 128-token system prompt; up to 32
-  conversations open at once, a new one opened with probability 0.25 per request; a turn picks
-  an open conversation at random and extends its whole previous prompt by 32-96 tokens (the
-  answer and the next question); a conversation closes after a turn with probability 0.15 or
-  at 1,024 tokens, and 30% of new conversations are closed ones a user comes back to
-  (32-48 more tokens on the old history, long after).
-- **rag** (seed 13), shared documents: 2 applications, each with a 64-token system prompt; 48
-  documents of 128-512 tokens, drawn by Zipf popularity (s = 1.0); a prompt is an
-  application's system prompt, one document (a second one in 30% of prompts) and a 16-32 token
-  query.
-
-Policies: round-robin; least-loaded (the node whose queue empties first); cache-aware
-(`tierd.routing.Router`), which sees only what a real router can: the nodes' KV events (late, as
-above), the queue each engine reports, its own past decisions and its own account of the
-prefill it sent. It scores a node by its longest cached prefix of the request (tier-weighted)
-less 0.25 per queued block, among the nodes a bounded-load cap allows: no node past 1.2x the
-mean prefill the router sent over its last 50 requests per node, the request's own prefill
-counted; it treats the keys of its last 16 decisions as held where it sent them until their
-events arrive, and breaks ties by queue, then by its account, then by rendezvous hashing on the
-first key no node holds. "cache-aware, before" is the router as this benchmark ran it before:
-no cap, no memory, 1.0 per queued block.
-
-**The ceiling** (the denominator of every "of ceiling" figure and of the goal) is the hit rate
-of the greedy oracle: for each request in order it reads every node's true cache contents at
-that instant (`lookup` on the stores: nothing late, nothing estimated) and picks the node
-holding the longest prefix of the request, among the nodes the same bounded-load cap allows
-(1.2x, the same window, counted with the true prefill each request costs), ties to the least
-loaded node; the nodes have the same capacity and eviction as in every other run. It is what a
-router with perfect, instant knowledge of the caches achieves under the same balance budget.
-It is not a bound on every policy: greedy does not know the future, so a router that placed
-prefixes to save room, or merely broke a tie better, can beat it (a ratio above 1.000). Three
-more figures place it:
-
-- *oracle, no cap*: the same oracle without the cap (the issue's literal "where its longest
-  prefix is, under the nodes' capacities"), whatever the imbalance;
-- *one node, all memory*: one node with the memory of all of them and the same LRU eviction,
-  so no routing decision and no copy held twice: what separates the routers from the capacity
-  bound below is mostly this store's eviction, not routing, where they come close to it;
-- *capacity bound*: Belady's optimal offline eviction on one cache as large as all the nodes
-  together (plus one prompt), every present block a hit — no routing and no eviction policy on
-  these nodes can beat it (`capacity_bound` says why); "of bound" is the fraction of it;
-- *unbounded*: one node of unlimited memory, every block whose prefix was seen before a hit.
-
-Measured per run: the hit rate (blocks loaded / blocks asked); the load imbalance, max over mean
-of the prefill blocks each node computed over the whole run (the goal's figure), its 90th
-percentile over consecutive windows of 50 requests per node, and max over mean of the requests
-each node took (for information). Modelled (stated assumptions, not measurements): mean TTFT
-from a queue per node — prefill 1.6 ms per 16-token block (an 8B model at ~10k tokens/s),
-loading a block 0.1 ms from host RAM — requests arriving at 70% of the cluster's no-cache
-capacity.
+Method (the traces, the router's settings, the oracle and the bounds, the model's assumptions):
+docs/benchmarks.md#routing.
 
     python -m benchmarks.routing [--json PATH] [--quick] [--nodes N] [--capacity BLOCKS]
 """

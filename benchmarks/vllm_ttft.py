@@ -1,53 +1,18 @@
 """Time to first token in a real vLLM (its CPU build) with tierd, against recompute and against
 vLLM's own CPU offloading, in one run on the same prompts.
 
-Each engine is a fresh process (tests/vllm_engine.py in the vLLM environment, `make vllm-env`)
-on the bench model (random weights, ~150M parameters, fp32; --quick: a 4-layer model),
-vLLM's own prefix cache off so that every hit is the connector's or the offloading tier's:
+Fresh vLLM engines (`make vllm-env`) on the bench model, vLLM's prefix cache off. Cases, each
+beside recompute in the same run: tierd host hit (`load_async` auto and true), tierd disk hit,
+tierd as vLLM's secondary tier, vLLM's CPU offloading (the peer), and host hits of a
+gpt-oss-like and a Qwen3-Next-like model (each beside its own recompute). Also the load part
+beside a memcpy of the same bytes, and the cost when nothing hits (the connector on vs off, and
+the connector's own time on vLLM's threads against the request's TTFT).
 
-- recompute: vLLM alone after a restart (the reference of every hit);
-- tierd host hit: a fresh engine whose prompts' prefixes another engine stored in the daemon
-  (`load_async: "auto"`, the default, which copies a small host-RAM hit before the step; and
-  `load_async: true`, every load through vLLM's asynchronous path);
-- tierd disk hit: the same after `tierd sync` and a host-tier flush (blocks only on disk);
-- tierd secondary tier: vLLM's own offloading with tierd below its CPU tier, a fresh engine;
-- vLLM CPU offloading (the peer): vLLM's OffloadingConnector, second pass in one process (its
-  CPU tier does not outlive the process); its stock worker needs CUDA, so the spec swaps in a
-  host-copy worker and runs the rest of vLLM's offloading unchanged;
-- the cost when nothing hits: unique prompts with the connector on vs off (separate engines), and
-  within one engine new prompts alternately declining the tier (`{"tierd": false}`) and using it;
-  and, not drowned by engine-to-engine noise, the connector's own time on the engine's thread per
-  such request (its scheduler hooks and worker hooks, counted by the connector) against the
-  request's TTFT;
-- a gpt-oss-like model (sliding-window and full-attention layers alternating, MoE; vLLM's hybrid
-  KV cache manager on, a KV cache group per kind): its tierd host hit from a fresh engine beside
-  its own recompute (loads of models with several KV cache groups are asynchronous);
-- a Qwen3-Next-like model (linear-attention layers beside full attention, MoE, bf16, vLLM's
-  prefix caching on for its block-boundary states): its tierd host hit (the attention KV and
-  the recurrent state at the hit's end) beside its own recompute.
-(No MLA row: the connector declines MLA on vLLM's CPU build, whose MLA attention over a loaded
-prefix is not right; docs/vllm.md.)
-Each prompt runs alone (TTFT is the engine's first-token latency); medians over the prompts.
+`--peers` (environment: `make peers-env`) sets tierd beside LMCache's multiprocess server and
+vLLM's CPU offloading at 512 and 2,048 cached tokens: host hits, disk hits and the no-hit cost,
+each also above the floor (vLLM's own prefix cache), with the goals printed beside each figure.
 
-`--peers` runs the side-by-side with the peers instead (environment: `make peers-env`, vLLM's CPU
-build with LMCache; every engine, tierd's included, runs in it): at 512 and 2,048 cached tokens
-(prompts one token longer, so that every system can load the whole prefix), in rounds that
-alternate the systems' order, each round with prompts of its own:
-
-- recompute (the connector off): the reference, and the no-hit baseline;
-- tierd and LMCache (its multiprocess server, benchmarks/peers.py): a fresh engine that stores
-  the prompts (their no-hit cost against recompute), a fresh engine's host-RAM hit, and a fresh
-  engine's disk hit (tierd: after `tierd sync` and a host flush; tierd reads with O_DIRECT.
-  LMCache: after its L2 writes drained and its L1 cleared, with its files dropped from the page
-  cache, and again with them left in it);
-- vLLM's native CPU offloading: its second pass in one process (its tier does not outlive it);
-- the floor: vLLM's own prefix cache on, the second pass in one process (the prefix already in
-  the engine's KV cache, only the last token computed). On a CPU it is most of a hit's TTFT, so
-  each comparison is also printed for the time above the floor (a lower bound of what a cache
-  adds: the floor runs with vLLM's prefix caching on, the connectors with it off).
-
-Medians over every round's prompts, with the spread of the rounds' medians; the goals (host hit
->= 1.5x LMCache's, disk hit >= 1.2x, no-hit cost <= 1%) are printed beside each figure.
+Method (each case's set-up, the rounds, the floor, caveats): docs/benchmarks.md#vllm_ttft.
 
     python -m benchmarks.vllm_ttft [--json PATH] [--quick] [--peers] [--rounds N]
 """
