@@ -5,6 +5,11 @@ which the client maps once: `put` copies into reserved slots, `get` copies out o
 A lost connection is re-established on the next call (the daemon may have restarted); what the
 old connection held — reservations, leases — is gone with it, and calls that cannot be
 repeated safely say so. Thread-safe: one request at a time per client.
+
+`Client` is this module (the Store interface) and its parts: the connection (tierd/connection.py:
+socket, framing, reconnects, holds, mappings), staged slots for writes without a round trip
+(tierd/client_staging.py) and reads without a lease (tierd/client_unleased.py); the reservations
+and leases it hands out are tierd/client_handles.py.
 """
 
 from __future__ import annotations
@@ -15,110 +20,25 @@ import os
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 
 import numpy as np
 
 from . import errors as E
 from . import protocol as P
-from . import threads
+from .client_handles import ClientLease, ClientReservation, _with_checksums  # noqa: F401
+from .client_staging import STAGE_DEPTH, STAGE_RETRY_S, Staging  # noqa: F401
+from .client_unleased import UnleasedReads, _report_hits_when_due  # noqa: F401
 from .costs import SYNC_S, CostModel
 from .connection import DaemonConnection, DaemonUnavailableError, _Link  # noqa: F401 -- DaemonUnavailableError is part of this API
 from .keys import check_keys
 from .namespace import Namespace
-from .transfer import as_u8, copy_block, copy_out, fill_reservation
+from .transfer import as_u8, copy_out, fill_reservation
 
 log = logging.getLogger("tierd.client")
 
-# Staged slots held per namespace, in writes of the size being written (where `stage_bytes`
-# allows; at least two): a write must not wait for the replies of the ones before it, which
-# bring its slots back. A writer of 8 x 1 MiB blocks per put took about 540 us a put two deep,
-# 445 us four deep (design-notes).
-STAGE_DEPTH = 4
-STAGE_RETRY_S = 0.5   # after a `stage` that fell short: writes reserve until then
 
-
-def _with_checksums(msg: dict, res) -> dict:
-    """`msg` (a put or commit) with the reservation's checksums, where it has them."""
-    if res.checksums is not None:
-        msg["checksums"] = [int(c) for c in res.checksums]
-    return msg
-
-
-class ClientReservation:
-    """Slots in the daemon's arena to write into; `commit` makes them visible. It holds its
-    connection open until committed or aborted (see `Client.acquire`)."""
-
-    def __init__(self, rid, ns, keys, status, buffers, generation, link=None, staged=None):
-        self.id, self.namespace, self.keys = rid, ns, keys
-        self.status, self.buffers = status, buffers
-        self._generation = generation
-        self._link = link   # the held connection (None: nothing reserved, nothing held)
-        # Staged (see Client.reserve): per key, the staged slot's offset or -1; its commit is
-        # a deferred `put`, with the parent and token ids kept here until then.
-        self._staged = staged
-        self._parent = self._tokens = None
-        # per key, optional: the checksum of what was copied into the slot, or -1 (as
-        # `tierd.store.Reservation.checksums`); sent with the commit
-        self.checksums: list[int] | None = None
-
-    @property
-    def num_reserved(self) -> int:
-        return sum(s == "reserved" for s in self.status)
-
-
-class ClientLease:
-    """Read-only views of leased slots in the daemon's arena, valid until `release`."""
-
-    def __init__(self, lid, ns, keys, buffers, tiers, client, generation, link=None):
-        self.id, self.namespace, self.keys = lid, ns, keys
-        self.buffers, self.tiers = buffers, tiers
-        self.gpu_offsets: list[int] = []     # per block: offset in the daemon's HBM tier, or -1
-        self.gpu_buffers: list = []          # per block: (block_bytes,) CUDA view, or None
-        self._client, self._generation, self._open = client, generation, True
-        self._link = link   # the held connection (None: nothing leased, nothing held)
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def release(self, *, confirm: bool = True) -> None:
-        """End the lease. With `confirm` (the default), raise LeaseError if it was lost before
-        now — the daemon restarted or stopped, or ended the connection — so that bytes read
-        under it are not to be trusted (see `Client.release`)."""
-        self._client.release(self, confirm=confirm)
-
-    def __enter__(self) -> "ClientLease":
-        return self
-
-    def __exit__(self, exc_type, *exc) -> None:
-        """Leaving the `with` ends the lease and confirms it: LeaseError when it was lost while
-        the block was read (what was read must be thrown away), unless the block already raised."""
-        if self._open:
-            self._client.release(self, confirm=exc_type is None)
-
-
-def _report_hits_when_due(ref, cv: threading.Condition) -> None:
-    """A client's hits reporter (see `Client._wake_hits_reporter`). It holds the client only
-    weakly while it waits, so a client dropped without `close` is still collected."""
-    me = threading.current_thread()
-    with cv:
-        while True:
-            c = ref()
-            if c is None or c._hits_reporter is not me:
-                return
-            if c._hits:
-                wait = c._hits_since + c.HITS_MAX_AGE_S - time.monotonic()
-                if wait <= 0:
-                    c._report_hits()   # a lost connection just drops them, as at a read
-                    continue
-            else:
-                wait = 5.0             # idle: look again now and then, in case it was dropped
-            del c
-            cv.wait(wait)
-
-
-class Client(DaemonConnection):
+class Client(Staging, UnleasedReads, DaemonConnection):
     """A connection to `tierd serve` with the same interface as `TieredStore`."""
 
     RETRY_OPS = {"lookup", "lookup_all", "where", "acquire", "stage", "stats", "ping", "flush", "sync", "register"}
@@ -284,126 +204,6 @@ class Client(DaemonConnection):
                        for s, off in r["slots"]]
             link = self._pin() if r["res"] else None
         return ClientReservation(r["res"], nsobj, keys, status, buffers, gen, link)
-
-    # -- staged slots ---------------------------------------------------------------------------
-    # A write needs slots in the daemon's arena before its bytes can be copied. Asking for them
-    # per write (reserve) costs a round trip to the daemon on the writer's critical path. So a
-    # client holds a few free slots per namespace ahead of time ("staged": the daemon's `stage`
-    # op): a write copies into them at once and names its keys in one `put` request whose reply
-    # is read later; that reply hands out as many new slots as the put used. Only this
-    # connection may name its staged slots, and they go back to the daemon's free pool when it
-    # closes. Keys the daemon's shared index already shows are not written; a key written that
-    # the daemon has meanwhile is dropped there (its slot freed). The pool is at most
-    # `stage_bytes` per namespace; larger writes, a daemon without the op, or a full arena take
-    # the reserve path.
-
-    def _stage_take(self, nsobj: Namespace, want: int) -> list[int] | None:
-        """(Lock held.) `want` staged slots for `nsobj`, or None (then reserve instead)."""
-        if not self._stage_ok or self._sock is None or want * nsobj.block_bytes * 2 > self.stage_bytes:
-            return None
-        pool = self._stage_pool.setdefault(nsobj.name, [])
-        if len(pool) < want and self._deferred:
-            try:   # replies of earlier puts bring new slots
-                self._drain_deferred(time.monotonic() + self.timeout_s, lambda: len(pool) >= want)
-            except (OSError, EOFError):
-                self._disconnect()
-                return None
-        if len(pool) < want:
-            if time.monotonic() < self._stage_short.get(nsobj.name, 0.0):
-                return None   # the daemon had no more for us a moment ago: reserve, one request
-            try:
-                depth = max(2 * want, min(STAGE_DEPTH * want, self.stage_bytes // nsobj.block_bytes))
-                # no more than one request may name (fewer than `want` then: reserve instead)
-                limit = self.limits.get("max_keys_per_request", P.DEFAULT_MAX_KEYS)
-                r = self._call("stage", ns=nsobj.name, n=min(depth - len(pool), limit))
-            except P.RemoteError as e:
-                if e.code != "unknown_op":
-                    raise
-                self._stage_ok = False   # an older daemon: reserve from now on
-                return None
-            pool = self._stage_pool.setdefault(nsobj.name, [])   # (a reconnect made a new pool)
-            pool.extend(r["slots"])
-            if len(pool) < want:
-                # no room, or past this client's share of the daemon's staged slots: reserve
-                # (it says which blocks are dropped), and ask again only after a while
-                self._stage_short[nsobj.name] = time.monotonic() + STAGE_RETRY_S
-                return None
-        return [pool.pop() for _ in range(want)]
-
-    def _give_back(self, name: str, offsets: list[int], link, generation: int) -> None:
-        """(Lock held.) Staged slots taken but not written: back into the pool, if it is
-        still the same connection's."""
-        if link is not None and link is self._link and not link.dead and generation == self._generation:
-            self._stage_pool.setdefault(name, []).extend(offsets)
-
-    def _reserve_staged(self, nsobj: Namespace, keys: list[bytes]) -> ClientReservation | None:
-        """A reservation in staged slots (no request), or None."""
-        with self._lock:
-            if not self._stage_ok or self._sock is None:
-                return None
-            if self._hup.poll(0):
-                # the daemon closed this connection (it stopped, or refused a frame): the slots
-                # in the pool were the connection's and are another client's now; never write
-                # through them (the reserve path reconnects)
-                self._disconnect()
-                return None
-            idx = self._index
-            present = idx.key_states(nsobj.id, keys) if idx is not None and idx.fresh() else None
-            putting = self._putting
-            todo = [i for i, k in enumerate(keys)
-                    if (present is None or not present[i]) and nsobj.id + k not in putting]
-            if not todo:
-                return None   # all present: reserve re-links the chain for eviction order
-            offsets = self._stage_take(nsobj, len(todo))
-            if offsets is None:
-                return None
-            staged = [-1] * len(keys)
-            status = ["present"] * len(keys)
-            buffers: list = [None] * len(keys)
-            for i, off in zip(todo, offsets):
-                staged[i], status[i] = off, "reserved"
-                buffers[i] = self._view(off, nsobj.block_bytes, True)
-            return ClientReservation(-1, nsobj, keys, status, buffers, self._generation, self._pin(), staged)
-
-    def _send_put(self, res: ClientReservation) -> None:
-        """(Lock held, its connection checked.) The deferred `put` of a staged reservation."""
-        name = res.namespace.name
-        msg = {"op": "put", "ns": name, "keys": res.keys, "slots": res._staged, "refill": res.num_reserved}
-        if res._parent is not None:
-            msg["parent"] = res._parent
-        if res._tokens is not None:
-            msg["tokens"] = res._tokens
-        _with_checksums(msg, res)
-        # this client's own puts count as present until their replies are read
-        written = [res.namespace.id + k for k, off in zip(res.keys, res._staged) if off >= 0]
-        putting = self._putting
-        for k in written:
-            putting[k] = putting.get(k, 0) + 1
-
-        def landed() -> None:   # the put's keys are no longer in flight
-            for k in written:
-                left = putting.get(k, 0) - 1
-                if left > 0:
-                    putting[k] = left
-                else:
-                    putting.pop(k, None)
-
-        def done(r: dict) -> None:
-            landed()
-            if "slots" in r:
-                self._stage_pool.setdefault(name, []).extend(r["slots"])
-
-        try:
-            sent = self._send_deferred(msg, done)
-        except E.RequestTooLargeError:
-            # nothing was sent: the keys are not in flight, and the slots are still this
-            # connection's (back into its pool)
-            landed()
-            self._stage_pool.setdefault(name, []).extend(o for o in res._staged if o >= 0)
-            raise
-        if not sent:
-            raise E.LeaseError(f"lost the tierd daemon at {self.path} before this put was sent; nothing was stored")
-        self._deferred_commits += 1
 
     def commit(self, res: ClientReservation) -> int:
         """Make the reserved blocks visible. Raises LeaseError, committing nothing, when the
@@ -584,98 +384,6 @@ class Client(DaemonConnection):
             raise
         self.release(lease, confirm=True)
         return got
-
-    HITS_BATCH = 256       # keys read without a lease, reported to the daemon in one message ...
-    HITS_MAX_AGE_S = 0.05  # ... or once the oldest unreported one is this old (at the next
-                           # read, or by a background thread when the client goes idle)
-
-    def _get_unleased(self, nsobj: Namespace, keys: list[bytes], dsts, out) -> list | None:
-        """`get` without a lease (tierd/index.py), or None where the lease must decide: the
-        index cannot tell, a lease might get more blocks, or a block changed during the copy."""
-        got: list = []
-
-        def copy(views) -> None:
-            if dsts is None:
-                got[:] = [v.copy() for v in views]
-            else:
-                for dst, v in zip(dsts, views):
-                    copy_block(dst, v)
-                got[:] = list(out[:len(views)])
-        return None if self._read_unleased(nsobj, keys, copy) is None else got
-
-    def read_unleased(self, ns, keys: Sequence[bytes], copy) -> int | None:
-        """The leading blocks of `keys` read straight out of their host slots, with no request to
-        the daemon, where its shared index shows them ready, as `get` does: `copy(views)` gets
-        read-only views of the slots of the blocks to read (at least one) and must copy them out
-        before it returns. Returns how many blocks were read (all exact: what a lease would have
-        served), or None where the index cannot tell or a block changed while `copy` ran — then
-        whatever `copy` wrote must not be used: lease the blocks (`acquire`) and copy again.
-        For callers that copy at once and can redo a copy, such as a load into an engine's KV
-        blocks that nothing reads before the load is done."""
-        if not (self._unleased_ok and keys):
-            return None
-        return self._read_unleased(self._namespace(ns), check_keys(keys), copy)
-
-    def _read_unleased(self, nsobj: Namespace, keys: list[bytes], copy) -> int | None:
-        with self._lock:
-            hbm = self._gpu_arena is not None if self._hbm is None else self._hbm
-            idx, arena = self._index, self._arena
-            # (a stalled daemon's table is read too: nothing moves while it is stopped, and what
-            # moved before shows in the sequence numbers)
-            if hbm or idx is None or self._sock is None or self._hup.poll(0):
-                return None
-            run = idx.host_run(nsobj.id, keys)
-            if run is None:
-                return None
-            n, final, ways, seqs, offsets = run
-            if n < len(keys) and (not final or self._putting or self._deferred_commits):
-                return None   # a lease may get more (from disk, or this client's writes in flight)
-            limit = self.limits.get("max_keys_per_request", P.DEFAULT_MAX_KEYS)
-            if n > limit:
-                return None   # more than one report may name: the lease path refuses it
-            if self._hits_keys + n > limit:
-                self._report_hits()
-            link = self._pin()
-        try:
-            bb = nsobj.block_bytes
-            views = [arena[o:o + bb] for o in offsets]
-            for v in views:
-                v.flags.writeable = False
-            copy(views)
-            with self._lock:
-                if (idx is not self._index or link is not self._link or self._hup.poll(0)
-                        or not idx.unchanged(ways, seqs)):
-                    self.unleased_discarded += 1
-                    return None
-                self.unleased_reads += 1
-                if not self._hits:
-                    self._hits_since = time.monotonic()
-                    self._wake_hits_reporter()
-                self._hits.append({"ns": nsobj.name, "keys": keys[:n], "asked": len(keys)})
-                self._hits_keys += n
-                if (self._hits_keys >= self.HITS_BATCH
-                        or time.monotonic() - self._hits_since >= self.HITS_MAX_AGE_S):
-                    self._report_hits()
-            return n
-        finally:
-            self._unpin(link)
-
-    def _wake_hits_reporter(self) -> None:
-        """(Lock held.) Make sure the reads of a client that then goes quiet still reach the
-        daemon within about HITS_MAX_AGE_S (its stats, and the blocks' recency for eviction):
-        one thread per client, started at its first read without a lease, idle otherwise."""
-        if self._hits_reporter is None or not self._hits_reporter.is_alive():   # (or forked)
-            self._hits_reporter = threads.start(_report_hits_when_due, weakref.ref(self), self._hits_cv,
-                                                name=f"tierd-hits-{self.name}")
-        else:
-            self._hits_cv.notify()
-
-    def _report_hits(self) -> None:
-        """(Lock held.) Tell the daemon which blocks were read without a lease (recency, hit
-        counts), unanswered; sent before any other request too, so it is counted first."""
-        hits, self._hits, self._hits_keys = self._hits, [], 0
-        if hits and self._sock is not None:
-            self._send_deferred({"op": "hits", "reads": hits}, answered=False)
 
     def flush(self, tier: str = "all", namespace=None) -> int:
         if isinstance(namespace, Namespace):

@@ -99,7 +99,7 @@ class StoreConfig:
     disk_admit_min_hits: int = 0         # SSD admission: demote to disk only blocks hit >= N times
     disk_io_threads: int = 4
     disk_buffer_idle_s: float = 30.0     # I/O bounce buffers unused this long go back to the system
-    disk_fault_file: str = ""            # failpoints for fault tests (see tiers/disk.py); off
+    disk_fault_file: str = ""            # failpoints for fault tests (see tiers/disk_faults.py); off
     disk_stall_s: float = 2.0            # a disk call running longer than this: disk tier degraded
     gpu_bytes: int | str = 0             # HBM tier (0: none): bytes, or % of the device's memory
     gpu_slab_bytes: int | str = "64MiB"

@@ -1,6 +1,7 @@
 """The daemon's operations: one handler per protocol op (docs/protocol.md), run on the event
-loop thread or a worker thread by `Daemon._dispatch`. A handler checks its fields, names only the
-connection's own slots, and returns its reply fields or raises a `tierd.errors` error."""
+loop thread or a worker thread by `Daemon._dispatch` (tierd/server_dispatch.py). A handler
+checks its fields, names only the connection's own slots, and returns its reply fields or raises
+a `tierd.errors` error."""
 
 from __future__ import annotations
 

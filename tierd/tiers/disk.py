@@ -6,6 +6,11 @@ checksum fails; it never decides what to evict (the store does). All methods tha
 allocator run under the store's lock; `write`, `write_many`, `read_block` and `read_many` run
 outside it, on slots the store has pinned.
 
+`DiskTier` is this module (opening, the slab allocator's side, I/O calls in flight, closing,
+probes) and its parts: the directory and slab files (tierd/tiers/disk_files.py), what survives a
+restart (tierd/tiers/disk_recovery.py) and block reads and writes (tierd/tiers/disk_io.py); its
+failpoints for fault tests are tierd/tiers/disk_faults.py.
+
 File layout: `slab-NNNN.tds` = superblock (4 KiB) + slabs; slab = slab header (4 KiB) + slots;
 slot = slot header (4 KiB page, first bytes used) + payload (4 KiB-aligned).
 """
@@ -16,23 +21,21 @@ import contextlib
 import errno
 import itertools
 import logging
-import mmap
 import os
 import threading
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgpack
-import numpy as np
 
-from .. import codec as _codec
-from ..arena import SlabAllocator
 from ..config import align_up, format_size
-from .base import BlockMeta, Tier
+from .base import Tier
 from .disk_files import (_SLAB, _SUPER, ALL_NAMESPACES, CHECKPOINT_NAME, FENCES_NAME, FILE_MAGIC, LOCK_NAME,  # noqa: F401
                          NAMESPACES_NAME, SLAB_MAGIC, DiskEntry, SlabFiles, _aligned)
+from .disk_faults import FaultInjector
+from .disk_io import (PACK_THREADS, READ_GAP_BYTES, RUN_BYTES, SPLIT_BYTES, WRITE_RUN_BYTES,  # noqa: F401
+                      BlockIO, _Buffers)
 from .disk_recovery import Recovery
 # the slot header is shared with the remote tier (re-exported here for the disk format's users)
 from .slot_header import (_CSUM, FORMAT_VERSION, PAGE, CorruptBlockError, _csum, copy_hashed,  # noqa: F401
@@ -40,146 +43,8 @@ from .slot_header import (_CSUM, FORMAT_VERSION, PAGE, CorruptBlockError, _csum,
 
 log = logging.getLogger("tierd.disk")
 
-# Promotions read slots that lie one after another in a file in one call of up to RUN_BYTES
-# (cut into an even share per I/O thread above SPLIT_BYTES each), across gaps of up to
-# READ_GAP_BYTES (read and not used); syncs write such slots in one call while it is under
-# WRITE_RUN_BYTES (benchmarks/tiers.py: 1 MiB beat 512 KiB and 2 MiB for 64-512 KiB blocks)
-RUN_BYTES = 8 << 20
-SPLIT_BYTES = 512 << 10
-READ_GAP_BYTES = 64 << 10
-WRITE_RUN_BYTES = 1 << 20
-# A sync of more runs than I/O threads packs runs (payload copied and checksummed, header laid
-# out) on PACK_THREADS threads while the I/O threads keep writing: the copy no longer leaves the
-# disk with fewer writes in flight (benchmarks/tiers.py)
-PACK_THREADS = 2
 
-
-class _Buffers:
-    """Page-aligned I/O buffers kept for reuse (a fresh one costs a page fault per 4 KiB on first
-    use): `take` hands out the smallest free buffer that is large enough (else the smallest makes
-    way for a new one), `give` takes it back. With a `limit`, at most that many are out at once
-    and `take` waits for one to come back (the pipelined sync's buffers, handed from the pack
-    threads to the I/O threads). `trim` drops the buffers not taken for a while."""
-
-    def __init__(self, limit: int | None = None):
-        self._slots = threading.Semaphore(limit) if limit else None
-        self._lock = threading.Lock()
-        self._free: list[tuple[float, np.ndarray]] = []     # (when given back, buffer)
-        self.nbytes = 0                                      # all buffers, free and out
-
-    def take(self, nbytes: int) -> np.ndarray:
-        if self._slots is not None:
-            self._slots.acquire()
-        try:
-            with self._lock:
-                order = sorted(range(len(self._free)), key=lambda j: self._free[j][1].nbytes)
-                fits = [j for j in order if self._free[j][1].nbytes >= nbytes]
-                if fits:
-                    return self._free.pop(fits[0])[1]
-                if order:
-                    self.nbytes -= self._free.pop(order[0])[1].nbytes
-                buf = np.frombuffer(_aligned(nbytes), dtype=np.uint8)
-                self.nbytes += buf.nbytes
-                return buf
-        except BaseException:
-            if self._slots is not None:
-                self._slots.release()
-            raise
-
-    def give(self, buf: np.ndarray) -> None:
-        with self._lock:
-            self._free.append((time.monotonic(), buf))
-        if self._slots is not None:
-            self._slots.release()
-
-    @contextlib.contextmanager
-    def held(self, nbytes: int):
-        buf = self.take(nbytes)
-        try:
-            yield buf
-        finally:
-            self.give(buf)
-
-    def trim(self, idle_s: float) -> int:
-        """Drop the free buffers given back over `idle_s` ago (their memory goes back to the
-        system once nothing refers to them); the bytes dropped."""
-        cut = time.monotonic() - idle_s
-        with self._lock:
-            keep = [(t, b) for t, b in self._free if t > cut]
-            dropped = sum(b.nbytes for t, b in self._free if t <= cut)
-            self._free = keep
-            self.nbytes -= dropped
-        return dropped
-
-
-class FaultInjector:
-    """Failpoints under the disk tier, for fault tests (`disk.fault_file`; off by default).
-
-    The control file holds `op=FAULT` pairs, e.g. `write=EIO read=EIO flush=ENOSPC`, `all=EROFS`,
-    or `write=hang:30` (the call blocks for up to 30 s, as a dying disk or a lost NFS server
-    would; it returns early, successfully, as soon as the fault is removed). Ops: write, read,
-    flush, meta (namespace and checkpoint files). An empty or missing file means no faults. It is
-    re-read when its mtime changes, so a test (or an operator rehearsing an incident) flips
-    faults on and off while the daemon runs."""
-
-    OPS = ("write", "read", "flush", "meta")
-
-    def __init__(self, path: str):
-        self.path = path
-        self._stamp = None
-        self._faults: dict[str, tuple[str, float]] = {}
-
-    def _current(self, op: str) -> tuple[str, float] | None:
-        try:
-            st = os.stat(self.path)
-            stamp = (st.st_mtime_ns, st.st_size)
-        except FileNotFoundError:
-            stamp = None
-        if stamp != self._stamp:
-            # the faults before the stamp: an I/O thread that sees the new stamp must also see
-            # the new faults (parallel reads check at once)
-            self._faults = self._parse() if stamp is not None else {}
-            self._stamp = stamp
-        return self._faults.get(op) or self._faults.get("all")
-
-    def check(self, op: str) -> None:
-        fault = self._current(op)
-        if fault is None:
-            return
-        kind, value = fault
-        if kind == "errno":
-            raise OSError(int(value), f"{os.strerror(int(value))} (injected by {self.path})")
-        end = time.monotonic() + value        # a hang: until it ends or is lifted
-        while time.monotonic() < end:
-            time.sleep(0.02)
-            now = self._current(op)
-            if now is None or now[0] != "hang":
-                return
-
-    def _parse(self) -> dict[str, tuple[str, float]]:
-        faults = {}
-        try:
-            text = Path(self.path).read_text()
-        except OSError:
-            return {}
-        for item in text.split():
-            op, _, name = item.partition("=")
-            if op not in self.OPS and op != "all":
-                continue
-            name = name.strip()
-            if name.lower().startswith("hang:"):
-                try:
-                    faults[op] = ("hang", float(name[5:]))
-                except ValueError:
-                    pass
-                continue
-            code = getattr(errno, name.upper(), None)
-            if isinstance(code, int):
-                faults[op] = ("errno", code)
-        return faults
-
-
-class DiskTier(SlabFiles, Recovery, Tier):
+class DiskTier(SlabFiles, Recovery, BlockIO, Tier):
     name = "disk"
 
     def __init__(self, path: str, capacity_bytes: int, slab_bytes: int, file_bytes: int, *,
@@ -322,296 +187,6 @@ class DiskTier(SlabFiles, Recovery, Tier):
 
     def next_seq(self) -> int:
         return next(self._seq)
-
-    # -- block I/O (outside the store lock) ---------------------------------------------------
-    def _page(self) -> mmap.mmap:
-        p = getattr(self._local, "page", None)
-        if p is None:
-            p = self._local.page = _aligned(PAGE)
-        return p
-
-    def _staging(self, nbytes: int):
-        """A page-aligned bounce buffer of at least `nbytes`, held for a `with` block.
-
-        Every slot goes through one (a pipelined sync's through a `_bounce` buffer, the same
-        kind of memory): O_DIRECT to and from shared-memory (shmem) pages runs at less than
-        half the speed of anonymous memory here (benchmarks/tiers.py), and a bounce through
-        anonymous memory costs one memcpy, which is cheaper."""
-        return self._spare.held(nbytes)
-
-    def trim_buffers(self) -> int:
-        """Give back the I/O buffers unused for `buffer_idle_s`; the bytes given back."""
-        return self._spare.trim(self.buffer_idle_s) + self._bounce.trim(self.buffer_idle_s)
-
-    def write(self, slot: int, src: np.ndarray, meta: BlockMeta) -> DiskEntry:
-        """Write one block from `src` (block_bytes,) uint8 as header page + payload in one
-        aligned write (with the namespace's lossy codec where it has one). Not durable until
-        `flush()`."""
-        with self._staging(self.slot_bytes_for(meta.block_bytes)) as stg:
-            entry = self._pack_slot((slot, src, meta), stg)
-            fd, off = self._slot_loc(slot)
-            self._pwrite(fd, stg, PAGE + align_up(entry.payload_len), off)
-        return entry
-
-    def write_many(self, jobs: Sequence[tuple[int, np.ndarray, BlockMeta]]) -> list:
-        """Write blocks (slot, source, meta) on the I/O threads: for each, its DiskEntry or the
-        exception that failed it. Slots that follow one another in a file are written in one
-        call of up to about WRITE_RUN_BYTES, each slot whole: header page, payload, and zeros to the
-        slot's end where a codec made the payload shorter. With more such runs than I/O
-        threads, the pack threads lay runs out while the I/O threads write the ones before.
-        Not durable until `flush()`."""
-        out: list = [None] * len(jobs)
-        if not jobs:
-            return out
-        locs = []
-        for i, (slot, _, meta) in enumerate(jobs):
-            fd, off = self._slot_loc(slot)
-            locs.append((fd, off, self.slot_bytes_for(meta.block_bytes), i))
-        # writes of a MiB or more go out one slot per call, on every thread: larger writes
-        # did not make this disk write faster, only fewer of them in flight
-        runs = self._cut_runs(locs, gap=0, cap=WRITE_RUN_BYTES)
-        if len(runs) > self.io_threads:
-            self._write_pipelined(jobs, runs, out)
-            return out
-
-        def one(run: list[tuple[int, int, int, int]]) -> None:
-            with self._staging(run[-1][2] + run[-1][3] - run[0][2]) as stg:
-                try:
-                    entries = self._pack_run(jobs, run, stg)
-                except Exception as ex:  # noqa: BLE001 - every block of the run failed
-                    for i, *_ in run:
-                        out[i] = ex
-                    return
-                self._write_run(run, stg, entries, out)
-
-        self._each_run(one, runs)
-        return out
-
-    def _write_pipelined(self, jobs: Sequence[tuple[int, np.ndarray, BlockMeta]], runs: list, out: list) -> None:
-        """`write_many` of more runs than I/O threads: each run is packed into a bounce buffer
-        on a pack thread and handed to the I/O threads, which keep `io_threads` writes in
-        flight while the next runs are packed. Only pack threads wait for a buffer; the I/O
-        threads never wait on anything but the disk."""
-        def write(run: list, stg: np.ndarray, entries: list) -> None:
-            try:
-                self._write_run(run, stg, entries, out)
-            finally:
-                self._bounce.give(stg)
-
-        def pack(run: list):
-            stg = self._bounce.take(run[-1][2] + run[-1][3] - run[0][2])
-            try:
-                entries = self._pack_run(jobs, run, stg)
-                return self.pool.submit(write, run, stg, entries)
-            except BaseException as ex:
-                self._bounce.give(stg)
-                for i, *_ in run:
-                    out[i] = ex
-                return None
-
-        writes = [self._packers.submit(pack, run) for run in runs]
-        for f in writes:
-            w = f.result()
-            if w is not None:
-                w.result()
-
-    def _write_run(self, run: list, stg: np.ndarray, entries: list[tuple[int, DiskEntry]], out: list) -> None:
-        """Write a packed run in one call, up to the end of its last slot's payload: each
-        block's entry into `out`, or the error that failed them all."""
-        start = run[0][2]
-        try:
-            self._pwrite(run[0][1], stg, run[-1][2] - start + PAGE + align_up(entries[-1][1].payload_len), start)
-        except Exception as ex:  # noqa: BLE001 - every block of the run failed
-            for i, *_ in run:
-                out[i] = ex
-            return
-        for i, entry in entries:
-            out[i] = entry
-
-    def _pack_run(self, jobs: Sequence[tuple[int, np.ndarray, BlockMeta]], run: list,
-                  stg: np.ndarray) -> list[tuple[int, DiskEntry]]:
-        """Lay the slots of `run` out in `stg` as they lie in the file: header page, payload,
-        and zeros to the slot's end where a codec made the payload shorter (nothing stale
-        between slots written together). Returns (index in `jobs`, entry) for each."""
-        start = run[0][2]
-        entries = []
-        for i, _, off, size in run:
-            dst = stg[off - start:off - start + size]
-            entry = self._pack_slot(jobs[i], dst)
-            dst[PAGE + entry.payload_len:] = 0
-            entries.append((i, entry))
-        return entries
-
-    def _each_run(self, fn, runs: list) -> None:
-        """`fn(run)` for every run: on the I/O threads, or here for one run."""
-        if len(runs) == 1:
-            fn(runs[0])
-        else:
-            list(self.pool.map(fn, runs))
-
-    def _pack_slot(self, job: tuple[int, np.ndarray, BlockMeta], dst: np.ndarray) -> DiskEntry:
-        """Lay one block's slot out at the start of `dst` (at least the slot's extent): header
-        page, then the payload (with its codec), checksummed as it is copied in."""
-        slot, src, meta = job
-        seq = meta.seq or self.next_seq()
-        raw = src[:meta.block_bytes]
-        codec, payload = encode_block(self.codec_name, self.zstd_level, raw, meta.dtype_bytes, meta.lossy,
-                                      meta.kv_dtype)
-        payload_len = meta.block_bytes if codec == _codec.CODEC_NONE else len(payload)
-        body = dst[PAGE:PAGE + payload_len]
-        csum = copy_hashed(body, payload if codec == _codec.CODEC_NONE else np.frombuffer(payload, dtype=np.uint8))
-        header = pack_slot_header(codec, meta.dtype_bytes, meta.ns_id, meta.key, meta.parent or b"", payload_len,
-                                  meta.block_bytes, seq, self.slab_gen[SlabAllocator.slab_of(slot)], csum)
-        dst[:PAGE] = 0
-        dst[:len(header)] = np.frombuffer(header, dtype=np.uint8)
-        return DiskEntry(slot, meta.ns_id, meta.key, seq, payload_len, meta.block_bytes, codec, meta.parent or b"")
-
-    def _pwrite(self, fd: int, stg: np.ndarray, length: int, off: int) -> None:
-        with self._io("write"):
-            if self.faults:
-                self.faults.check("write")
-            n = os.pwrite(fd, memoryview(stg)[:length], off)
-        if n != length:
-            raise OSError(errno.EIO, f"short write to disk tier ({n} of {length} bytes)")
-
-    def read(self, where: DiskEntry, dst: np.ndarray) -> None:
-        self.read_block(where, dst)
-
-    def read_block(self, e: DiskEntry, dst: np.ndarray) -> None:
-        """Read and verify one block into `dst` (>= raw_len,) uint8.
-        Raises CorruptBlockError if anything does not match the index entry."""
-        fd, off = self._slot_loc(e.slot)
-        want = PAGE + align_up(e.payload_len)
-        with self._staging(want) as stg:
-            n = self._pread(fd, stg, want, off)
-            self._check_slot(e, stg, n, dst)
-
-    def read_many(self, items: Sequence[tuple[DiskEntry, np.ndarray]],
-                  sums: list[int] | None = None) -> dict[int, BaseException]:
-        """Read and verify blocks into their buffers on the I/O threads: {index in `items`:
-        the error} for those that failed (each block is checked on its own, as `read_block`
-        does); `sums[i]`, where given, gets what `_check_slot` returns for item i (left as it
-        was if the read failed). Slots that lie one after another in a file are read in one
-        call (up to RUN_BYTES, and split so that every thread gets a share): this disk reads
-        large requests several times faster than small ones (benchmarks/tiers.py)."""
-        errors: dict[int, BaseException] = {}
-        if not items:
-            return errors
-        runs = self._plan_runs(items)
-
-        def one(run: list[tuple[int, int, int, int]]) -> None:
-            fd, start = run[0][1], run[0][2]
-            end = max(off + want for _, _, off, want in run)
-            with self._staging(end - start) as stg:
-                try:
-                    n = self._pread(fd, stg, end - start, start)
-                except OSError as ex:
-                    for i, *_ in run:
-                        errors[i] = ex
-                    return
-                for i, _, off, _ in run:
-                    e, dst = items[i]
-                    rel = off - start
-                    try:
-                        csum = self._check_slot(e, stg[rel:], max(0, n - rel), dst)
-                    except (CorruptBlockError, OSError) as ex:
-                        errors[i] = ex
-                    else:
-                        if sums is not None:
-                            sums[i] = csum
-
-        self._each_run(one, runs)
-        return errors
-
-    def _plan_runs(self, items: Sequence[tuple[DiskEntry, np.ndarray]]) -> list[list[tuple[int, int, int, int]]]:
-        """Group `items` into runs of slots contiguous in one file: lists of (index, fd,
-        offset, bytes to read), in file order."""
-        locs = []
-        for i, (e, _) in enumerate(items):
-            fd, off = self._slot_loc(e.slot)
-            locs.append((fd, off, PAGE + align_up(e.payload_len), i))
-        return self._cut_runs(locs, gap=READ_GAP_BYTES)
-
-    def _cut_runs(self, locs: list[tuple[int, int, int, int]], gap: int,
-                  cap: int | None = None) -> list[list[tuple[int, int, int, int]]]:
-        """(fd, offset, bytes, index) of each slot into runs of (index, fd, offset, bytes), in
-        file order, each run's slots one after another in one file (at most `gap` bytes apart),
-        a run taking slots while it is under `cap` bytes."""
-        locs = sorted(locs)
-        total = sum(w for _, _, w, _ in locs)
-        if cap is None:
-            # reads: under RUN_BYTES, and under an even share of the I/O threads where that
-            # share is over SPLIT_BYTES (both larger calls and more threads make this disk
-            # read faster: benchmarks/tiers.py)
-            cap = min(RUN_BYTES, max(SPLIT_BYTES, -(-total // self.io_threads)))
-        runs: list[list[tuple[int, int, int, int]]] = []
-        for fd, off, want, i in locs:
-            if runs:
-                last = runs[-1]
-                lfd, lstart = last[0][1], last[0][2]
-                _, _, loff, lwant = last[-1]
-                if lfd == fd and 0 <= off - (loff + lwant) <= gap and loff + lwant - lstart < cap:
-                    last.append((i, fd, off, want))
-                    continue
-            runs.append([(i, fd, off, want)])
-        return runs
-
-    def _pread(self, fd: int, stg: np.ndarray, want: int, off: int) -> int:
-        with self._io("read"):
-            if self.faults:
-                self.faults.check("read")
-            return os.preadv(fd, [memoryview(stg)[:want]], off)
-
-    def _check_slot(self, e: DiskEntry, stg: np.ndarray, n: int, dst: np.ndarray) -> int:
-        """Verify the slot read into `stg` (`n` bytes of it read) against the index entry `e`
-        and copy its payload into `dst`; CorruptBlockError where anything does not match.
-        Returns the checksum (`_csum`) of the block's bytes as they now are in `dst` where the
-        read verified it (a payload stored raw), else -1 (decoded from a codec)."""
-        want = PAGE + align_up(e.payload_len)
-        if n < PAGE + e.payload_len:
-            raise CorruptBlockError(f"slot truncated ({n} of {want} bytes readable)")
-        h = unpack_slot_header(stg[:PAGE])
-        if h is None:
-            raise CorruptBlockError("slot header is gone")
-        _, _, codec, _, _, ns_id, key, _, payload_len, raw_len, seq, gen, pcsum = h
-        if (ns_id, key, seq, payload_len, raw_len, codec) != (
-                e.ns_id, e.key, e.seq, e.payload_len, e.raw_len, e.codec):
-            raise CorruptBlockError("slot header does not match the index (overwritten)")
-        if gen != self.slab_gen[SlabAllocator.slab_of(e.slot)]:
-            raise CorruptBlockError("slot belongs to an earlier use of its slab")
-        payload = stg[PAGE:PAGE + e.payload_len]
-        if e.codec == _codec.CODEC_NONE:
-            # hashed as copied into `dst`, a slot nobody reads before this returns (a LOADING
-            # slot): bytes that fail the check are never served
-            if copy_hashed(dst[:e.raw_len], payload) != pcsum:
-                raise CorruptBlockError("payload checksum mismatch")
-            return pcsum
-        if _csum(payload) != pcsum:
-            raise CorruptBlockError("payload checksum mismatch")
-        try:
-            _codec.decode(e.codec, payload, dst[:e.raw_len])
-        except Exception as ex:  # zstd errors are not one class
-            raise CorruptBlockError(f"payload does not decode: {ex}") from None
-        return -1
-
-    def tombstone(self, slot: int) -> None:
-        """Zero a slot's header so a restart does not bring its block back (after flush)."""
-        page = self._page()
-        page[:] = b"\0" * PAGE
-        fd, off = self._slot_loc(slot)
-        with self._io("write"):
-            if self.faults:
-                self.faults.check("write")
-            os.pwrite(fd, page, off)
-
-    def flush(self) -> None:
-        """Make every completed write durable."""
-        with self._io("flush"):
-            if self.faults:
-                self.faults.check("flush")
-            for fd in list(self._fds):
-                os.fdatasync(fd)
-
 
     # -- closing -----------------------------------------------------------------------------
     def close(self, entries: list[DiskEntry] | None) -> None:
