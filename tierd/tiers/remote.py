@@ -13,7 +13,7 @@ A value is a hash of two fields, written by one HSET (atomic): `h`, the disk slo
 self-describing header (magic, format version, codec, namespace id, key, parent, payload length
 and checksum, header checksum), and `p`, the payload — sent straight from the host slot, with no
 copy. A value that is foreign, truncated, overwritten or corrupt fails verification and is never
-served (`CorruptBlockError`: the store counts it, deletes it and treats it as a miss).
+served (`CorruptBlockError`: the store counts it, leaves it on the server and treats it as a miss).
 
 URLs: `redis://[user:password@]host:port[/db]`, `rediss://...` (TLS; `ssl_*` settings as query
 parameters, passed to the client), `unix:///path/redis.sock`, and
