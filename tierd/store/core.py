@@ -79,7 +79,7 @@ class FlushWalk:
         return self.ns_id is None or b.st.ns_id == self.ns_id
 
 
-class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, DiskHealth, RemoteLink,
+class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, RemoteLink,
                   Promotion, Demotion, HostKeeping):
     """Embedded tiered block store (host RAM + optional disk, HBM and remote tiers). Thread-safe."""
 
@@ -133,8 +133,8 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Dis
         self._admission = AdmissionFilter(cfg.disk_admit_min_hits)
         self._index = None   # the daemon's shared lookup index (tierd.index), if attached
         self._events = None  # the daemon's KV-event publisher (tierd.events), if attached
-        self._disk_health = TierHealth("disk", self.DISK_RETRY_S, "serving from host RAM only")
-        self._disk_checked_at = 0.0
+        self._health = DiskHealth(self._cond, self._rd, cfg, forget=self._forget_disk,
+                                  reopened=self._disk_reopened)
         # The remote tier (tiers/remote.py): no slots here, the server owns capacity and eviction.
         # What the store keeps: a short memory of which keys the server had or lacked, the
         # write-behind queue (blocks pinned in host RAM until written), health and counters.
@@ -152,7 +152,7 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Dis
                 )
                 self.gpu = GpuTier(cfg.gpu_bytes, cfg.gpu_slab_bytes, cfg.gpu_device)
             if cfg.disk_path:
-                self.disk = self._open_disk()
+                self.disk = self._health.open_tier()
                 self._rd.counters["corrupt_dropped"] = self.disk.corrupt_at_open
                 self._adopt_recovered()
             if old is not None:
@@ -198,6 +198,37 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Dis
     @gpu.setter
     def gpu(self, tier) -> None:
         self._rg.tier = tier
+
+    def refresh_health(self) -> None:
+        """Notice a stalled disk now (the daemon calls this with its heartbeat, so the shared
+        index stops counting a hung disk's blocks even while nobody asks the daemon).
+        Lock-free: see `DiskHealth.refresh`."""
+        self._health.refresh()
+
+    def _forget_disk(self) -> None:
+        """(Lock held; `DiskHealth.check`: the disk tier's directory vanished.) Forget every
+        disk copy (their files are gone); the caller then abandons the old tier outside the
+        lock. Writes still under way are not waited for (one may hang for ever on a vanished
+        directory): they settle as the dead tier's when they return (`_disk_epoch`), and
+        nothing waits for them meanwhile."""
+        self._disk_epoch += 1
+        self._writes_in_flight = 0
+        self._batch_writing = False
+        for b in [b for b in self._blocks.values() if b.disk is not None]:
+            self._drop_disk(b, evicted=False)
+        for b in self._rd.owner.values():
+            if b.orphan:
+                # a doomed copy a read still pins, whose key was written again (out of
+                # `_blocks`): it goes with the old tier; when its pin goes nothing is left to drop
+                b.disk = None
+        self._rd.owner.clear()
+        self._rd.policy = make_policy(self.config.eviction_policy)
+        self.disk.mark_closed()   # no new I/O goes to it
+
+    def _disk_reopened(self, tier: DiskTier) -> None:
+        """(Lock held; `DiskHealth.check`.) A fresh disk tier in the returning directory."""
+        self.disk = tier
+        self._adopt_recovered()
 
     def host_array(self):
         """The whole host arena as one uint8 array (for page-locking it, e.g. cudaHostRegister)."""
@@ -375,7 +406,7 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Dis
             self._check_open()
             st = self._ns(ns)
             st.counters["lookups"] += 1
-            disk_ok = self.disk is not None and not self._note_stall()
+            disk_ok = self.disk is not None and not self._health.note_stall()
             n = n_host = 0
             for k in keys:
                 b = self._blocks.get(st.ns_id + k)
@@ -493,7 +524,7 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Dis
                 disk.save_fences()
             except OSError as e:
                 with self._cond:
-                    self._disk_error("flush record", e)
+                    self._health.error("flush record", e)
                 raise DiskDegradedError(f"flush: {dropped} blocks were dropped but the flush could not be "
                                         f"recorded on disk ({e}); they may come back after a restart") from None
         return dropped
@@ -528,7 +559,7 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Dis
     def stats(self) -> dict:
         """Counters and gauges per tier and per namespace (see docs/operations.md)."""
         with self._cond:
-            self._note_stall()
+            self._health.note_stall()
             tiers = {"host": self._rh.stats(extra_waste=self._pad_bytes)}
             # clean: READY with a disk copy (dropped with no I/O when the room is needed);
             # dirty: READY with none yet (the demoter writes the oldest down past the watermark)
@@ -542,10 +573,10 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Dis
                 pad = sum(st.counters["disk_blocks"] * (st.disk_slot_bytes - st.block_bytes)
                           for st in self._namespaces.values())
                 disk = self._rd.stats(extra_waste=pad)
-                disk.update(degraded=self._disk_health.fault or "",
-                            degraded_seconds=(time.monotonic() - self._disk_health.since
-                                              if self._disk_health.fault else 0.0),
-                            degraded_episodes=self._disk_health.count)
+                episodes = self._health.episodes
+                disk.update(degraded=episodes.fault or "",
+                            degraded_seconds=time.monotonic() - episodes.since if episodes.fault else 0.0,
+                            degraded_episodes=episodes.count)
                 tiers["disk"] = disk
             if self.remote is not None:
                 tiers["remote"] = {**self.remote.usage(), **self._rr, "queue": self._write_behind.pending(),
@@ -598,7 +629,7 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Dis
             self._write_behind.close(10 + 2 * self.config.remote_timeout_s)
             self.remote.close()
         with self._cond:
-            while self._writes_in_flight and time.monotonic() < deadline and not self._note_stall():
+            while self._writes_in_flight and time.monotonic() < deadline and not self._health.note_stall():
                 self._cond.wait(0.05)
             stuck = self._writes_in_flight or self._batch_writing or self._maintainer.is_alive()
             for r in self._held.end_all_reservations():

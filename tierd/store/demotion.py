@@ -27,7 +27,7 @@ class Demotion:
             # Everything evictable is being written to disk right now: wait for those writes
             # (bounded, and never for a stalled disk) rather than drop the block.
             nonlocal deadline
-            if not self._writes_in_flight or self._disk_waiting():
+            if not self._writes_in_flight or self._health.waiting():
                 return False
             deadline = deadline or time.monotonic() + self.ALLOC_WAIT_S
             if time.monotonic() >= deadline:
@@ -72,11 +72,11 @@ class Demotion:
         # order they were chosen, and each batch's writes stay one sequential run. A stalled
         # disk is not waited for.
         while self._batch_writing:
-            if self._disk_waiting():
+            if self._health.waiting():
                 return 0
             self._cond.wait(0.05)
         disk = self.disk
-        if disk is None or disk.closed or self._disk_waiting():
+        if disk is None or disk.closed or self._health.waiting():
             return 0
         jobs = []
         remember: dict[bytes, dict] = {}
@@ -150,7 +150,7 @@ class Demotion:
                 self._reap(b)
                 disk.free_slot(slot)
                 if not failed:
-                    self._disk_error("write", entry)  # the block stays in host RAM only
+                    self._health.error("write", entry)  # the block stays in host RAM only
                 failed += 1
                 continue
             if disk.fenced(entry.ns_id, entry.seq) or b.orphan:
@@ -170,7 +170,7 @@ class Demotion:
             c["bytes_in"] += b.st.block_bytes
             written += 1
         if written and not failed:
-            self._disk_healthy()
+            self._health.healthy()
         self._cond.notify_all()
         return written
 
@@ -240,11 +240,11 @@ class Demotion:
         written = 0
         with self._cond:
             self._check_open()
-            degraded, disk = self._disk_health.fault is not None, self.disk
+            degraded, disk = self._health.fault is not None, self.disk
         if degraded and not disk.closed:
             # an explicit sync probes the disk at once (outside the lock): a disk that is back
             # takes the sync now, not at the maintainer's next probe
-            self._probe_disk(disk)
+            self._health.probe(disk)
         deadline = time.monotonic() + self.SYNC_WAIT_S
         with self._cond:
             # a flush under way holds back the write-down of what it has yet to walk: what it
@@ -255,8 +255,8 @@ class Demotion:
         todo = todo[:max_blocks] if max_blocks is not None else todo
         with self._cond:
             self._check_open()
-            if self._disk_health.fault is not None:
-                self._disk_health.retry_at = 0.0       # the sync's first write batch probes too
+            if self._health.fault is not None:
+                self._health.probe_soon()       # the sync's first write batch probes too
             flushed: set[Block] = set()    # their disk copy (or write) a flush dropped meanwhile
             self._syncing.append(flushed)
             try:
@@ -264,13 +264,13 @@ class Demotion:
                     begun = self._flushes_begun
                     for i in range(0, len(todo), self.WRITE_BATCH):
                         written += self._write_down_batch(todo[i:i + self.WRITE_BATCH])
-                        if self._disk_health.fault is not None:
+                        if self._health.fault is not None:
                             break
-                    while self._writes_in_flight and not self._note_stall():
+                    while self._writes_in_flight and not self._health.note_stall():
                         self._cond.wait(0.05)
                     # (a flush that dropped a copy this sync wrote, or was writing, came after it)
                     todo = self._not_durable(todo, flushed)
-                    if not todo or self._disk_health.fault is not None:
+                    if not todo or self._health.fault is not None:
                         break
                     if begun == self._flushes_begun and not any(f.fenced for f in self._flushing):
                         break            # no flush in the way: the disk had no room for them
@@ -279,7 +279,7 @@ class Demotion:
             finally:
                 # (by identity: two syncs' sets may be equal)
                 self._syncing[:] = [s for s in self._syncing if s is not flushed]
-            fault, disk = self._disk_health.fault, self.disk
+            fault, disk = self._health.fault, self.disk
             if todo and fault is None:
                 flushing = [f for f in self._flushing if f.fenced]
                 if flushing:
@@ -295,7 +295,7 @@ class Demotion:
             disk.flush()
         except OSError as e:
             with self._cond:
-                self._disk_error("fdatasync", e)
+                self._health.error("fdatasync", e)
             raise DiskDegradedError(f"sync: disk tier degraded (fdatasync: {e})") from None
         if todo:
             raise DiskTierError(f"sync: {len(todo)} blocks are in host RAM only, not written to disk: {why} "
@@ -335,7 +335,7 @@ class Demotion:
                     return False
                 self._drop_host(b, evicted=True)
                 continue
-            if self._disk_waiting():
+            if self._health.waiting():
                 return False             # (a failing disk: its copies may not be readable)
             b = self._victim(self._rh, sb)
             if b is None or b.clean != 1 or b.doomed & DOOM_DISK:
@@ -364,7 +364,7 @@ class Demotion:
                 self._demote_wanted = False
             wrote = 0
             try:
-                self._check_disk()            # takes the lock itself, does its I/O without it
+                self._health.check()            # takes the lock itself, does its I/O without it
                 with self._cond:
                     if not self._closed:
                         wrote = self._demote_pass()   # releases the lock around disk writes
@@ -375,7 +375,7 @@ class Demotion:
                     self.disk.flush()
                 except OSError as e:
                     with self._cond:
-                        self._disk_error("fdatasync", e)
+                        self._health.error("fdatasync", e)
 
     def _demote_pass(self) -> int:
         """Host use above its high watermark. With a disk tier (and no SSD admission filter):
@@ -457,7 +457,7 @@ class Demotion:
         `CLEAN_DISK_SHARE` of it (a disk smaller than about twice the host: past that share,
         writing host blocks down ahead would make the disk evict other host blocks' copies,
         which would then be written again). Blocked, the demoter evicts as it did before."""
-        if self._disk_waiting():
+        if self._health.waiting():
             return 0, True
         moved = 0
         todo = iter(list(self._dirty.values()))   # each block looked at once per pass

@@ -38,9 +38,10 @@ class BlockIndex:
         """Publish every block's presence in `index` (a tierd.index.SharedIndex) from now on."""
         with self._cond:
             self._index = index
+            self._health.index = index   # told whether a stalled disk's copies count
             for b in self._blocks.values():
                 self._publish(b)
-            self._note_stall()
+            self._health.note_stall()
 
     SCAN_CHUNK = 2048     # most blocks an O(N) walk handles per hold of the lock
     SCAN_HOLD_S = 0.002   # and the longest it holds the lock at a time
@@ -72,16 +73,6 @@ class BlockIndex:
                         break
             if i < n:
                 time.sleep(self.SCAN_YIELD_S)
-
-    def refresh_health(self) -> None:
-        """Notice a stalled disk now (the daemon calls this with its heartbeat, so the shared
-        index stops counting a hung disk's blocks even while nobody asks the daemon).
-        Lock-free: the heartbeat runs on the daemon's event loop, which never waits for the
-        store lock; it reads only the disk's calls in flight and sets the index's flag."""
-        disk, index = self.disk, self._index
-        if index is not None:
-            io = disk.oldest_io() if disk is not None else None
-            index.set_disk_ok(io is None or io[1] < self.config.disk_stall_s)
 
     def _publish(self, b: Block) -> None:
         """(Lock held.) Publish `b`'s state in the shared index. Called wherever it changes —

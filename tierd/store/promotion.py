@@ -143,7 +143,7 @@ class Promotion:
                         if b.disk is not None:
                             discard.append(self._unindex_disk(b))
                     else:
-                        self._disk_error("read", err)   # a miss; the copy may read later
+                        self._health.error("read", err)   # a miss; the copy may read later
             for i, (b, _) in enumerate(plan[:cut]):
                 if b.doomed & DOOM_HOST:          # flushed since it was planned: not served
                     cut = i
@@ -223,7 +223,7 @@ class Promotion:
             while b is not None and b.host_state == LOADING:
                 # another request's promotion (its settle always ends it); a stalled disk or
                 # a store closing ends the wait
-                if self._note_stall():
+                if self._health.note_stall():
                     b = None
                     break
                 self._cond.wait(0.05)
@@ -237,7 +237,7 @@ class Promotion:
                 b.host_pins += 1
                 plan.append((b, None))
                 continue
-            if not self._disk_servable(b) or self._note_stall():   # a stalled disk: a miss, not a wait
+            if not self._disk_servable(b) or self._health.note_stall():   # a stalled disk: a miss, not a wait
                 break
             b.disk_pins += 1  # making room may evict from disk: not this block
             try:
@@ -347,6 +347,6 @@ class Promotion:
                 for slot in slots:
                     disk.free_slot(slot)
             if err is not None:
-                self._disk_error("tombstone", err)
+                self._health.error("tombstone", err)
             self._cond.notify_all()
         return err
