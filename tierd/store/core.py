@@ -79,7 +79,7 @@ class FlushWalk:
         return self.ns_id is None or b.st.ns_id == self.ns_id
 
 
-class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, RemoteLink,
+class TieredStore(Registration, Ownership, BlockIndex, Residency, RemoteLink,
                   Promotion, Demotion, HostKeeping):
     """Embedded tiered block store (host RAM + optional disk, HBM and remote tiers). Thread-safe."""
 
@@ -93,6 +93,7 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Rem
         self._cond = threading.Condition(threading.Lock())
         self._blocks: dict[bytes, Block] = {}
         self._namespaces = NamespaceTable()
+        self._feed = EventFeed(self._cond, self._namespaces, walk=self._each_block, remote_had=self._remote_had)
         self._held = Holdings()   # open reservations, leases and staged slots (ownership.py)
         self.costs = CostModel()  # loads against recompute, measured by the engines (tierd/costs.py)
         self._ids = itertools.count(1)
@@ -132,7 +133,6 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Rem
         self._clean_bytes = self._dirty_bytes = 0
         self._admission = AdmissionFilter(cfg.disk_admit_min_hits)
         self._index = None   # the daemon's shared lookup index (tierd.index), if attached
-        self._events = None  # the daemon's KV-event publisher (tierd.events), if attached
         self._health = DiskHealth(self._cond, self._rd, cfg, forget=self._forget_disk,
                                   reopened=self._disk_reopened)
         # The remote tier (tiers/remote.py): no slots here, the server owns capacity and eviction.
@@ -198,6 +198,15 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Rem
     @gpu.setter
     def gpu(self, tier) -> None:
         self._rg.tier = tier
+
+    def attach_events(self, publisher) -> None:
+        """Record KV events (tierd.events) from now on, starting with a snapshot."""
+        publisher.snapshot = self.snapshot_events
+        self._feed.attach(publisher)
+
+    def snapshot_events(self) -> None:
+        """Record a clean slate per namespace, then what every tier holds (`EventFeed.snapshot`)."""
+        self._feed.snapshot()
 
     def refresh_health(self) -> None:
         """Notice a stalled disk now (the daemon calls this with its heartbeat, so the shared
@@ -315,7 +324,7 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Rem
             return res
         res = Reservation(rid, st.ns, keys, status, blocks, owner, offsets, self.host)
         res._parent = parent
-        res._tokens = list(token_ids) if token_ids is not None and self._events is not None else None
+        res._tokens = list(token_ids) if token_ids is not None and self._feed.on else None
         return res
 
     def commit(self, res: Reservation) -> int:
@@ -357,11 +366,11 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, EventFeed, Rem
                 if f.covers(b):
                     f.born.add(b)
         self._relink(pid, res.keys, res._parent)
-        if self._events is not None:
+        if self._feed.on:
             bt = len(res._tokens) // len(res.keys) if res._tokens else 0
             for i, b in enumerate(res._blocks):
                 if b is not None and b.host_state == READY and b.owner_res == 0:
-                    self._event(b, "host", True, res._tokens[i * bt:(i + 1) * bt] if bt else None)
+                    self._feed.event(b, "host", True, res._tokens[i * bt:(i + 1) * bt] if bt else None)
         if self.remote is not None and self.config.remote_write_behind:   # in chain order
             for b in res._blocks:
                 if b is not None and b.host_state == READY and b.owner_res == 0:

@@ -145,8 +145,8 @@ class BlockIndex:
 
     def _enter(self, b: Block, tier: str, event: bool = True) -> None:
         self._publish(b)
-        if self._events is not None and event:
-            self._event(b, tier, True)
+        if self._feed.on and event:
+            self._feed.event(b, tier, True)
         p = self._blocks.get(b.parent) if b.parent else None
         if tier == "host":
             self._keep_note(b)
@@ -165,8 +165,8 @@ class BlockIndex:
     def _leave(self, b: Block, tier: str) -> None:
         # Counts may under-estimate after a parent is re-created, never over-estimate: a
         # wrong count can reorder eviction but never pin a block forever.
-        if self._events is not None:
-            self._event(b, tier, False)
+        if self._feed.on:
+            self._feed.event(b, tier, False)
         p = self._blocks.get(b.parent) if b.parent else None
         if tier == "host":
             self._mark_clean(b, -1)
@@ -241,8 +241,8 @@ class BlockIndex:
         self._forget_if_gone(b)
 
     def _drop_gpu(self, b: Block, *, evicted: bool) -> None:
-        if self._events is not None:
-            self._event(b, "gpu", False)
+        if self._feed.on:
+            self._feed.event(b, "gpu", False)
         self._rg.policy.remove(b.ikey, evicted=evicted)
         self._free(self._rg, b.gpu_slot, evicted=evicted)
         b.gpu_slot = -1

@@ -296,8 +296,8 @@ class Promotion:
                 b.gpu_filling = False
                 if good:
                     self._rg.policy.insert(b.ikey)
-                    if self._events is not None:
-                        self._event(b, "gpu", True)
+                    if self._feed.on:
+                        self._feed.event(b, "gpu", True)
                     c["promotions"] += 1
                     c["bytes_in"] += b.st.block_bytes
                 else:

@@ -8,7 +8,6 @@ import logging
 import time
 from collections.abc import Sequence
 
-from .. import events
 from ..errors import ConfigError, TierdError
 from ..tiers.disk import CorruptBlockError
 from .records import LOADING, READY, REMOTE, Block, NsState
@@ -30,6 +29,10 @@ class RemoteLink:
 
     def _remote_healthy(self) -> None:
         self._remote_health.healthy()
+
+    def _remote_had(self, b: Block) -> bool:
+        """(Lock held.) The remote tier holds `b`, as far as the store knows lately."""
+        return self._remote_memory is not None and self._remote_memory.had(b.ikey, time.monotonic())
 
     def _remote_ok(self) -> bool:
         """(Lock held.) The remote tier is there and not degraded."""
@@ -63,8 +66,8 @@ class RemoteLink:
                 self._remote_timed(seconds)
                 for b in blocks:
                     self._remote_memory.note_had(b.ikey, now)
-                    if self._events is not None:
-                        self._event(b, "remote", True)
+                    if self._feed.on:
+                        self._feed.event(b, "remote", True)
                 self._rr["writes"] += len(blocks)
                 self._rr["bytes_in"] += sum(m.block_bytes for m in metas)
             else:
@@ -236,11 +239,11 @@ class RemoteLink:
             with self._cond:
                 self._remote_error("flush", e)
             raise TierdError(f"flush: remote tier failed ({e})") from None
-        if self._events is not None:   # what left the shared tier, for routers (in chunks)
+        if self._feed.on:   # what left the shared tier, for routers (in chunks)
             for i in range(0, len(removed), self.SCAN_CHUNK):
                 with self._cond:
                     for nsid, key in removed[i:i + self.SCAN_CHUNK]:
-                        self._events.record(nsid.hex()[:16], events.block_removed([key], "remote"))
+                        self._feed.removed(nsid, key, "remote")
         return len(removed)
 
     def push_remote(self, max_blocks: int | None = None) -> int:
