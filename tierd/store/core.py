@@ -55,7 +55,7 @@ from .ownership import Holdings, Lease, Ownership, Reservation
 from .promotion import Promotion
 from .records import DOOM_DISK, DOOM_HOST, LOADING, READY, RESERVED, Block, NsState, WouldBlock
 from .remote import RemoteLink
-from .residency import Residency, Resident
+from .residency import Resident
 
 log = logging.getLogger("tierd.store")
 
@@ -79,7 +79,7 @@ class FlushWalk:
         return self.ns_id is None or b.st.ns_id == self.ns_id
 
 
-class TieredStore(Registration, Ownership, BlockIndex, Residency, RemoteLink,
+class TieredStore(Registration, Ownership, BlockIndex, RemoteLink,
                   Promotion, Demotion, HostKeeping):
     """Embedded tiered block store (host RAM + optional disk, HBM and remote tiers). Thread-safe."""
 
@@ -112,12 +112,12 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, RemoteLink,
         # meanwhile. The flush came after: the sync does not write them again (demotion.py)
         self._syncing: list[set[Block]] = []
         self._demote_wanted = False   # set past the host high watermark: wakes the demoter
-        # One residency record per tier (see _Resident): the tiers themselves are storage only.
-        self._rh = Resident("host", make_policy(cfg.eviction_policy), slot_of=lambda b: b.host_slot,
+        # One residency record per tier (see Resident): the tiers themselves are storage only.
+        self._rh = Resident("host", make_policy(cfg.eviction_policy), self._blocks, slot_of=lambda b: b.host_slot,
                              children_of=lambda b: b.host_children, evictable=self._host_evictable)
-        self._rd = Resident("disk", make_policy(cfg.eviction_policy), slot_of=lambda b: b.disk.slot,
+        self._rd = Resident("disk", make_policy(cfg.eviction_policy), self._blocks, slot_of=lambda b: b.disk.slot,
                              children_of=lambda b: b.disk_children, evictable=self._disk_evictable)
-        self._rg = Resident("gpu", make_policy("lru"), slot_of=lambda b: b.gpu_slot,
+        self._rg = Resident("gpu", make_policy("lru"), self._blocks, slot_of=lambda b: b.gpu_slot,
                              children_of=lambda b: 0, evictable=lambda b: b.gpu_pins == 0)
         # an earlier arena at the same path (host_keep): its blocks are re-adopted below
         old = set_aside(cfg.host_shm_path) if cfg.host_keep and cfg.host_shm_path else None
@@ -178,7 +178,7 @@ class TieredStore(Registration, Ownership, BlockIndex, Residency, RemoteLink,
         self._maintainer.start()
         self._keep_start()
 
-    # the tiers (storage only; the store's view of each is its _Resident record)
+    # the tiers (storage only; the store's view of each is its Resident record)
     @property
     def host(self) -> HostTier:
         return self._rh.tier

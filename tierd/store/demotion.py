@@ -35,7 +35,7 @@ class Demotion:
             self._cond.wait(min(0.05, deadline - time.monotonic()))
             return True
 
-        return self._alloc(self._rh, st.host_slot_bytes, self._evict_host, wait)
+        return self._rh.alloc(st.host_slot_bytes, self._evict_host, wait)
 
     def _evict_host(self, b: Block) -> bool:
         """Remove `b` from host RAM: drop it if its disk copy is valid, else write it down
@@ -55,10 +55,10 @@ class Demotion:
         return False
 
     def _gpu_alloc(self, st: NsState) -> int | None:
-        return self._alloc(self._rg, st.host_slot_bytes, lambda b: self._drop_gpu(b, evicted=True))
+        return self._rg.alloc(st.host_slot_bytes, lambda b: self._drop_gpu(b, evicted=True))
 
     def _disk_alloc(self, st: NsState) -> int | None:
-        return self._alloc(self._rd, st.disk_slot_bytes, lambda b: self._drop_disk(b, evicted=True))
+        return self._rd.alloc(st.disk_slot_bytes, lambda b: self._drop_disk(b, evicted=True))
 
     def _write_down(self, b: Block) -> bool:
         """Copy one READY host block to disk (its host copy stays); see `_write_down_batch`."""
@@ -330,14 +330,14 @@ class Demotion:
             if self.disk is None:
                 # no disk tier: an eviction is a drop, no I/O (host RAM is kept full, not
                 # emptied to the low watermark ahead of need: see `_demote_pass`)
-                b = self._victim(self._rh, sb)
+                b = self._rh.victim(sb)
                 if b is None:
                     return False
                 self._drop_host(b, evicted=True)
                 continue
             if self._health.waiting():
                 return False             # (a failing disk: its copies may not be readable)
-            b = self._victim(self._rh, sb)
+            b = self._rh.victim(sb)
             if b is None or b.clean != 1 or b.doomed & DOOM_DISK:
                 return False             # it would be written down (or lost) first
             # (the block stays, on disk: a key of the same request it is, it is still present

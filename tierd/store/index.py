@@ -235,7 +235,7 @@ class BlockIndex:
         if b.host_state == READY and not b.orphan:    # (an orphan left both when it became one)
             self._rh.policy.remove(b.ikey, evicted=evicted)
             self._leave(b, "host")
-        self._free(self._rh, b.host_slot, evicted=evicted)
+        self._rh.free(b.host_slot, evicted=evicted)
         b.host_slot, b.host_state = -1, ABSENT
         self._publish(b)
         self._forget_if_gone(b)
@@ -244,7 +244,7 @@ class BlockIndex:
         if self._feed.on:
             self._feed.event(b, "gpu", False)
         self._rg.policy.remove(b.ikey, evicted=evicted)
-        self._free(self._rg, b.gpu_slot, evicted=evicted)
+        self._rg.free(b.gpu_slot, evicted=evicted)
         b.gpu_slot = -1
 
     def _drop_disk(self, b: Block, *, evicted: bool, free: bool = True) -> None:
@@ -253,7 +253,7 @@ class BlockIndex:
         if not b.orphan:                     # (an orphan left both when it became one)
             self._rd.policy.remove(b.ikey, evicted=evicted)
             self._leave(b, "disk")
-        self._free(self._rd, b.disk.slot, evicted=evicted, free=free)
+        self._rd.free(b.disk.slot, evicted=evicted, free=free)
         b.disk = None
         self._publish(b)
         self._forget_if_gone(b)

@@ -302,7 +302,7 @@ class Promotion:
                     c["bytes_in"] += b.st.block_bytes
                 else:
                     b.gpu_pins -= 1
-                    self._free(self._rg, b.gpu_slot, evicted=False)
+                    self._rg.free(b.gpu_slot, evicted=False)
                     b.gpu_slot = -1
                     lease.gpu_offsets[i] = -1
             if lease.id:
