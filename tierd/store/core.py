@@ -53,9 +53,21 @@ from .keeping import HostKeeping, set_aside
 from .namespaces import NamespaceTable, Registration
 from .ownership import Holdings, Lease, Ownership, Reservation
 from .promotion import Promotion
-from .records import DOOM_DISK, DOOM_HOST, LOADING, READY, RESERVED, Block, NsState, WouldBlock
+from .records import (
+    DOOM_DISK,
+    DOOM_HOST,
+    LOADING,
+    READY,
+    RESERVED,
+    Block,
+    NsState,
+    WouldBlock,
+    disk_servable,
+    has_copy,
+    host_evictable,
+    host_servable,
+)
 from .remote import RemoteLink
-from .residency import Resident
 
 log = logging.getLogger("tierd.store")
 
@@ -79,8 +91,7 @@ class FlushWalk:
         return self.ns_id is None or b.st.ns_id == self.ns_id
 
 
-class TieredStore(Registration, Ownership, BlockIndex, RemoteLink,
-                  Promotion, Demotion, HostKeeping):
+class TieredStore(Registration, Ownership, RemoteLink, Promotion, Demotion):
     """Embedded tiered block store (host RAM + optional disk, HBM and remote tiers). Thread-safe."""
 
     def __init__(self, config: StoreConfig | None = None, **overrides):
@@ -91,9 +102,13 @@ class TieredStore(Registration, Ownership, BlockIndex, RemoteLink,
             setattr(cfg, k, v)
         self.config = cfg = cfg.resolved()
         self._cond = threading.Condition(threading.Lock())
-        self._blocks: dict[bytes, Block] = {}
         self._namespaces = NamespaceTable()
         self._feed = EventFeed(self._cond, self._namespaces, walk=self._each_block, remote_had=self._remote_had)
+        # which block lives where, and one residency record per tier (the tiers themselves are
+        # storage only)
+        self._index = BlockIndex(self._namespaces, self._feed, cfg.eviction_policy)
+        self._blocks = self._index.blocks
+        self._rh, self._rd, self._rg = self._index.host, self._index.disk, self._index.gpu
         self._held = Holdings()   # open reservations, leases and staged slots (ownership.py)
         self.costs = CostModel()  # loads against recompute, measured by the engines (tierd/costs.py)
         self._ids = itertools.count(1)
@@ -112,27 +127,13 @@ class TieredStore(Registration, Ownership, BlockIndex, RemoteLink,
         # meanwhile. The flush came after: the sync does not write them again (demotion.py)
         self._syncing: list[set[Block]] = []
         self._demote_wanted = False   # set past the host high watermark: wakes the demoter
-        # One residency record per tier (see Resident): the tiers themselves are storage only.
-        self._rh = Resident("host", make_policy(cfg.eviction_policy), self._blocks, slot_of=lambda b: b.host_slot,
-                             children_of=lambda b: b.host_children, evictable=self._host_evictable)
-        self._rd = Resident("disk", make_policy(cfg.eviction_policy), self._blocks, slot_of=lambda b: b.disk.slot,
-                             children_of=lambda b: b.disk_children, evictable=self._disk_evictable)
-        self._rg = Resident("gpu", make_policy("lru"), self._blocks, slot_of=lambda b: b.gpu_slot,
-                             children_of=lambda b: 0, evictable=lambda b: b.gpu_pins == 0)
         # an earlier arena at the same path (host_keep): its blocks are re-adopted below
         old = set_aside(cfg.host_shm_path) if cfg.host_keep and cfg.host_shm_path else None
         self._rh.tier = HostTier(cfg.host_bytes, cfg.host_slab_bytes, shm_path=cfg.host_shm_path,
                                  shm_mode=cfg.host_shm_mode, keep=cfg.host_keep,
                                  reserve=False if old else None)
-        self._keep_init()
-        self._pad_bytes = 0  # slot padding of host blocks (slot size - block size), for waste
-        # READY host blocks without a disk copy, oldest first, and the host bytes of those with
-        # one (index.py `_mark_clean`): what the demoter writes down, and what an allocation
-        # can drop with no I/O
-        self._dirty: dict[bytes, Block] = {}
-        self._clean_bytes = self._dirty_bytes = 0
+        self._keeping = self._index.keeping = HostKeeping(self._cond, self._index, self._namespaces)
         self._admission = AdmissionFilter(cfg.disk_admit_min_hits)
-        self._index = None   # the daemon's shared lookup index (tierd.index), if attached
         self._health = DiskHealth(self._cond, self._rd, cfg, forget=self._forget_disk,
                                   reopened=self._disk_reopened)
         # The remote tier (tiers/remote.py): no slots here, the server owns capacity and eviction.
@@ -156,7 +157,7 @@ class TieredStore(Registration, Ownership, BlockIndex, RemoteLink,
                 self._rd.counters["corrupt_dropped"] = self.disk.corrupt_at_open
                 self._adopt_recovered()
             if old is not None:
-                self._adopt_host(old)
+                self._keeping.adopt(old)
                 self.host.arena.reserve_now()
             if cfg.remote_url:
                 # imports redis-py: only when a remote tier is wanted
@@ -176,7 +177,7 @@ class TieredStore(Registration, Ownership, BlockIndex, RemoteLink,
                                              probed=self._remote_probed)
         self._maintainer = threading.Thread(target=self._maintain, name="tierd-demoter", daemon=True)
         self._maintainer.start()
-        self._keep_start()
+        self._keeping._keep_start()
 
     # the tiers (storage only; the store's view of each is its Resident record)
     @property
@@ -198,6 +199,63 @@ class TieredStore(Registration, Ownership, BlockIndex, RemoteLink,
     @gpu.setter
     def gpu(self, tier) -> None:
         self._rg.tier = tier
+
+    def attach_index(self, index) -> None:
+        """Publish every block's presence in `index` (a tierd.index.SharedIndex) from now on."""
+        with self._cond:
+            self._index.shared = index
+            self._health.index = index   # told whether a stalled disk's copies count
+            for b in self._blocks.values():
+                self._index.publish(b)
+            self._health.note_stall()
+
+    def keep_pending(self) -> int:
+        """Blocks in host RAM whose records for restarts are not written yet."""
+        return self._keeping.pending()
+
+    # (read by the tests and the model test: the block index's clean/dirty accounting)
+    @property
+    def _dirty(self) -> dict[bytes, Block]:
+        return self._index.dirty
+
+    @property
+    def _clean_bytes(self) -> int:
+        return self._index.clean_bytes
+
+    @property
+    def _dirty_bytes(self) -> int:
+        return self._index.dirty_bytes
+
+    SCAN_CHUNK = 2048     # most blocks an O(N) walk handles per hold of the lock
+    SCAN_HOLD_S = 0.002   # and the longest it holds the lock at a time
+    SCAN_YIELD_S = 5e-5   # how long it stays out between holds, so that a waiter gets the lock
+
+    def _each_block(self, fn, ns_id: bytes | None = None) -> None:
+        """Call `fn(block)` (lock held) for every block indexed now, a chunk at a time: the lock
+        is held for at most `SCAN_CHUNK` blocks or `SCAN_HOLD_S`, whichever comes first, then
+        let go for `SCAN_YIELD_S`, so an O(N) walk (snapshots, flushes, syncs) never keeps
+        other callers out for more than a few milliseconds. (Letting go and taking the lock at
+        once is not enough: `threading.Lock` is not fair, and the walker, already running,
+        takes it again before a woken waiter is scheduled.) A block that leaves meanwhile is
+        skipped; one that comes meanwhile may be missed."""
+        with self._cond:
+            ikeys = list(self._blocks)   # one C-level copy of the keys
+        i, n, clock = 0, len(ikeys), time.perf_counter
+        while i < n:
+            with self._cond:
+                self._check_open()
+                deadline = clock() + self.SCAN_HOLD_S
+                end = min(n, i + self.SCAN_CHUNK)
+                while i < end:
+                    for ikey in ikeys[i:min(end, i + 64)]:
+                        b = self._blocks.get(ikey)
+                        if b is not None and (ns_id is None or b.st.ns_id == ns_id):
+                            fn(b)
+                    i = min(end, i + 64)
+                    if clock() >= deadline:
+                        break
+            if i < n:
+                time.sleep(self.SCAN_YIELD_S)
 
     def attach_events(self, publisher) -> None:
         """Record KV events (tierd.events) from now on, starting with a snapshot."""
@@ -224,7 +282,7 @@ class TieredStore(Registration, Ownership, BlockIndex, RemoteLink,
         self._writes_in_flight = 0
         self._batch_writing = False
         for b in [b for b in self._blocks.values() if b.disk is not None]:
-            self._drop_disk(b, evicted=False)
+            self._index.drop_disk(b, evicted=False)
         for b in self._rd.owner.values():
             if b.orphan:
                 # a doomed copy a read still pins, whose key was written again (out of
@@ -268,7 +326,7 @@ class TieredStore(Registration, Ownership, BlockIndex, RemoteLink,
         n = 0
         for k in keys:
             b = blocks.get(pid + k)
-            n += b is None or b.doomed != 0 or not self._has_copy(b)
+            n += b is None or b.doomed != 0 or not has_copy(b)
         return n
 
     def _reserve_locked(self, st: NsState, keys: list[bytes], parent: bytes | None, owner,
@@ -285,19 +343,19 @@ class TieredStore(Registration, Ownership, BlockIndex, RemoteLink,
         for i, k in enumerate(keys):
             ikey = pid + k
             b = self._blocks.get(ikey)
-            if b is not None and self._retire_doomed(b):   # flushed while pinned: written anew
+            if b is not None and self._index.retire_doomed(b):   # flushed while pinned: written anew
                 b = None
             given = slots[i] if slots is not None else None
-            if given == -1 or (b is not None and self._has_copy(b)):
+            if given == -1 or (b is not None and has_copy(b)):
                 if given is not None and given >= 0:
                     self.host.free_slot(given)
                 status.append("present"); blocks.append(None)
                 continue
             slot = given if given is not None else self._host_alloc(st)
             b = self._blocks.get(ikey)  # the lock may have been released
-            if b is not None and self._retire_doomed(b):
+            if b is not None and self._index.retire_doomed(b):
                 b = None
-            if b is not None and self._has_copy(b):
+            if b is not None and has_copy(b):
                 if slot is not None:
                     self.host.free_slot(slot)
                 status.append("present"); blocks.append(None)
@@ -307,7 +365,7 @@ class TieredStore(Registration, Ownership, BlockIndex, RemoteLink,
                 status.append("full"); blocks.append(None)
                 continue
             if b is None:
-                b = self._new_block(ikey, st, k)
+                b = self._index.new_block(ikey, st, k)
             b.host_slot, b.host_state, b.owner_res = slot, RESERVED, rid
             b.decoded = False   # the writer's own bytes
             b.doomed = 0
@@ -318,7 +376,7 @@ class TieredStore(Registration, Ownership, BlockIndex, RemoteLink,
         if not any(b is not None for b in blocks):
             # Nothing to write: no reservation is left open (id 0; commit and abort are
             # no-ops), and the chain is re-linked for eviction order now.
-            self._relink(st.ns_id, keys, parent)
+            self._index.relink(st.ns_id, keys, parent)
             res = Reservation(0, st.ns, keys, status, blocks, owner, offsets, self.host)
             res._parent = parent
             return res
@@ -349,7 +407,7 @@ class TieredStore(Registration, Ownership, BlockIndex, RemoteLink,
         # the least recent: descendants are evicted before their ancestors.
         for i, b in enumerate(res._blocks):
             if b is not None:
-                self._link(b, pid + res.keys[i - 1] if i else (pid + res._parent if res._parent else None))
+                self._index.link(b, pid + res.keys[i - 1] if i else (pid + res._parent if res._parent else None))
         for i in range(len(res._blocks) - 1, -1, -1):
             b = res._blocks[i]
             if b is None or b.host_state != RESERVED or b.owner_res != res.id:
@@ -357,7 +415,7 @@ class TieredStore(Registration, Ownership, BlockIndex, RemoteLink,
             b.host_state, b.owner_res = READY, 0
             b.csum = sums[i] if sums is not None else -1
             self._rh.policy.insert(b.ikey)
-            self._enter(b, "host", event=False)   # events below, in chain order
+            self._index.enter(b, "host", event=False)   # events below, in chain order
             b.st.counters["puts"] += 1
             b.st.counters["put_bytes"] += b.st.block_bytes
             self._rh.counters["bytes_in"] += b.st.block_bytes
@@ -365,7 +423,7 @@ class TieredStore(Registration, Ownership, BlockIndex, RemoteLink,
             for f in self._flushing:   # committed after these flushes began: not theirs to drop
                 if f.covers(b):
                     f.born.add(b)
-        self._relink(pid, res.keys, res._parent)
+        self._index.relink(pid, res.keys, res._parent)
         if self._feed.on:
             bt = len(res._tokens) // len(res.keys) if res._tokens else 0
             for i, b in enumerate(res._blocks):
@@ -420,9 +478,9 @@ class TieredStore(Registration, Ownership, BlockIndex, RemoteLink,
             for k in keys:
                 b = self._blocks.get(st.ns_id + k)
                 if b is None or not ((b.host_state in (READY, LOADING) and not b.doomed & DOOM_HOST)
-                                     or (self._disk_servable(b) and disk_ok)):
+                                     or (disk_servable(b) and disk_ok)):
                     break
-                if n_host == n and self._host_servable(b):
+                if n_host == n and host_servable(b):
                     n_host += 1
                 n += 1
             rest = self.remote is not None and n < len(keys)
@@ -441,9 +499,9 @@ class TieredStore(Registration, Ownership, BlockIndex, RemoteLink,
             for k in keys:
                 b = self._blocks.get(st.ns_id + k)
                 tiers = []
-                if b is not None and self._host_servable(b):
+                if b is not None and host_servable(b):
                     tiers.append("host")
-                if b is not None and self._disk_servable(b):
+                if b is not None and disk_servable(b):
                     tiers.append("disk")
                 out.append("+".join(tiers))
             return out
@@ -504,19 +562,19 @@ class TieredStore(Registration, Ownership, BlockIndex, RemoteLink,
                 return
             hit = False
             if tier == "gpu" and b.gpu_slot >= 0 and b.gpu_pins == 0:
-                self._drop_gpu(b, evicted=False)
+                self._index.drop_gpu(b, evicted=False)
                 hit = True
             if tier in ("host", "all") and b.host_state in (READY, LOADING):
-                if self._host_evictable(b):
-                    self._drop_host(b, evicted=False)
+                if host_evictable(b):
+                    self._index.drop_host(b, evicted=False)
                 else:                     # leased, being read in or written down: goes after
-                    self._doom(b, DOOM_HOST)
+                    self._index.doom(b, DOOM_HOST)
                 hit = True
             if tier in ("disk", "all") and disk is not None and (b.disk is not None or b.disk_writing):
                 if b.disk is not None and b.disk_pins == 0 and not b.disk_writing:
-                    self._drop_disk(b, evicted=False)   # its slot may be reused at once
+                    self._index.drop_disk(b, evicted=False)   # its slot may be reused at once
                 else:
-                    self._doom(b, DOOM_DISK)
+                    self._index.doom(b, DOOM_DISK)
                 for dropped_for in self._syncing:
                     dropped_for.add(b)
                 hit = True
@@ -569,13 +627,12 @@ class TieredStore(Registration, Ownership, BlockIndex, RemoteLink,
         """Counters and gauges per tier and per namespace (see docs/operations.md)."""
         with self._cond:
             self._health.note_stall()
-            tiers = {"host": self._rh.stats(extra_waste=self._pad_bytes)}
+            tiers = {"host": self._rh.stats(extra_waste=self._index.pad_bytes)}
             # clean: READY with a disk copy (dropped with no I/O when the room is needed);
             # dirty: READY with none yet (the demoter writes the oldest down past the watermark)
-            tiers["host"].update(clean_bytes=self._clean_bytes,
-                                 dirty_bytes=self._dirty_bytes)
-            if self._keep_queue is not None:
-                tiers["host"].update(self._keep_stats, keep_pending=len(self._keep_queue) + self._keep_busy)
+            tiers["host"].update(clean_bytes=self._index.clean_bytes,
+                                 dirty_bytes=self._index.dirty_bytes)
+            tiers["host"].update(self._keeping.stats())
             if self.gpu is not None:
                 tiers["gpu"] = self._rg.stats()
             if self.disk is not None:
@@ -658,7 +715,7 @@ class TieredStore(Registration, Ownership, BlockIndex, RemoteLink,
                               "scans the slot headers", e)
         if self.gpu is not None:
             self.gpu.close()
-        self._keep_close()
+        self._keeping.close()
         kept = sum(1 for b in self._blocks.values() if b.host_slot >= 0 and b.host_state == READY)
         keep = self.config.host_keep and kept > 0   # an empty arena is not worth its memory
         self.host.close(keep=keep)

@@ -10,7 +10,7 @@ import time
 from ..config import format_size
 from ..errors import DiskDegradedError, DiskTierError
 from ..tiers.disk import DiskEntry
-from .records import DOOM_DISK, DOOM_HOST, READY, Block, NsState
+from .records import DOOM_DISK, DOOM_HOST, READY, Block, NsState, disk_evictable, host_evictable, unsynced
 
 log = logging.getLogger("tierd.store")
 
@@ -49,16 +49,16 @@ class Demotion:
                 self._write_down(b)
             else:
                 self._rd.counters["admission_rejected"] += 1
-        if self._host_evictable(b):
-            self._drop_host(b, evicted=True)
+        if host_evictable(b):
+            self._index.drop_host(b, evicted=True)
             return True
         return False
 
     def _gpu_alloc(self, st: NsState) -> int | None:
-        return self._rg.alloc(st.host_slot_bytes, lambda b: self._drop_gpu(b, evicted=True))
+        return self._rg.alloc(st.host_slot_bytes, lambda b: self._index.drop_gpu(b, evicted=True))
 
     def _disk_alloc(self, st: NsState) -> int | None:
-        return self._rd.alloc(st.disk_slot_bytes, lambda b: self._drop_disk(b, evicted=True))
+        return self._rd.alloc(st.disk_slot_bytes, lambda b: self._index.drop_disk(b, evicted=True))
 
     def _write_down(self, b: Block) -> bool:
         """Copy one READY host block to disk (its host copy stays); see `_write_down_batch`."""
@@ -82,7 +82,7 @@ class Demotion:
         remember: dict[bytes, dict] = {}
         flushing = self._flushing
         for b in blocks:
-            if not self._unsynced(b):      # written meanwhile, or flushed while it waited
+            if not unsynced(b):      # written meanwhile, or flushed while it waited
                 continue
             if flushing and self._flush_hold(b):
                 continue                   # a flush has yet to walk it (see `flush`)
@@ -135,7 +135,7 @@ class Demotion:
             for b, *_ in jobs:
                 b.disk_writing = False
                 b.host_pins -= 1
-                self._reap(b)
+                self._index.reap(b)
             self._cond.notify_all()
             return 0
         self._batch_writing = False
@@ -147,7 +147,7 @@ class Demotion:
             # (a flush of the host tier during the write doomed the host copy: `_reap` drops it
             # only once the new disk copy is indexed below, so the block stays, on disk)
             if not isinstance(entry, DiskEntry):
-                self._reap(b)
+                self._index.reap(b)
                 disk.free_slot(slot)
                 if not failed:
                     self._health.error("write", entry)  # the block stays in host RAM only
@@ -157,14 +157,14 @@ class Demotion:
                 # a flush came while it was written: that copy is dead (an orphan's key is
                 # another block's now; only a flush that dropped its disk copy, and so fenced
                 # it, makes one while its write is in flight)
-                self._reap(b)
+                self._index.reap(b)
                 disk.free_slot(slot)
                 continue
             b.disk = entry
             self._rd.owner[slot] = b
             self._rd.policy.insert(b.ikey)
-            self._enter(b, "disk")
-            self._reap(b)          # a flush came during the write: the new copy goes too
+            self._index.enter(b, "disk")
+            self._index.reap(b)          # a flush came during the write: the new copy goes too
             c = self._rd.counters
             c["demotions"] += 1
             c["bytes_in"] += b.st.block_bytes
@@ -224,7 +224,7 @@ class Demotion:
 
         def count(b: Block) -> None:
             nonlocal n
-            n += self._unsynced(b)
+            n += unsynced(b)
         self._each_block(count)
         return n
 
@@ -251,7 +251,7 @@ class Demotion:
             # drops need not be written, what it keeps is written after it
             self._wait_for_flushes(deadline)
         todo: list[Block] = []   # insertion order: a chain's ancestors before its descendants
-        self._each_block(lambda b: todo.append(b) if self._unsynced(b) else None)
+        self._each_block(lambda b: todo.append(b) if unsynced(b) else None)
         todo = todo[:max_blocks] if max_blocks is not None else todo
         with self._cond:
             self._check_open()
@@ -316,7 +316,7 @@ class Demotion:
             return
         cap = self.host.capacity_bytes
         if self.host.alloc.used_bytes > self.config.host_high_watermark * cap and (
-                not self._cleaning() or self._dirty_bytes > self.config.host_dirty_ratio * cap):
+                not self._cleaning() or self._index.dirty_bytes > self.config.host_dirty_ratio * cap):
             self._demote_wanted = True
             self._cond.notify_all()
 
@@ -333,7 +333,7 @@ class Demotion:
                 b = self._rh.victim(sb)
                 if b is None:
                     return False
-                self._drop_host(b, evicted=True)
+                self._index.drop_host(b, evicted=True)
                 continue
             if self._health.waiting():
                 return False             # (a failing disk: its copies may not be readable)
@@ -342,7 +342,7 @@ class Demotion:
                 return False             # it would be written down (or lost) first
             # (the block stays, on disk: a key of the same request it is, it is still present
             # and needs no slot, so `_slots_needed` never under-counts)
-            self._drop_host(b, evicted=True)
+            self._index.drop_host(b, evicted=True)
         return True
 
     WRITE_BATCH = 32  # blocks per parallel disk write batch (bounded by the I/O pool)
@@ -395,13 +395,13 @@ class Demotion:
         dirty_limit = cfg.host_dirty_ratio * host_cap
         if over and self._cleaning():
             blocked = False
-            if self._dirty_bytes > dirty_limit:
+            if self._index.dirty_bytes > dirty_limit:
                 wrote, blocked = self._clean_pass(dirty_limit / 2)
                 moved += wrote
-            over = blocked and self._dirty_bytes > dirty_limit     # what cleaning cannot relieve
+            over = blocked and self._index.dirty_bytes > dirty_limit     # what cleaning cannot relieve
         while over and not self._closed:
             low = cfg.host_low_watermark * host_cap
-            if self.host.alloc.used_bytes <= low or (self._cleaning() and self._dirty_bytes <= dirty_limit / 2):
+            if self.host.alloc.used_bytes <= low or (self._cleaning() and self._index.dirty_bytes <= dirty_limit / 2):
                 break
             # Pick a batch of distinct victims: each picked one is pinned while picking so
             # the policy moves on (and its parent keeps a resident child: not picked).
@@ -409,7 +409,7 @@ class Demotion:
             excess = self.host.alloc.used_bytes - low
             while len(batch) < self.WRITE_BATCH and excess > 0:
                 key = self._rh.policy.victim(
-                    lambda k: self._host_evictable(self._blocks[k]) and self._blocks[k].host_children == 0)
+                    lambda k: host_evictable(self._blocks[k]) and self._blocks[k].host_children == 0)
                 if key is None:
                     break
                 b = self._blocks[key]
@@ -433,8 +433,8 @@ class Demotion:
             for b in batch:
                 if b in need and b.disk is None and self._flush_hold(b) == self.HELD_KEEP:
                     continue      # a disk flush held its write back: kept, written after it
-                if self._host_evictable(b):
-                    self._drop_host(b, evicted=True)
+                if host_evictable(b):
+                    self._index.drop_host(b, evicted=True)
                     freed += 1
             if not freed:
                 break
@@ -443,10 +443,10 @@ class Demotion:
             if self.disk.alloc.used_bytes > cfg.disk_high_watermark * disk_cap:
                 while self.disk.alloc.used_bytes > cfg.disk_low_watermark * disk_cap:
                     key = self._rd.policy.victim(
-                        lambda k: self._disk_evictable(self._blocks[k]) and self._blocks[k].disk_children == 0)
+                        lambda k: disk_evictable(self._blocks[k]) and self._blocks[k].disk_children == 0)
                     if key is None:
                         break
-                    self._drop_disk(self._blocks[key], evicted=True)
+                    self._index.drop_disk(self._blocks[key], evicted=True)
         return moved
 
     def _clean_pass(self, target: float) -> tuple[int, bool]:
@@ -460,15 +460,15 @@ class Demotion:
         if self._health.waiting():
             return 0, True
         moved = 0
-        todo = iter(list(self._dirty.values()))   # each block looked at once per pass
+        todo = iter(list(self._index.dirty.values()))   # each block looked at once per pass
         share = self.CLEAN_DISK_SHARE * self.disk.capacity_bytes
-        while not self._closed and self._dirty_bytes > target:
-            excess = self._dirty_bytes - target
-            room = share - self._clean_bytes
+        while not self._closed and self._index.dirty_bytes > target:
+            excess = self._index.dirty_bytes - target
+            room = share - self._index.clean_bytes
             batch: list[Block] = []
             full = False
             for b in todo:
-                if self._unsynced(b) and b.clean == 0:
+                if unsynced(b) and b.clean == 0:
                     if room < b.st.host_slot_bytes:
                         full = True
                         break
@@ -480,7 +480,7 @@ class Demotion:
             if batch:
                 wrote = self._write_down_batch(batch)
                 moved += wrote
-                if not wrote and any(self._unsynced(b) for b in batch):
+                if not wrote and any(unsynced(b) for b in batch):
                     return moved, True       # no disk slot, a failed write, or a stall
             if full:
                 return moved, True

@@ -80,6 +80,21 @@ class NamespaceTable:
             gone.append(name)
         return gone
 
+    def recovered(self, ns_id: bytes, block_bytes: int, desc: dict) -> NsState:
+        """Enter a namespace known only from blocks found at open (on disk, or in
+        an earlier host arena) with the description stored beside them, if any; it is
+        completed when a client registers it."""
+        dtype_bytes = 2
+        if desc:
+            try:
+                dtype_bytes = Namespace.from_dict(desc).dtype_bytes
+            except TierdError:
+                desc = {}
+        st = NsState(ns_id, None, block_bytes, dtype_bytes, slot_bytes_for(block_bytes),
+                     DiskTier.slot_bytes_for(block_bytes), desc)
+        self.enter(st)
+        return st
+
     def values(self) -> Iterator[NsState]:
         return iter(list(self._by_id.values()))
 
@@ -143,7 +158,7 @@ class Registration:
         disk = self.disk
         adopted = []
         for e in sorted(disk.recovered, key=lambda e: e.seq):
-            st = self._namespaces.get(e.ns_id) or self._recovered_ns(e.ns_id, e.raw_len,
+            st = self._namespaces.get(e.ns_id) or self._namespaces.recovered(e.ns_id, e.raw_len,
                                                                      disk.namespaces.get(e.ns_id, {}))
             b = self._blocks.get(e.ns_id + e.key)
             if b is not None:
@@ -153,36 +168,21 @@ class Registration:
                     disk.free_slot(e.slot)
                     continue
             else:
-                b = self._new_block(e.ns_id + e.key, st, e.key)
+                b = self._index.new_block(e.ns_id + e.key, st, e.key)
                 b.parent = (e.ns_id + e.parent) if e.parent else None
             b.disk = e
             adopted.append(b)
-            self._publish(b)
+            self._index.publish(b)
             self._rd.owner[e.slot] = b
             self._rd.policy.insert(b.ikey)
             if b.clean == 0:
-                self._mark_clean(b, 1)          # a host block that has a disk copy again
+                self._index.mark_clean(b, 1)          # a host block that has a disk copy again
             b.st.counters["disk_blocks"] += 1
         for b in adopted:
             p = self._blocks.get(b.parent) if b.parent else None
             if p is not None:
                 p.disk_children += 1
         disk.recovered = []
-
-    def _recovered_ns(self, ns_id: bytes, block_bytes: int, desc: dict) -> NsState:
-        """(Lock held.) Enter a namespace known only from blocks found at open (on disk, or in
-        an earlier host arena) with the description stored beside them, if any; it is
-        completed when a client registers it."""
-        dtype_bytes = 2
-        if desc:
-            try:
-                dtype_bytes = Namespace.from_dict(desc).dtype_bytes
-            except TierdError:
-                desc = {}
-        st = NsState(ns_id, None, block_bytes, dtype_bytes, slot_bytes_for(block_bytes),
-                     DiskTier.slot_bytes_for(block_bytes), desc)
-        self._namespaces.enter(st)
-        return st
 
     def forget_unused(self, names) -> list[str]:
         """Forget the namespaces among `names` that nothing refers to: no block in any local

@@ -291,7 +291,7 @@ class Ownership:
     def _abort_locked(self, res: Reservation) -> None:
         for b in res._blocks:
             if b is not None and b.host_state == RESERVED and b.owner_res == res.id:
-                self._drop_host(b, evicted=False)
+                self._index.drop_host(b, evicted=False)
         self._cond.notify_all()
 
     def release(self, lease: Lease, *, confirm: bool = False) -> None:
@@ -312,7 +312,7 @@ class Ownership:
             b.host_pins -= 1
             if i < len(lease.gpu_offsets) and lease.gpu_offsets[i] >= 0:
                 b.gpu_pins -= 1
-            self._reap(b)
+            self._index.reap(b)
         lease._blocks = None
         self._cond.notify_all()
 

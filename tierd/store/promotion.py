@@ -11,7 +11,18 @@ from ..keys import check_keys
 from ..namespace import Namespace
 from ..tiers.disk import CorruptBlockError, DiskEntry, DiskTier
 from .ownership import Lease
-from .records import ABSENT, DOOM_HOST, LOADING, READY, REMOTE, Block, NsState, WouldBlock
+from .records import (
+    ABSENT,
+    DOOM_HOST,
+    LOADING,
+    READY,
+    REMOTE,
+    Block,
+    NsState,
+    WouldBlock,
+    disk_servable,
+    host_servable,
+)
 
 log = logging.getLogger("tierd.store")
 
@@ -120,8 +131,8 @@ class Promotion:
                     cut = min(cut, i)
                     b.host_pins -= 1
                     b.doomed &= ~DOOM_HOST
-                    self._drop_host(b, evicted=False)
-                    self._reap(b)
+                    self._index.drop_host(b, evicted=False)
+                    self._index.reap(b)
                     continue
                 if err is None:
                     # the checksum the disk read verified over the bytes now in the slot (a raw
@@ -129,19 +140,19 @@ class Promotion:
                     b.host_state, b.csum = READY, sums.get(id(b), -1)
                     b.decoded = e.codec in _codec.LOSSY
                     self._rh.policy.insert(b.ikey)
-                    self._enter(b, "host")
+                    self._index.enter(b, "host")
                     c = self._rd.counters
                     c["promotions"] += 1
                     c["bytes_out"] += st.block_bytes
                 else:
                     cut = min(cut, i)
                     b.host_pins -= 1
-                    self._drop_host(b, evicted=False)
+                    self._index.drop_host(b, evicted=False)
                     if isinstance(err, CorruptBlockError):
                         log.warning("disk tier: dropped a damaged block of %s (%s)", st.name, err)
                         self._rd.counters["corrupt_dropped"] += 1
                         if b.disk is not None:
-                            discard.append(self._unindex_disk(b))
+                            discard.append(self._index.unindex_disk(b))
                     else:
                         self._health.error("read", err)   # a miss; the copy may read later
             for i, (b, _) in enumerate(plan[:cut]):
@@ -151,9 +162,9 @@ class Promotion:
             for b, _ in plan[cut:]:
                 if b.host_state == READY:
                     b.host_pins -= 1
-                    self._reap(b)
+                    self._index.reap(b)
                 elif b.disk is not None:
-                    self._reap(b)
+                    self._index.reap(b)
             leased = [b for b, _ in plan[:cut]]
             for b in reversed(leased):  # ancestors touched last: they stay the most recent
                 b.hits += 1
@@ -198,7 +209,7 @@ class Promotion:
             self._check_open()
             st = self._ns(ns)
             found = [b for b in map(self._blocks.get, (st.ns_id + k for k in keys))
-                     if b is not None and self._host_servable(b)]
+                     if b is not None and host_servable(b)]
             for b in reversed(found):   # ancestors touched last, as a lease does
                 b.hits += 1
                 self._rh.policy.hit(b.ikey)
@@ -237,28 +248,28 @@ class Promotion:
                 b.host_pins += 1
                 plan.append((b, None))
                 continue
-            if not self._disk_servable(b) or self._health.note_stall():   # a stalled disk: a miss, not a wait
+            if not disk_servable(b) or self._health.note_stall():   # a stalled disk: a miss, not a wait
                 break
             b.disk_pins += 1  # making room may evict from disk: not this block
             try:
                 slot = self._host_alloc(st)
             finally:
                 b.disk_pins -= 1
-                self._reap(b)  # a flush meanwhile (the lock may have been let go) doomed it
+                self._index.reap(b)  # a flush meanwhile (the lock may have been let go) doomed it
             b = self._blocks.get(ikey)
-            if b is not None and self._host_servable(b):  # promoted meanwhile
+            if b is not None and host_servable(b):  # promoted meanwhile
                 if slot is not None:
                     self.host.free_slot(slot)
                 b.host_pins += 1
                 plan.append((b, None))
                 continue
-            if b is None or not self._disk_servable(b) or b.host_state != ABSENT or slot is None:
+            if b is None or not disk_servable(b) or b.host_state != ABSENT or slot is None:
                 if slot is not None:
                     self.host.free_slot(slot)
                 break
             b.host_slot, b.host_state = slot, LOADING
             self._rh.owner[slot] = b
-            self._publish(b)
+            self._index.publish(b)
             b.host_pins += 1
             b.disk_pins += 1
             plan.append((b, b.disk))
@@ -273,13 +284,13 @@ class Promotion:
         for b, e in plan:
             b.host_pins -= 1
             if e is None:
-                self._reap(b)   # flushed while planned (the lock may have been let go): goes now
+                self._index.reap(b)   # flushed while planned (the lock may have been let go): goes now
                 continue
             if e is not REMOTE:
                 b.disk_pins -= 1
             if b.host_state == LOADING:
-                self._drop_host(b, evicted=False)
-            self._reap(b)
+                self._index.drop_host(b, evicted=False)
+            self._index.reap(b)
         plan.clear()
         self._cond.notify_all()
 

@@ -61,7 +61,7 @@ class RemoteLink:
             now = time.monotonic()
             for b in blocks:
                 b.host_pins -= 1
-                self._reap(b)
+                self._index.reap(b)
             if err is None:
                 self._remote_timed(seconds)
                 for b in blocks:
@@ -164,11 +164,11 @@ class RemoteLink:
             if self._blocks.get(ikey) is not None or not self._remote_ok():
                 self.host.free_slot(slot)
                 return
-            b = self._new_block(ikey, st, k)
-            self._link(b, prev)
+            b = self._index.new_block(ikey, st, k)
+            self._index.link(b, prev)
             b.host_slot, b.host_state = slot, LOADING
             self._rh.owner[slot] = b
-            self._publish(b)
+            self._index.publish(b)
             b.host_pins += 1
             plan.append((b, REMOTE))
             prev = ikey
@@ -181,14 +181,14 @@ class RemoteLink:
             b.host_state, b.csum = READY, -1
             b.decoded = bool(b.st.lossy)   # the server's value may have been lossy: write it exact
             self._rh.policy.insert(b.ikey)
-            self._enter(b, "host")
+            self._index.enter(b, "host")
             self._remote_memory.note_had(b.ikey, now)
             self._rr["hits"] += 1
             self._rr["bytes_out"] += b.st.block_bytes
             self._remote_healthy()
             return True
         b.host_pins -= 1
-        self._drop_host(b, evicted=False)
+        self._index.drop_host(b, evicted=False)
         self._remote_memory.forget(b.ikey)
         if isinstance(err, KeyError):
             self._rr["misses"] += 1
