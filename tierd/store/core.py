@@ -47,7 +47,7 @@ from ..tiers.host import HostTier
 from ..transfer import as_u8, copy_out, fill_reservation
 from .demotion import Demotion
 from .feed import EventFeed
-from .health import DiskHealth, TierHealth
+from .health import DiskHealth
 from .index import BlockIndex
 from .keeping import HostKeeping, set_aside
 from .namespaces import NamespaceTable, Registration
@@ -91,7 +91,7 @@ class FlushWalk:
         return self.ns_id is None or b.st.ns_id == self.ns_id
 
 
-class TieredStore(Registration, Ownership, RemoteLink, Promotion, Demotion):
+class TieredStore(Registration, Ownership, Promotion, Demotion):
     """Embedded tiered block store (host RAM + optional disk, HBM and remote tiers). Thread-safe."""
 
     def __init__(self, config: StoreConfig | None = None, **overrides):
@@ -103,7 +103,7 @@ class TieredStore(Registration, Ownership, RemoteLink, Promotion, Demotion):
         self.config = cfg = cfg.resolved()
         self._cond = threading.Condition(threading.Lock())
         self._namespaces = NamespaceTable()
-        self._feed = EventFeed(self._cond, self._namespaces, walk=self._each_block, remote_had=self._remote_had)
+        self._feed = EventFeed(self._cond, self._namespaces, walk=self._each_block, remote_had=lambda b: self._remote.had(b))
         # which block lives where, and one residency record per tier (the tiers themselves are
         # storage only)
         self._index = BlockIndex(self._namespaces, self._feed, cfg.eviction_policy)
@@ -136,16 +136,10 @@ class TieredStore(Registration, Ownership, RemoteLink, Promotion, Demotion):
         self._admission = AdmissionFilter(cfg.disk_admit_min_hits)
         self._health = DiskHealth(self._cond, self._rd, cfg, forget=self._forget_disk,
                                   reopened=self._disk_reopened)
-        # The remote tier (tiers/remote.py): no slots here, the server owns capacity and eviction.
-        # What the store keeps: a short memory of which keys the server had or lacked, the
-        # write-behind queue (blocks pinned in host RAM until written), health and counters.
-        self.remote = None
-        self._remote_memory = None   # what the server had or lacked lately (RemoteMemory)
-        self._write_behind = None    # the tier's write-behind (WriteBehind): queue and threads
-        self._remote_health = TierHealth("remote", self.REMOTE_RETRY_S, "serving from this node's tiers")
-        self._rr = dict.fromkeys(("hits", "misses", "bytes_in", "bytes_out", "writes", "write_dropped",
-                                  "errors", "corrupt_dropped", "lookups"), 0)
-        self._rr["latency_ms"] = 0.0
+        # The remote tier (tiers/remote.py): no slots here, the server owns capacity and eviction
+        self._remote = RemoteLink(self._cond, self._index, self._feed, cfg, host_alloc=self._host_alloc,
+                                  walk=self._each_block, closed=lambda: self._closed)
+        remote = None
         try:
             if cfg.gpu_bytes:
                 from ..tiers.gpu import (
@@ -161,20 +155,17 @@ class TieredStore(Registration, Ownership, RemoteLink, Promotion, Demotion):
                 self.host.arena.reserve_now()
             if cfg.remote_url:
                 # imports redis-py: only when a remote tier is wanted
-                from ..tiers.remote import RemoteMemory, RemoteTier, WriteBehind, read_fleet_key
-                self.remote = RemoteTier(cfg.remote_url, timeout_s=cfg.remote_timeout_s,
-                                         fleet_key=read_fleet_key(cfg.remote_fleet_key_file),
-                                         codec=cfg.remote_codec, zstd_level=cfg.disk_zstd_level)
+                from ..tiers.remote import RemoteTier, read_fleet_key
+                remote = RemoteTier(cfg.remote_url, timeout_s=cfg.remote_timeout_s,
+                                    fleet_key=read_fleet_key(cfg.remote_fleet_key_file),
+                                    codec=cfg.remote_codec, zstd_level=cfg.disk_zstd_level)
         except BaseException:
             self.host.close()
             if self.disk is not None:
                 self.disk.close(None)
             raise
-        if self.remote is not None:
-            self._remote_memory = RemoteMemory(cfg.remote_known_s, cfg.remote_absent_s)
-            self._write_behind = WriteBehind(self.remote, queue_blocks=cfg.remote_queue_blocks,
-                                             settle=self._remote_written, degraded=self._remote_degraded,
-                                             probed=self._remote_probed)
+        if remote is not None:
+            self._remote.connect(remote)
         self._maintainer = threading.Thread(target=self._maintain, name="tierd-demoter", daemon=True)
         self._maintainer.start()
         self._keeping._keep_start()
@@ -296,6 +287,20 @@ class TieredStore(Registration, Ownership, RemoteLink, Promotion, Demotion):
         """(Lock held; `DiskHealth.check`.) A fresh disk tier in the returning directory."""
         self.disk = tier
         self._adopt_recovered()
+
+    @property
+    def remote(self):
+        """The remote tier (`tiers/remote.py`: storage only), or None."""
+        return self._remote.tier
+
+    def remote_pending(self) -> int:
+        """Blocks waiting for (or on their way to) the remote tier."""
+        return self._remote.pending()
+
+    def push_remote(self, max_blocks: int | None = None) -> int:
+        """Send the remote tier every block this node holds in host RAM that the server lacks
+        (`RemoteLink.push`); raises ConfigError where there is no remote tier."""
+        return self._remote.push(max_blocks)
 
     def host_array(self):
         """The whole host arena as one uint8 array (for page-locking it, e.g. cudaHostRegister)."""
@@ -432,7 +437,7 @@ class TieredStore(Registration, Ownership, RemoteLink, Promotion, Demotion):
         if self.remote is not None and self.config.remote_write_behind:   # in chain order
             for b in res._blocks:
                 if b is not None and b.host_state == READY and b.owner_res == 0:
-                    self._remote_enqueue(b)
+                    self._remote.enqueue(b)
         self._wake_demoter()
         self._cond.notify_all()
         return n
@@ -485,7 +490,7 @@ class TieredStore(Registration, Ownership, RemoteLink, Promotion, Demotion):
                 n += 1
             rest = self.remote is not None and n < len(keys)
         if rest:   # the remote tier may continue the prefix (asked outside the lock)
-            n += self._remote_leading(st, keys[n:])
+            n += self._remote.leading(st, keys[n:])
         return n, n_host
 
     def where(self, ns: Namespace, keys: Sequence[bytes]) -> list[str]:
@@ -534,7 +539,10 @@ class TieredStore(Registration, Ownership, RemoteLink, Promotion, Demotion):
             raise ConfigError(f"flush --tier {tier}: this store has no {tier} tier; nothing dropped "
                               f"(configure {absent} to have one)")
         if tier == "remote":
-            return self._flush_remote(namespace)
+            with self._cond:
+                self._check_open()
+                ns_id = None if namespace is None else self._ns_for_flush(namespace)
+            return self._remote.flush(ns_id)
         with self._cond:
             self._check_open()
             ns_id = None if namespace is None else self._ns_for_flush(namespace)
@@ -601,7 +609,7 @@ class TieredStore(Registration, Ownership, RemoteLink, Promotion, Demotion):
         disk writes durable; a reopen then serves them. Returns only once every such block
         there when it was called is on disk (a flush under way is waited for, up to
         SYNC_WAIT_S: it holds back the writes of its scope), or one a flush or an eviction has
-        dropped since. With a remote tier, also wait (up to REMOTE_DRAIN_S) until its
+        dropped since. With a remote tier, also wait (up to `RemoteLink.DRAIN_S`) until its
         write-behind queue has gone to the server (`remote_pending` says what is left).
         Returns the number of blocks written to disk. Raises DiskDegradedError when the disk
         tier is failing, DiskTierError when it could not take every block (no room, or a
@@ -610,7 +618,7 @@ class TieredStore(Registration, Ownership, RemoteLink, Promotion, Demotion):
         written = self._sync_disk(max_blocks)
         if self.remote is not None:
             with self._cond:
-                self._drain_remote(self.REMOTE_DRAIN_S)
+                self._remote.drain(RemoteLink.DRAIN_S)
         return written
 
     def reconfigure(self, new: StoreConfig) -> None:
@@ -645,11 +653,7 @@ class TieredStore(Registration, Ownership, RemoteLink, Promotion, Demotion):
                             degraded_episodes=episodes.count)
                 tiers["disk"] = disk
             if self.remote is not None:
-                tiers["remote"] = {**self.remote.usage(), **self._rr, "queue": self._write_behind.pending(),
-                                   "degraded": self._remote_health.fault or "",
-                                   "degraded_seconds": (time.monotonic() - self._remote_health.since
-                                                        if self._remote_health.fault else 0.0),
-                                   "degraded_episodes": self._remote_health.count}
+                tiers["remote"] = self._remote.stats()
             namespaces = {}
             for st in self._namespaces.values():
                 c = dict(st.counters)
@@ -691,9 +695,7 @@ class TieredStore(Registration, Ownership, RemoteLink, Promotion, Demotion):
             self._cond.notify_all()
         deadline = time.monotonic() + self.CLOSE_WAIT_S
         self._maintainer.join(max(0.1, deadline - time.monotonic()))
-        if self.remote is not None:
-            self._write_behind.close(10 + 2 * self.config.remote_timeout_s)
-            self.remote.close()
+        self._remote.close()
         with self._cond:
             while self._writes_in_flight and time.monotonic() < deadline and not self._health.note_stall():
                 self._cond.wait(0.05)

@@ -105,7 +105,7 @@ class Promotion:
         sums: dict[int, int] = {}
         try:
             errors = self._load_from_disk([(b, e) for b, e in plan if e is not None and e is not REMOTE], sums)
-            errors.update(self._load_from_remote([b for b, e in plan if e is REMOTE]))
+            errors.update(self._remote.load([b for b, e in plan if e is REMOTE]))
         except BaseException:
             with self._cond:
                 self._settle_failed(st, plan)
@@ -121,7 +121,7 @@ class Promotion:
                     err = errors.get(id(b))
                     if err is None and b.doomed & DOOM_HOST:
                         err = KeyError("flushed while it was fetched")
-                    if self._settle_remote(b, err):
+                    if self._remote.settle(b, err):
                         continue
                     cut = min(cut, i)
                     continue
@@ -273,10 +273,10 @@ class Promotion:
             b.host_pins += 1
             b.disk_pins += 1
             plan.append((b, b.disk))
-        if self.remote is not None and len(plan) < len(keys) and self._remote_ok():
+        if self.remote is not None and len(plan) < len(keys) and self._remote.ok():
             if inline:
                 raise WouldBlock()
-            self._plan_remote(st, keys, plan)
+            self._remote.plan(st, keys, plan)
 
     def _settle_failed(self, st: NsState, plan: list) -> None:
         """(Lock held.) Undo an acquire's plan that will not be served: every pin it took is
