@@ -36,7 +36,6 @@ from ..errors import (
     ConfigError,
     DiskDegradedError,
     LeaseError,
-    StoreClosedError,
     TierdError,
 )
 from ..keys import check_keys, checksums_ok
@@ -45,12 +44,14 @@ from ..policy import AdmissionFilter, make_policy
 from ..tiers.disk import DiskTier
 from ..tiers.host import HostTier
 from ..transfer import as_u8, copy_out, fill_reservation
-from .demotion import Demotion
+from .demotion import Demotion, FlushWalk
 from .feed import EventFeed
 from .health import DiskHealth
 from .index import BlockIndex
 from .keeping import HostKeeping, set_aside
-from .namespaces import NamespaceTable, Registration
+from . import lock
+from .lock import StoreLock
+from .namespaces import NamespaceTable
 from .ownership import Holdings, Lease, Ownership, Reservation
 from .promotion import Promotion
 from .records import (
@@ -72,26 +73,7 @@ from .remote import RemoteLink
 log = logging.getLogger("tierd.store")
 
 
-class FlushWalk:
-    """A flush under way (`TieredStore.flush`), as the rest of the store sees it. It drops what
-    its scope (a namespace, or all: `ns_id` None) held when it began; its walk lets go of the
-    lock between chunks, so puts land meanwhile. Those are not its to drop: every block of its
-    scope committed after it began goes into `born` (`_commit_locked`), and the walk skips
-    them. A `fenced` flush (disk or all) also holds back the write-down of the blocks of its
-    scope it may still walk, all but `born` (`Demotion._flush_hold`); `drops_host`: it drops
-    host copies too (host or all). Guarded by the store's lock."""
-
-    __slots__ = ("ns_id", "fenced", "drops_host", "born")
-
-    def __init__(self, ns_id: bytes | None, *, fenced: bool, drops_host: bool):
-        self.ns_id, self.fenced, self.drops_host = ns_id, fenced, drops_host
-        self.born: set[Block] = set()
-
-    def covers(self, b: Block) -> bool:
-        return self.ns_id is None or b.st.ns_id == self.ns_id
-
-
-class TieredStore(Registration, Ownership, Promotion, Demotion):
+class TieredStore(Ownership):
     """Embedded tiered block store (host RAM + optional disk, HBM and remote tiers). Thread-safe."""
 
     def __init__(self, config: StoreConfig | None = None, **overrides):
@@ -101,9 +83,10 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
                 raise ConfigError(f"unknown store setting {k!r}")
             setattr(cfg, k, v)
         self.config = cfg = cfg.resolved()
-        self._cond = threading.Condition(threading.Lock())
+        self._cond = StoreLock()   # the one lock, and whether the store is closed (lock.py)
         self._namespaces = NamespaceTable()
-        self._feed = EventFeed(self._cond, self._namespaces, walk=self._each_block, remote_had=lambda b: self._remote.had(b))
+        self._feed = EventFeed(self._cond, self._namespaces, walk=self._each_block,
+                               remote_had=lambda b: self._remote.had(b))
         # which block lives where, and one residency record per tier (the tiers themselves are
         # storage only)
         self._index = BlockIndex(self._namespaces, self._feed, cfg.eviction_policy)
@@ -111,34 +94,22 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
         self._rh, self._rd, self._rg = self._index.host, self._index.disk, self._index.gpu
         self._held = Holdings()   # open reservations, leases and staged slots (ownership.py)
         self.costs = CostModel()  # loads against recompute, measured by the engines (tierd/costs.py)
-        self._ids = itertools.count(1)
-        self._closed = False
-        self._writes_in_flight = 0    # disk writes of the current disk tier under way
-        self._batch_writing = False   # one disk write batch at a time (see _write_down_batch)
-        # Changes when the disk tier's copies are forgotten (its directory vanished,
-        # `_forget_disk`): writes begun before settle as the dead tier's, whenever they return
-        self._disk_epoch = 0
-        # The flushes under way (see `flush`): the blocks of a fenced one's scope that it has
-        # yet to walk are not written down until it is done; what was committed since it began
-        # is not its to drop
-        self._flushing: list[FlushWalk] = []
-        self._flushes_begun = 0       # fenced flushes begun so far (a sync re-plans after one)
-        # One set per sync under way: the blocks whose disk copy (or write) a flush dropped
-        # meanwhile. The flush came after: the sync does not write them again (demotion.py)
-        self._syncing: list[set[Block]] = []
-        self._demote_wanted = False   # set past the host high watermark: wakes the demoter
+        self._ids = itertools.count(1)   # reservation and lease ids
         # an earlier arena at the same path (host_keep): its blocks are re-adopted below
         old = set_aside(cfg.host_shm_path) if cfg.host_keep and cfg.host_shm_path else None
         self._rh.tier = HostTier(cfg.host_bytes, cfg.host_slab_bytes, shm_path=cfg.host_shm_path,
                                  shm_mode=cfg.host_shm_mode, keep=cfg.host_keep,
                                  reserve=False if old else None)
         self._keeping = self._index.keeping = HostKeeping(self._cond, self._index, self._namespaces)
-        self._admission = AdmissionFilter(cfg.disk_admit_min_hits)
         self._health = DiskHealth(self._cond, self._rd, cfg, forget=self._forget_disk,
                                   reopened=self._disk_reopened)
-        # The remote tier (tiers/remote.py): no slots here, the server owns capacity and eviction
-        self._remote = RemoteLink(self._cond, self._index, self._feed, cfg, host_alloc=self._host_alloc,
-                                  walk=self._each_block, closed=lambda: self._closed)
+        self._demotion = Demotion(self._cond, self._index, self._health, cfg, walk=self._each_block)
+        # the remote tier's side here (tiers/remote.py: no slots, the server owns capacity and
+        # eviction)
+        self._remote = RemoteLink(self._cond, self._index, self._feed, cfg,
+                                  host_alloc=self._demotion.host_alloc, walk=self._each_block)
+        self._promotion = Promotion(self._cond, self._index, self._namespaces, self._feed, self._held,
+                                    self._demotion, self._health, self._remote, cfg, ids=self._ids, store=self)
         remote = None
         try:
             if cfg.gpu_bytes:
@@ -149,7 +120,7 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
             if cfg.disk_path:
                 self.disk = self._health.open_tier()
                 self._rd.counters["corrupt_dropped"] = self.disk.corrupt_at_open
-                self._adopt_recovered()
+                self._index.adopt_recovered(self.disk)
             if old is not None:
                 self._keeping.adopt(old)
                 self.host.arena.reserve_now()
@@ -217,9 +188,10 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
     def _dirty_bytes(self) -> int:
         return self._index.dirty_bytes
 
-    SCAN_CHUNK = 2048     # most blocks an O(N) walk handles per hold of the lock
-    SCAN_HOLD_S = 0.002   # and the longest it holds the lock at a time
-    SCAN_YIELD_S = 5e-5   # how long it stays out between holds, so that a waiter gets the lock
+    SCAN_CHUNK = lock.SCAN_CHUNK       # an O(N) walk's chunks (lock.py)
+    SCAN_HOLD_S = lock.SCAN_HOLD_S
+    SCAN_YIELD_S = lock.SCAN_YIELD_S
+    WRITE_BATCH = Demotion.WRITE_BATCH   # (read by the tests)
 
     def _each_block(self, fn, ns_id: bytes | None = None) -> None:
         """Call `fn(block)` (lock held) for every block indexed now, a chunk at a time: the lock
@@ -234,7 +206,7 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
         i, n, clock = 0, len(ikeys), time.perf_counter
         while i < n:
             with self._cond:
-                self._check_open()
+                self._cond.check_open()
                 deadline = clock() + self.SCAN_HOLD_S
                 end = min(n, i + self.SCAN_CHUNK)
                 while i < end:
@@ -247,6 +219,45 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
                         break
             if i < n:
                 time.sleep(self.SCAN_YIELD_S)
+
+    def _maintain(self) -> None:
+        """The maintainer thread ("tierd-demoter"): once per `demotion_interval_s`, or when
+        demotion asks for it (`Demotion.wake`), a look at the disk's health, then a demotion
+        pass; what the pass wrote is made durable."""
+        cfg = self.config
+        while True:
+            with self._cond:
+                # a pass when asked for (`Demotion.wake`) or once per interval: not on every
+                # `notify_all` of the store's condition (each commit, release, write settled)
+                until = time.monotonic() + cfg.demotion_interval_s
+                while not self._cond.closed and not self._demotion.wanted and (left := until - time.monotonic()) > 0:
+                    self._cond.wait(left)
+                if self._cond.closed:
+                    return
+                self._demotion.wanted = False
+            wrote = 0
+            try:
+                self._health.check()            # takes the lock itself, does its I/O without it
+                with self._cond:
+                    if not self._cond.closed:
+                        wrote = self._demote_pass()   # releases the lock around disk writes
+            except Exception:  # noqa: BLE001 -- the maintainer must outlive any one pass
+                log.exception("tierd maintainer: unexpected error; continuing")
+            if wrote and self.disk is not None:
+                try:
+                    self.disk.flush()
+                except OSError as e:
+                    with self._cond:
+                        self._health.error("fdatasync", e)
+
+    def _demote_pass(self) -> int:
+        """(Lock held; let go during disk writes.) One demotion pass (`Demotion.demote_pass`);
+        the maintainer calls it through the store (tests count its passes)."""
+        return self._demotion.demote_pass()
+
+    def unsynced_blocks(self) -> int:
+        """Host blocks without a disk copy: what `sync()` would write."""
+        return self._demotion.unsynced_blocks()
 
     def attach_events(self, publisher) -> None:
         """Record KV events (tierd.events) from now on, starting with a snapshot."""
@@ -267,11 +278,9 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
         """(Lock held; `DiskHealth.check`: the disk tier's directory vanished.) Forget every
         disk copy (their files are gone); the caller then abandons the old tier outside the
         lock. Writes still under way are not waited for (one may hang for ever on a vanished
-        directory): they settle as the dead tier's when they return (`_disk_epoch`), and
+        directory): they settle as the dead tier's when they return (`Demotion.disk_epoch`), and
         nothing waits for them meanwhile."""
-        self._disk_epoch += 1
-        self._writes_in_flight = 0
-        self._batch_writing = False
+        self._demotion.forget_writes()
         for b in [b for b in self._blocks.values() if b.disk is not None]:
             self._index.drop_disk(b, evicted=False)
         for b in self._rd.owner.values():
@@ -286,7 +295,7 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
     def _disk_reopened(self, tier: DiskTier) -> None:
         """(Lock held; `DiskHealth.check`.) A fresh disk tier in the returning directory."""
         self.disk = tier
-        self._adopt_recovered()
+        self._index.adopt_recovered(self.disk)
 
     @property
     def remote(self):
@@ -306,18 +315,50 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
         """The whole host arena as one uint8 array (for page-locking it, e.g. cudaHostRegister)."""
         return self.host.arena.array
 
+    def register(self, ns: Namespace) -> None:
+        """Make `ns` known (done implicitly by every operation that takes a Namespace).
+        Raises CapacityError when a block of `ns` cannot fit a tier."""
+        with self._cond:
+            self._cond.check_open()
+            self._ns(ns)
+
+    def _ns(self, ns) -> NsState:
+        """(Lock held.) The state of `ns` (`NamespaceTable.state`)."""
+        return self._namespaces.state(ns, self.host, self.disk)
+
+    def _ns_for_flush(self, namespace) -> bytes:
+        return self._namespaces.flush_scope(namespace)
+
+    def namespace_count(self) -> int:
+        with self._cond:
+            return len(self._namespaces)
+
+    def namespace(self, name: str) -> Namespace:
+        """The registered Namespace whose name (or hex id) is `name`."""
+        with self._cond:
+            return self._ns(name).ns
+
+    def forget_unused(self, names) -> list[str]:
+        """Forget the namespaces among `names` that nothing refers to: no block in any local
+        tier (and so no lease or reservation) and no staged slot, which a client's next put
+        names with no request first. The daemon's table of namespaces stays bounded. A
+        forgotten one is registered again by its next user (a client does it by itself on
+        `unknown_namespace`). Returns the names forgotten."""
+        with self._cond:
+            return self._namespaces.forget(names)
+
     def reserve(self, ns: Namespace, keys: Sequence[bytes], *, parent: bytes | None = None,
                 owner=None, token_ids: Sequence[int] | None = None, inline: bool = False) -> Reservation:
         """Host slots to write `keys` into (zero-copy put). Commit or abort the result.
         `token_ids` (optional, `block_tokens` per key): the blocks' tokens, for KV events only
         (an indexer computes its own keys from them); never stored. `inline`: raise WouldBlock,
-        changing nothing but clean host copies dropped (`_host_room_inline`), unless free slots
+        changing nothing but clean host copies dropped (`Demotion.host_room_inline`), unless free slots
         take every key at once with no I/O and no wait."""
         keys = check_keys(keys)
         with self._cond:
-            self._check_open()
+            self._cond.check_open()
             st = self._ns(ns)
-            if inline and not self._host_room_inline(st, self._slots_needed(st, keys)):
+            if inline and not self._demotion.host_room_inline(st, self._slots_needed(st, keys)):
                 raise WouldBlock()
             res = self._reserve_locked(st, keys, parent, owner, token_ids)
             if res.id:
@@ -356,7 +397,7 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
                     self.host.free_slot(given)
                 status.append("present"); blocks.append(None)
                 continue
-            slot = given if given is not None else self._host_alloc(st)
+            slot = given if given is not None else self._demotion.host_alloc(st)
             b = self._blocks.get(ikey)  # the lock may have been released
             if b is not None and self._index.retire_doomed(b):
                 b = None
@@ -398,7 +439,7 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
             raise TierdError(f"commit: checksums must hold one 64-bit checksum (or -1) for each of "
                              f"the {len(res.keys)} keys")
         with self._cond:
-            self._check_open()
+            self._cond.check_open()
             if self._held.end_reservation(res.id) is None:
                 raise LeaseError(f"reservation {res.id} is unknown or already committed/aborted")
             return self._commit_locked(res)
@@ -425,7 +466,7 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
             b.st.counters["put_bytes"] += b.st.block_bytes
             self._rh.counters["bytes_in"] += b.st.block_bytes
             n += 1
-            for f in self._flushing:   # committed after these flushes began: not theirs to drop
+            for f in self._demotion.flushing:   # committed after these flushes began: not theirs to drop
                 if f.covers(b):
                     f.born.add(b)
         self._index.relink(pid, res.keys, res._parent)
@@ -438,7 +479,7 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
             for b in res._blocks:
                 if b is not None and b.host_state == READY and b.owner_res == 0:
                     self._remote.enqueue(b)
-        self._wake_demoter()
+        self._demotion.wake()
         self._cond.notify_all()
         return n
 
@@ -451,7 +492,7 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
         if len(blocks) != len(keys):
             raise TierdError(f"put: {len(keys)} keys but {len(blocks)} blocks")
         with self._cond:
-            self._check_open()
+            self._cond.check_open()
             st = self._ns(ns)
         views = [as_u8(blk, st.block_bytes, st.desc.get("kv_dtype", "")) for blk in blocks]
         res = self.reserve(ns, keys, parent=parent, token_ids=token_ids)
@@ -475,7 +516,7 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
         """(leading keys present in any tier, leading keys ready in host RAM)."""
         keys = check_keys(keys)
         with self._cond:
-            self._check_open()
+            self._cond.check_open()
             st = self._ns(ns)
             st.counters["lookups"] += 1
             disk_ok = self.disk is not None and not self._health.note_stall()
@@ -511,6 +552,23 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
                 out.append("+".join(tiers))
             return out
 
+    def is_quick(self, op: str, ns: Namespace, keys: Sequence[bytes], *, gpu: bool = False) -> bool:
+        """Whether `acquire` or `reserve` of `keys` would finish without disk I/O, a copy into
+        HBM or waiting for room (`Promotion.is_quick`)."""
+        return self._promotion.is_quick(op, ns, keys, gpu=gpu)
+
+    def acquire(self, ns: Namespace, keys: Sequence[bytes], *, owner=None, gpu: bool = False,
+                inline: bool = False) -> Lease:
+        """Lease the longest present prefix of `keys`, promoting disk blocks to host RAM
+        (`Promotion.acquire`). `gpu`: the caller reads HBM copies (`lease.gpu_buffers`);
+        `inline` (the daemon's event loop thread): raise WouldBlock, changing nothing, when it
+        would read a tier, wait for another promotion or copy into HBM."""
+        return self._promotion.acquire(ns, keys, owner=owner, gpu=gpu, inline=inline)
+
+    def note_hits(self, ns: Namespace, keys: Sequence[bytes], asked: int) -> int:
+        """Account for a read served without a lease (`Promotion.note_hits`)."""
+        return self._promotion.note_hits(ns, keys, asked)
+
     def get(self, ns: Namespace, keys: Sequence[bytes], out: Sequence | None = None) -> list:
         """The blocks of the longest present prefix of `keys` (`len(result) <= len(keys)`):
         new (block_bytes,) uint8 arrays, or copied into `out[i]` (any writable buffer of
@@ -518,7 +576,7 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
         if out is not None and len(out) < len(keys):
             raise TierdError(f"get: {len(keys)} keys but only {len(out)} output buffers")
         with self._cond:
-            self._check_open()
+            self._cond.check_open()
             st = self._ns(ns)
         dsts = None if out is None else [as_u8(o, st.block_bytes, st.desc.get("kv_dtype", "")) for o in out]
         with self.acquire(ns, keys) as lease:
@@ -540,11 +598,11 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
                               f"(configure {absent} to have one)")
         if tier == "remote":
             with self._cond:
-                self._check_open()
+                self._cond.check_open()
                 ns_id = None if namespace is None else self._ns_for_flush(namespace)
             return self._remote.flush(ns_id)
         with self._cond:
-            self._check_open()
+            self._cond.check_open()
             ns_id = None if namespace is None else self._ns_for_flush(namespace)
             dropped = 0
             disk = self.disk
@@ -555,13 +613,13 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
                 # write's number is taken when its slot is chosen, under this lock, so one
                 # chosen before now is below the fence wherever it lands. The walk below lets
                 # go of the lock between chunks: until it is done no write-down of a block of
-                # this scope it may still walk starts (`_write_down_batch`), else such a block
+                # this scope it may still walk starts (`Demotion._write_down_batch`), else such a block
                 # could be written with a number above the fence and then dropped from memory
                 # only. Blocks committed from now on are not walked, so they are written down.
                 disk.set_fence(ns_id)
-                self._flushes_begun += 1
+                self._demotion.flushes_begun += 1
             walk = FlushWalk(ns_id, fenced=fence, drops_host=tier in ("host", "all"))
-            self._flushing.append(walk)
+            self._demotion.flushing.append(walk)
         born = walk.born
 
         def one(b: Block) -> None:
@@ -583,7 +641,7 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
                     self._index.drop_disk(b, evicted=False)   # its slot may be reused at once
                 else:
                     self._index.doom(b, DOOM_DISK)
-                for dropped_for in self._syncing:
+                for dropped_for in self._demotion.syncing:
                     dropped_for.add(b)
                 hit = True
             dropped += hit
@@ -591,7 +649,7 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
             self._each_block(one, ns_id)
         finally:
             with self._cond:
-                self._flushing.remove(walk)
+                self._demotion.flushing.remove(walk)
                 self._cond.notify_all()   # a sync or an allocation waits for it (demotion.py)
         # Gone from the index now; the fence is made durable outside the lock.
         if fence:
@@ -615,7 +673,7 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
         tier is failing, DiskTierError when it could not take every block (no room, or a
         flush that did not end in time), naming how many are in host RAM only: nothing is
         acknowledged durable that is not."""
-        written = self._sync_disk(max_blocks)
+        written = self._demotion.sync_disk(max_blocks)
         if self.remote is not None:
             with self._cond:
                 self._remote.drain(RemoteLink.DRAIN_S)
@@ -628,8 +686,8 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
             for name in ("host_high_watermark", "host_low_watermark", "host_dirty_ratio", "disk_high_watermark",
                          "disk_low_watermark", "disk_admit_min_hits"):
                 setattr(self.config, name, getattr(new, name))
-            self._admission = AdmissionFilter(new.disk_admit_min_hits)
-            self._wake_demoter()
+            self._demotion.admission = AdmissionFilter(new.disk_admit_min_hits)
+            self._demotion.wake()
 
     def stats(self) -> dict:
         """Counters and gauges per tier and per namespace (see docs/operations.md)."""
@@ -673,33 +731,29 @@ class TieredStore(Registration, Ownership, Promotion, Demotion):
         their measurements and ledger in."""
         return self.costs
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreClosedError("the store is closed")
-
     CLOSE_WAIT_S = 10.0   # how long close waits for disk writes in flight (never for a hung disk)
 
     def close(self, *, sync: bool = False) -> None:
         """Stop background work, flush the disk tier and write its checkpoint. Host-only blocks
         are lost unless `sync=True` (or `sync()` was called). Always completes: a disk that
         hangs or fails is left without a checkpoint (the next open scans its headers)."""
-        if sync and not self._closed:
+        if sync and not self._cond.closed:
             try:
                 self.sync()
             except TierdError as e:   # (what it could not write is lost; the close still happens)
                 log.error("close: %s", e)
         with self._cond:
-            if self._closed:
+            if self._cond.closed:
                 return
-            self._closed = True
+            self._cond.closed = True
             self._cond.notify_all()
         deadline = time.monotonic() + self.CLOSE_WAIT_S
         self._maintainer.join(max(0.1, deadline - time.monotonic()))
         self._remote.close()
         with self._cond:
-            while self._writes_in_flight and time.monotonic() < deadline and not self._health.note_stall():
+            while self._demotion.writes_in_flight and time.monotonic() < deadline and not self._health.note_stall():
                 self._cond.wait(0.05)
-            stuck = self._writes_in_flight or self._batch_writing or self._maintainer.is_alive()
+            stuck = self._demotion.writes_in_flight or self._demotion.batch_writing or self._maintainer.is_alive()
             for r in self._held.end_all_reservations():
                 self._abort_locked(r)
             entries = [b.disk for b in self._blocks.values() if b.disk is not None]

@@ -208,6 +208,37 @@ class BlockIndex:
         st.records += 1
         return b
 
+    def adopt_recovered(self, disk) -> None:
+        """Index the blocks `disk` (a disk tier just opened) found at open, oldest first in
+        eviction order."""
+        adopted = []
+        for e in sorted(disk.recovered, key=lambda e: e.seq):
+            st = self.namespaces.get(e.ns_id) or self.namespaces.recovered(e.ns_id, e.raw_len,
+                                                                           disk.namespaces.get(e.ns_id, {}))
+            b = self.blocks.get(e.ns_id + e.key)
+            if b is not None:
+                # a reopened directory: this node still holds the block in RAM; the copy on disk
+                # joins it (the old disk tier's copies were forgotten with it)
+                if b.disk is not None or b.disk_writing:
+                    disk.free_slot(e.slot)
+                    continue
+            else:
+                b = self.new_block(e.ns_id + e.key, st, e.key)
+                b.parent = (e.ns_id + e.parent) if e.parent else None
+            b.disk = e
+            adopted.append(b)
+            self.publish(b)
+            self.disk.owner[e.slot] = b
+            self.disk.policy.insert(b.ikey)
+            if b.clean == 0:
+                self.mark_clean(b, 1)          # a host block that has a disk copy again
+            b.st.counters["disk_blocks"] += 1
+        for b in adopted:
+            p = self.blocks.get(b.parent) if b.parent else None
+            if p is not None:
+                p.disk_children += 1
+        disk.recovered = []
+
     def forget_if_gone(self, b: Block) -> None:
         if not has_copy(b):
             if self.blocks.get(b.ikey) is b:

@@ -358,7 +358,7 @@ class Ownership:
         copies stay): no I/O, no wait. (Staged slots hold no cached block: the bounds keep
         writers' slots from crowding blocks out of the host tier.)"""
         with self._cond:
-            self._check_open()
+            self._cond.check_open()
             st = self._ns(ns)
             sb = st.host_slot_bytes
             token = self._held.staging(owner)
@@ -371,9 +371,9 @@ class Ownership:
                     if self._stage_room(owner, limit_bytes, pool_bytes) < sb:
                         break
                     if inline:        # free slots, or clean blocks dropped: no I/O, no wait
-                        slot = self.host.alloc_slot(sb) if self._host_room_inline(st, 1) else None
+                        slot = self.host.alloc_slot(sb) if self._demotion.host_room_inline(st, 1) else None
                     else:
-                        slot = self._host_alloc(st)   # may let go of the lock
+                        slot = self._demotion.host_alloc(st)   # may let go of the lock
                     if slot is None:
                         break
                     st = self._namespaces.live(st)   # (forgotten while the lock was let go: the table's own)
@@ -425,7 +425,7 @@ class Ownership:
                 raise TierdError(f"put: checksums must hold one 64-bit checksum (or -1) for each of the "
                                  f"{len(keys)} keys")
         with self._cond:
-            self._check_open()
+            self._cond.check_open()
             st = self._ns(ns)
             if token_ids is not None and len(token_ids) != len(keys) * st.ns.block_tokens:
                 raise TierdError(f"put: {len(token_ids)} token ids for {len(keys)} blocks of "

@@ -20,10 +20,10 @@ class RemoteLink:
     """The store's side of the remote tier. Fields: `tier` (the `RemoteTier`, None without one),
     `memory` (which keys the server had or lacked lately: `RemoteMemory`), `write_behind` (its
     queue and threads: `WriteBehind`), `health` (fault episodes: `TierHealth`) and `counters`
-    (for stats). Collaborators: the store's lock (`cond`), the block index (blocks fetched into
+    (for stats). Collaborators: the store's lock (`cond`: `StoreLock`), the block index (blocks fetched into
     host slots are indexed and settled there), the event feed, the store's config, and three
     calls on the store: `host_alloc(st)` (lock held: a host slot, making room; may let go of the
-    lock), `walk(fn)` (the store's chunked walk over its blocks) and `closed()`.
+    lock) and `walk(fn)` (the store's chunked walk over its blocks).
 
     Invariants: a block queued for the server pins its host slot (`host_pins`) until its write
     is settled; a fetch lands in a LOADING host slot, pinned, and becomes READY only once its
@@ -34,12 +34,12 @@ class RemoteLink:
     DRAIN_S = 10.0    # how long a sync waits for the remote write-behind queue
     EVENTS_CHUNK = 2048   # removal events a remote flush records per hold of the lock
 
-    def __init__(self, cond, index, feed, config, *, host_alloc, walk, closed):
+    def __init__(self, cond, index, feed, config, *, host_alloc, walk):
         self.cond = cond
         self.index = index
         self.feed = feed
         self.config = config
-        self.host_alloc, self.walk, self.closed = host_alloc, walk, closed
+        self.host_alloc, self.walk = host_alloc, walk
         self.tier = None
         self.memory = None
         self.write_behind = None
@@ -148,7 +148,7 @@ class RemoteLink:
         deadline = time.monotonic() + timeout_s
         while self.write_behind.pending():
             left = deadline - time.monotonic()
-            if left <= 0 or self.closed():
+            if left <= 0 or self.cond.closed:
                 break
             self.write_behind.nudge()
             self.cond.wait(min(left, 0.1))
