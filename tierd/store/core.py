@@ -1,4 +1,4 @@
-"""`TieredStore`: the embedded block store — index, pins, policy and the Store interface.
+"""`TieredStore`: the embedded block store — the Store interface, composed of its parts.
 
 Owns which block lives where, who pins it, and when it moves: blocks enter host RAM (the hub),
 are demoted to disk past the host's high watermark, promoted back to host on a hit (the disk
@@ -7,18 +7,21 @@ in policy order, descendants of a prefix chain before their ancestors. The tiers
 (`tierd.tiers`) are storage only, behind one interface; the store keeps one `Resident` record
 per tier (slot owners, eviction order, counters) and moves blocks through that interface.
 
-The parts (listed in `tierd/store/__init__.py`) are mixins of this one class: they share its
-state and its lock, each file one job. Two keep their state in objects of their own, with a
-narrow interface and their invariants beside it: the namespace table (`NamespaceTable`) and
-who holds which slots (`Holdings`: reservations, leases, staged slots). Their invariants are written beside the code that keeps
-them (records.py: pins, states, what is served; ownership.py; index.py).
+The parts (listed in `tierd/store/__init__.py`) are objects with their own fields, their
+invariants written beside them, and the few collaborators each needs handed to it here: the
+namespace table, the block index (with the tiers' residency records), the event feed, host
+keeping, disk health, demotion, ownership (with its `Holdings`), the remote link and
+promotion. This class creates them, keeps the write path itself (reserve, commit, put), the
+flush and the close, which touch several parts at once, and the maintainer thread.
 
-**The lock.** One lock (`_cond`) guards every field of the store and of its `Block`s, the tiers'
-slot allocators and the residency records. It is held only for memory work: no disk, device or
-network I/O ever runs under it, and nothing under it waits on such I/O (a stalled disk is
-detected from the calls in flight, `DiskTier.oldest_io`, and skipped). Code that does I/O pins
-what it touches, drops the lock, does the I/O, retakes the lock and settles, on every exit. An
-O(N) walk holds it one chunk at a time (`_each_block`).
+**The lock.** One lock (`_cond`, a `StoreLock`: lock.py), owned by the store and handed to
+every part that takes it, guards every field of the store, of its parts and of its `Block`s,
+the tiers' slot allocators and the residency records. A method documented "(Lock held.)" is
+called with it held. It is held only for memory work: no disk, device or network I/O ever
+runs under it, and nothing under it waits on such I/O (a stalled disk is detected from the
+calls in flight, `DiskTier.oldest_io`, and skipped). Code that does I/O pins what it touches,
+drops the lock, does the I/O, retakes the lock and settles, on every exit. An O(N) walk holds
+it one chunk at a time (`_each_block`).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from .keeping import HostKeeping, set_aside
 from . import lock
 from .lock import StoreLock
 from .namespaces import NamespaceTable
-from .ownership import Holdings, Lease, Ownership, Reservation
+from .ownership import Lease, Ownership, Reservation
 from .promotion import Promotion
 from .records import (
     DOOM_DISK,
@@ -73,8 +76,12 @@ from .remote import RemoteLink
 log = logging.getLogger("tierd.store")
 
 
-class TieredStore(Ownership):
-    """Embedded tiered block store (host RAM + optional disk, HBM and remote tiers). Thread-safe."""
+class TieredStore:
+    """Embedded tiered block store (host RAM + optional disk, HBM and remote tiers). Thread-safe.
+
+    Besides its public surface, the tests read a few private names, kept here as views of the
+    parts: `_cond`, `_blocks`, `_dirty`, `_clean_bytes`, `_dirty_bytes`, `_namespaces`, `_ns`,
+    `_held` and `_demote_pass` (which the maintainer calls through the store)."""
 
     def __init__(self, config: StoreConfig | None = None, **overrides):
         cfg = dataclasses.replace(config) if config is not None else StoreConfig()
@@ -92,7 +99,6 @@ class TieredStore(Ownership):
         self._index = BlockIndex(self._namespaces, self._feed, cfg.eviction_policy)
         self._blocks = self._index.blocks
         self._rh, self._rd, self._rg = self._index.host, self._index.disk, self._index.gpu
-        self._held = Holdings()   # open reservations, leases and staged slots (ownership.py)
         self.costs = CostModel()  # loads against recompute, measured by the engines (tierd/costs.py)
         self._ids = itertools.count(1)   # reservation and lease ids
         # an earlier arena at the same path (host_keep): its blocks are re-adopted below
@@ -104,6 +110,8 @@ class TieredStore(Ownership):
         self._health = DiskHealth(self._cond, self._rd, cfg, forget=self._forget_disk,
                                   reopened=self._disk_reopened)
         self._demotion = Demotion(self._cond, self._index, self._health, cfg, walk=self._each_block)
+        self._ownership = Ownership(self._cond, self._index, self._namespaces, self._demotion)
+        self._held = self._ownership.held   # open reservations, leases and staged slots
         # the remote tier's side here (tiers/remote.py: no slots, the server owns capacity and
         # eviction)
         self._remote = RemoteLink(self._cond, self._index, self._feed, cfg,
@@ -483,6 +491,75 @@ class TieredStore(Ownership):
         self._cond.notify_all()
         return n
 
+    def abort(self, res: Reservation) -> None:
+        """Give back the slots of an uncommitted reservation."""
+        self._ownership.abort(res)
+
+    def release(self, lease: Lease, *, confirm: bool = False) -> None:
+        """End a lease; its buffers must no longer be read. (`confirm` is for the daemon's
+        client, where a lease can be lost with its connection; here it cannot.)"""
+        self._ownership.release(lease, confirm=confirm)
+
+    def find_reservation(self, rid: int, owner, *, missing_ok: bool = False) -> Reservation | None:
+        """The open reservation `rid` held by `owner`; LeaseError otherwise (the daemon's check
+        that a client names only its own slots)."""
+        return self._ownership.find_reservation(rid, owner, missing_ok=missing_ok)
+
+    def find_lease(self, lid: int, owner) -> Lease:
+        """The open lease `lid` held by `owner`; LeaseError otherwise."""
+        return self._ownership.find_lease(lid, owner)
+
+    def drop_owner(self, owner) -> tuple[int, int]:
+        """Abort every reservation and release every lease held by `owner` (a disconnected
+        client), and give back its staged slots. Returns (reservations aborted, leases released)."""
+        return self._ownership.drop_owner(owner)
+
+    def stage(self, ns: Namespace, n: int, *, owner, inline: bool = False,
+              limit_bytes: int | None = None, pool_bytes: int | None = None) -> list[int]:
+        """Up to `n` free host slots of `ns`'s slot size for `owner` to write blocks into before
+        it names their keys (`put_staged`): their byte offsets in the arena (`Ownership.stage`)."""
+        return self._ownership.stage(ns, n, owner=owner, inline=inline, limit_bytes=limit_bytes,
+                                     pool_bytes=pool_bytes)
+
+    def put_staged(self, ns: Namespace, keys: Sequence[bytes], offsets: Sequence[int], *, owner,
+                   parent: bytes | None = None, token_ids: Sequence[int] | None = None,
+                   checksums: Sequence[int] | None = None) -> int:
+        """Store the blocks `owner` wrote into its staged slots: `keys[i]`'s block is at
+        `offsets[i]` (-1: not written, the writer found it present). All at once, as `commit`:
+        each slot becomes its block's, or goes back to the free pool where the key is present
+        (or repeated). LeaseError, changing nothing, if any offset is not one of `owner`'s
+        staged slots of this namespace. `checksums`: per key, the writer's checksum
+        of what it wrote (see `Reservation.checksums`). Returns how many blocks were newly stored."""
+        keys = check_keys(keys)
+        if len(offsets) != len(keys):
+            raise TierdError(f"put: {len(keys)} keys but {len(offsets)} slots")
+        if checksums is not None:
+            checksums = list(checksums)
+            if not checksums_ok(checksums, len(keys)):
+                raise TierdError(f"put: checksums must hold one 64-bit checksum (or -1) for each of the "
+                                 f"{len(keys)} keys")
+        with self._cond:
+            self._cond.check_open()
+            st = self._ns(ns)
+            if token_ids is not None and len(token_ids) != len(keys) * st.ns.block_tokens:
+                raise TierdError(f"put: {len(token_ids)} token ids for {len(keys)} blocks of "
+                                 f"{st.ns.block_tokens} tokens")
+            slots = self._held.take_staged(owner, offsets, st)
+            res = self._reserve_locked(st, keys, parent, owner, token_ids, slots=slots)   # never lets go of the lock
+            if not res.id:
+                return 0
+            res.checksums = checksums
+            return self._commit_locked(res)
+
+    def unstage(self, owner, offsets: Sequence[int] | None = None) -> int:
+        """Give `owner`'s staged slots at `offsets` (None: all of them) back to the free pool;
+        offsets it does not hold are ignored. Returns how many went back."""
+        return self._ownership.unstage(owner, offsets)
+
+    def staged_slots(self, owner=...) -> int:
+        """Staged slots held by `owner` (all owners when not given)."""
+        return self._ownership.staged_slots(owner)
+
     def put(self, ns: Namespace, keys: Sequence[bytes], blocks: Sequence, *,
             parent: bytes | None = None, token_ids: Sequence[int] | None = None) -> int:
         """Store `blocks[i]` under `keys[i]` (a prefix chain in order; `parent` is the key
@@ -666,8 +743,8 @@ class TieredStore(Ownership):
         """Write every host-only block (the first `max_blocks` of them) to disk and make all
         disk writes durable; a reopen then serves them. Returns only once every such block
         there when it was called is on disk (a flush under way is waited for, up to
-        SYNC_WAIT_S: it holds back the writes of its scope), or one a flush or an eviction has
-        dropped since. With a remote tier, also wait (up to `RemoteLink.DRAIN_S`) until its
+        `Demotion.SYNC_WAIT_S`: it holds back the writes of its scope), or one a flush or an
+        eviction has dropped since. With a remote tier, also wait (up to `RemoteLink.DRAIN_S`) until its
         write-behind queue has gone to the server (`remote_pending` says what is left).
         Returns the number of blocks written to disk. Raises DiskDegradedError when the disk
         tier is failing, DiskTierError when it could not take every block (no room, or a
@@ -755,7 +832,7 @@ class TieredStore(Ownership):
                 self._cond.wait(0.05)
             stuck = self._demotion.writes_in_flight or self._demotion.batch_writing or self._maintainer.is_alive()
             for r in self._held.end_all_reservations():
-                self._abort_locked(r)
+                self._ownership.abort_locked(r)
             entries = [b.disk for b in self._blocks.values() if b.disk is not None]
         disk = self.disk
         if disk is not None:

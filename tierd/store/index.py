@@ -210,7 +210,7 @@ class BlockIndex:
 
     def adopt_recovered(self, disk) -> None:
         """Index the blocks `disk` (a disk tier just opened) found at open, oldest first in
-        eviction order."""
+        eviction order. (Lock held, or at the store's own open, before anyone else has it.)"""
         adopted = []
         for e in sorted(disk.recovered, key=lambda e: e.seq):
             st = self.namespaces.get(e.ns_id) or self.namespaces.recovered(e.ns_id, e.raw_len,

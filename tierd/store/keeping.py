@@ -113,10 +113,11 @@ class HostKeeping:
     counters and the blocks), the block index (the host tier and its residency record, new
     block records, `enter`, `reap`) and the namespace table (re-adoption's namespaces).
 
-    Invariants: a block READY in host RAM, not flushed, is recorded, queued, or in a batch
-    being checksummed (pinned) — or counted `unrecorded`; a record is written only for a
-    block still READY in the slot it describes and not flushed; a record is cleared before its
-    slot is freed (`HostTier.free_slot`) and when a flush dooms its block (`forget`)."""
+    Invariants (where the host tier keeps records): a block READY in host RAM, not flushed, is
+    recorded, queued, or in a batch being checksummed (pinned) — or counted `unrecorded`; a
+    record is written only for a block still READY in the slot it describes and not flushed; a
+    record is cleared before its slot is freed (`HostTier.free_slot`) and when a flush dooms
+    its block (`forget`)."""
 
     KEEP_BATCH_BYTES = 16 << 20   # most bytes the keeper pins and checksums at a time
     KEEP_SETTLE_BLOCKS = 16       # records it writes per hold of the store lock

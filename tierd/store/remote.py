@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from ..errors import ConfigError, TierdError
 from ..tiers.disk import CorruptBlockError
 from .health import TierHealth
+from .lock import SCAN_CHUNK
 from .records import LOADING, READY, REMOTE, Block, NsState
 
 log = logging.getLogger("tierd.store")
@@ -32,7 +33,6 @@ class RemoteLink:
 
     RETRY_S = 1.0     # while degraded, one call per interval probes the server
     DRAIN_S = 10.0    # how long a sync waits for the remote write-behind queue
-    EVENTS_CHUNK = 2048   # removal events a remote flush records per hold of the lock
 
     def __init__(self, cond, index, feed, config, *, host_alloc, walk):
         self.cond = cond
@@ -287,9 +287,9 @@ class RemoteLink:
                 self.error("flush", e)
             raise TierdError(f"flush: remote tier failed ({e})") from None
         if self.feed.on:   # what left the shared tier, for routers (in chunks)
-            for i in range(0, len(removed), self.EVENTS_CHUNK):
+            for i in range(0, len(removed), SCAN_CHUNK):
                 with self.cond:
-                    for nsid, key in removed[i:i + self.EVENTS_CHUNK]:
+                    for nsid, key in removed[i:i + SCAN_CHUNK]:
                         self.feed.removed(nsid, key, "remote")
         return len(removed)
 
