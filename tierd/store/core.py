@@ -289,15 +289,7 @@ class TieredStore:
         directory): they settle as the dead tier's when they return (`Demotion.disk_epoch`), and
         nothing waits for them meanwhile."""
         self._demotion.forget_writes()
-        for b in [b for b in self._blocks.values() if b.disk is not None]:
-            self._index.drop_disk(b, evicted=False)
-        for b in self._rd.owner.values():
-            if b.orphan:
-                # a doomed copy a read still pins, whose key was written again (out of
-                # `_blocks`): it goes with the old tier; when its pin goes nothing is left to drop
-                b.disk = None
-        self._rd.owner.clear()
-        self._rd.policy = make_policy(self.config.eviction_policy)
+        self._index.forget_disk(make_policy(self.config.eviction_policy))
         self.disk.mark_closed()   # no new I/O goes to it
 
     def _disk_reopened(self, tier: DiskTier) -> None:

@@ -118,7 +118,7 @@ class Demotion:
         return self.index.host.alloc(st.host_slot_bytes, self._evict_host, wait)
 
     def _evict_host(self, b: Block) -> bool:
-        """Remove `b` from host RAM: drop it if its disk copy is valid, else write it down
+        """(Lock held; let go during a write-down.) Remove `b` from host RAM: drop it if its disk copy is valid, else write it down
         (if admitted) first. Returns True if the host slot was freed."""
         if self.disk is not None and b.disk is None and not b.disk_writing:
             if self.admission.admit(b.hits):
@@ -135,13 +135,16 @@ class Demotion:
         return False
 
     def gpu_alloc(self, st: NsState) -> int | None:
+        """(Lock held.) An HBM slot for a block of `st`, making room in policy order."""
         return self.index.gpu.alloc(st.host_slot_bytes, lambda b: self.index.drop_gpu(b, evicted=True))
 
     def _disk_alloc(self, st: NsState) -> int | None:
+        """(Lock held.) A disk slot for a block of `st`, making room in policy order."""
         return self.index.disk.alloc(st.disk_slot_bytes, lambda b: self.index.drop_disk(b, evicted=True))
 
     def _write_down(self, b: Block) -> bool:
-        """Copy one READY host block to disk (its host copy stays); see `_write_down_batch`."""
+        """(Lock held; let go during the write.) Copy one READY host block to disk (its host copy
+        stays); see `_write_down_batch`."""
         self._write_down_batch([b])
         return b.disk is not None
 

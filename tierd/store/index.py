@@ -274,6 +274,19 @@ class BlockIndex:
         self.publish(b)
         self.forget_if_gone(b)
 
+    def forget_disk(self, policy) -> None:
+        """The disk tier's files are gone: every disk copy is forgotten, and the disk's
+        residency record starts afresh, `policy` its eviction order."""
+        for b in [b for b in self.blocks.values() if b.disk is not None]:
+            self.drop_disk(b, evicted=False)
+        for b in self.disk.owner.values():
+            if b.orphan:
+                # a doomed copy a read still pins, whose key was written again (out of
+                # `blocks`): it goes with the old tier; when its pin goes nothing is left to drop
+                b.disk = None
+        self.disk.owner.clear()
+        self.disk.policy = policy
+
     def unindex_disk(self, b: Block) -> int:
         """Take `b`'s disk copy out of the index for good; its slot stays taken until its
         header is erased on disk (outside the lock). Returns the slot."""

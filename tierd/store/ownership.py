@@ -323,6 +323,7 @@ class Ownership:
             self._release_locked(lease)
 
     def _release_locked(self, lease: Lease) -> None:
+        """(Lock held; `lease` no longer registered.) Drop the pins `lease` holds."""
         for i, b in enumerate(lease._blocks):
             b.host_pins -= 1
             if i < len(lease.gpu_offsets) and lease.gpu_offsets[i] >= 0:
@@ -429,6 +430,7 @@ class Ownership:
             return self._unstage_locked(owner, offsets)
 
     def _unstage_locked(self, owner, offsets) -> int:
+        """(Lock held.) `unstage`."""
         gone = self.held.unstage(owner, offsets)
         for slot in gone:
             self.host.free_slot(slot)

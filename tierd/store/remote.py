@@ -87,6 +87,7 @@ class RemoteLink:
         return self.memory is not None and self.memory.had(b.ikey, time.monotonic())
 
     def timed(self, seconds: float) -> None:
+        """(Lock held.) A call to the server took `seconds`: the latency's moving average."""
         r = self.counters
         r["latency_ms"] = seconds * 1e3 if not r["latency_ms"] else 0.9 * r["latency_ms"] + 0.1 * seconds * 1e3
 
