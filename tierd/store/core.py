@@ -682,9 +682,10 @@ class TieredStore:
                 # write's number is taken when its slot is chosen, under this lock, so one
                 # chosen before now is below the fence wherever it lands. The walk below lets
                 # go of the lock between chunks: until it is done no write-down of a block of
-                # this scope it may still walk starts (`Demotion._write_down_batch`), else such a block
-                # could be written with a number above the fence and then dropped from memory
-                # only. Blocks committed from now on are not walked, so they are written down.
+                # this scope it may still walk starts (`Demotion._write_down_batch`), else such
+                # a block could be written with a number above the fence and then dropped from
+                # memory only. Blocks committed from now on are not walked, so they are written
+                # down.
                 disk.set_fence(ns_id)
                 self._demotion.flushes_begun += 1
             walk = FlushWalk(ns_id, fenced=fence, drops_host=tier in ("host", "all"))

@@ -227,7 +227,7 @@ class Demotion:
             b.disk_writing = False
             b.host_pins -= 1
             self.writes_in_flight -= 1
-            # (a flush of the host tier during the write doomed the host copy: `_reap` drops it
+            # (a flush of the host tier during the write doomed the host copy: `reap` drops it
             # only once the new disk copy is indexed below, so the block stays, on disk)
             if not isinstance(entry, DiskEntry):
                 self.index.reap(b)
@@ -420,7 +420,7 @@ class Demotion:
             if b is None or b.clean != 1 or b.doomed & DOOM_DISK:
                 return False             # it would be written down (or lost) first
             # (the block stays, on disk: a key of the same request it is, it is still present
-            # and needs no slot, so `_slots_needed` never under-counts)
+            # and needs no slot, so `TieredStore._slots_needed` never under-counts)
             self.index.drop_host(b, evicted=True)
         return True
 

@@ -382,7 +382,7 @@ class Ownership:
             try:
                 for _ in range(max(0, n)):
                     # the room is looked at again for every slot, under the same hold of the lock
-                    # as the slot's staging: `_host_alloc` may let go of it, and concurrent stages
+                    # as the slot's staging: `host_alloc` may let go of it, and concurrent stages
                     # then take their slots from the same pool
                     if self._stage_room(owner, limit_bytes, pool_bytes) < sb:
                         break
