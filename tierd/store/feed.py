@@ -3,45 +3,62 @@ lock (memory only; `tierd.events` sends them), and snapshots walked in chunks.""
 
 from __future__ import annotations
 
-import time
-
 from .. import events
 from .records import READY, Block
 
 
 class EventFeed:
-    """Part of `TieredStore` (see its docstring): state and lock are the store's."""
+    """The store's KV-event feed: `publisher` (a `tierd.events` publisher, None until the daemon
+    attaches one; then every change below is recorded). Collaborators: the store's lock, its
+    namespace table, its chunked walk over the blocks (`walk(fn)`, which calls `fn` with the
+    lock held) and `remote_had(block)` (the remote tier holds it, as far as the store knows).
 
-    def attach_events(self, publisher) -> None:
-        """Record KV events (tierd.events) from now on, starting with a snapshot."""
-        publisher.snapshot = self.snapshot_events
-        with self._cond:
-            self._events = publisher
-        self.snapshot_events()
+    Invariants: every event is recorded with the store's lock held, in the same hold that made
+    the change, so a subscriber sees each block's changes in order; a snapshot records a clean
+    slate per namespace first, then each block as its chunk is walked, and later changes follow
+    as live events."""
 
-    def snapshot_events(self) -> None:
+    def __init__(self, cond, namespaces, *, walk, remote_had):
+        self.cond = cond
+        self.namespaces = namespaces
+        self.walk, self.remote_had = walk, remote_had
+        self.publisher = None
+
+    @property
+    def on(self) -> bool:
+        """A publisher is attached: changes are to be recorded."""
+        return self.publisher is not None
+
+    def attach(self, publisher) -> None:
+        """Record KV events from now on, starting with a snapshot."""
+        with self.cond:
+            self.publisher = publisher
+        self.snapshot()
+
+    def snapshot(self) -> None:
         """Record a clean slate per namespace, then what every tier holds, in order with the
         live events: each block's events reflect its state when its chunk was walked, and any
         later change follows as a live event."""
-        publisher = self._events
+        publisher = self.publisher
         if publisher is None:
             return
-        with self._cond:
-            for st in self._namespaces.values():
+        with self.cond:
+            for st in self.namespaces.values():
                 publisher.record(st.name, events.all_cleared())
 
         def one(b: Block) -> None:
             if b.host_state == READY:
-                self._event(b, "host", True)
+                self.event(b, "host", True)
             if b.disk is not None:
-                self._event(b, "disk", True)
+                self.event(b, "disk", True)
             if b.gpu_slot >= 0 and not b.gpu_filling:
-                self._event(b, "gpu", True)
-            if self._remote_memory is not None and self._remote_memory.had(b.ikey, time.monotonic()):
-                self._event(b, "remote", True)
-        self._each_block(one)
+                self.event(b, "gpu", True)
+            if self.remote_had(b):
+                self.event(b, "remote", True)
+        self.walk(one)
 
-    def _event(self, b: Block, tier: str, stored: bool, token_ids=None) -> None:
+    def event(self, b: Block, tier: str, stored: bool, token_ids=None) -> None:
+        """(Lock held; a publisher attached.) `b` was stored in or removed from `tier`."""
         st = b.st
         if stored:
             ev = events.block_stored([b.key], b.parent[16:] if b.parent else None,
@@ -49,4 +66,8 @@ class EventFeed:
                                      tier, token_ids)
         else:
             ev = events.block_removed([b.key], tier)
-        self._events.record(st.name, ev)
+        self.publisher.record(st.name, ev)
+
+    def removed(self, ns_id: bytes, key: bytes, tier: str) -> None:
+        """(Lock held; a publisher attached.) The block `key` of namespace `ns_id` left `tier`."""
+        self.publisher.record(ns_id.hex()[:16], events.block_removed([key], tier))

@@ -1,125 +1,116 @@
-"""The block index and residency bookkeeping: block records, chain links, what each tier
-holds, and the shared lookup index the daemon publishes. Memory only, always under the store's
-lock.
-
-Invariants: a block is in `_blocks` iff it has a host slot (any state), a disk copy or a disk
-write in flight (`_forget_if_gone`); `st.records` counts a namespace's records; a READY block is
-in its tier's eviction order, a RESERVED or LOADING one is not; resident-children counts may
-under-estimate after a parent is re-created, never over-estimate (eviction order only)."""
+"""The block index: every block the store knows (`Block` records by ikey), their chain links,
+which tiers hold them (entering and leaving a tier, dropping a copy, flushed copies), the
+host copies' clean/dirty accounting, and the shared lookup index the daemon publishes. Memory
+only; every method is called with the store's lock held."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
-from .records import ABSENT, DOOM_DISK, DOOM_HOST, LOADING, READY, Block, NsState
+from ..policy import make_policy
+from .records import (
+    ABSENT,
+    DOOM_DISK,
+    DOOM_HOST,
+    LOADING,
+    READY,
+    Block,
+    NsState,
+    disk_evictable,
+    disk_servable,
+    has_copy,
+    host_evictable,
+    host_servable,
+)
+from .residency import Resident
 
 
 class BlockIndex:
-    """Part of `TieredStore` (see its docstring): state and lock are the store's."""
+    """The store's blocks and where each one is. Called with the store's lock held.
 
-    def _link(self, b: Block, parent_ikey: bytes | None) -> None:
+    Fields: `blocks` (ikey -> Block), the three tiers' residency records (`host`, `disk`,
+    `gpu`: `Resident`, their tiers set by the store as it opens them), `dirty`, `clean_bytes`,
+    `dirty_bytes` and `pad_bytes` (below), and `shared`, the daemon's shared lookup index
+    (`tierd.index`, None until attached), in which every change of a block is published.
+    Collaborators: the namespace table, the event feed, and `keeping` (the host block records,
+    keeping.py: told when a host copy becomes READY or is flushed; set once by the store, as
+    re-adoption needs this index first).
+
+    Invariants:
+    - a block is in `blocks` iff it has a host slot (any state), a disk copy or a disk write in
+      flight (`forget_if_gone`), and is not an orphan; `st.records` counts a namespace's
+      records, and `st` is the table's state of its namespace (`NamespaceTable.live`);
+    - a READY block is in its tier's eviction order, a RESERVED or LOADING one is not;
+    - resident-children counts may under-estimate after a parent is re-created, never
+      over-estimate (they only order eviction: a wrong count never pins a block forever);
+    - `dirty` holds exactly the blocks whose `clean` is 0 (READY in host RAM, no disk copy), in
+      the order they became so, and `dirty_bytes` sums their host slots; `clean_bytes` sums
+      the host slots of those whose `clean` is 1 (READY with a disk copy);
+    - `pad_bytes` sums the slot padding (slot size - block size) of the blocks READY in host RAM;
+    - a block's published state changes in the same hold of the lock as the block: clients
+      read published host slots without a lease (tierd/index.py)."""
+
+    def __init__(self, namespaces, feed, eviction_policy: str):
+        self.blocks: dict[bytes, Block] = {}
+        self.namespaces = namespaces
+        self.feed = feed
+        self.keeping = None
+        self.host = Resident("host", make_policy(eviction_policy), self.blocks, slot_of=lambda b: b.host_slot,
+                             children_of=lambda b: b.host_children, evictable=host_evictable)
+        self.disk = Resident("disk", make_policy(eviction_policy), self.blocks, slot_of=lambda b: b.disk.slot,
+                             children_of=lambda b: b.disk_children, evictable=disk_evictable)
+        self.gpu = Resident("gpu", make_policy("lru"), self.blocks, slot_of=lambda b: b.gpu_slot,
+                            children_of=lambda b: 0, evictable=lambda b: b.gpu_pins == 0)
+        self.dirty: dict[bytes, Block] = {}
+        self.clean_bytes = self.dirty_bytes = 0
+        self.pad_bytes = 0
+        self.shared = None
+
+    def link(self, b: Block, parent_ikey: bytes | None) -> None:
         if parent_ikey is None or b.parent is not None or parent_ikey == b.ikey:
             return
         b.parent = parent_ikey
-        p = self._blocks.get(parent_ikey)
+        p = self.blocks.get(parent_ikey)
         if p is not None:
             p.host_children += b.host_state == READY
             p.disk_children += b.disk is not None
 
-    def _relink(self, pid: bytes, keys: Sequence[bytes], parent: bytes | None) -> None:
+    def relink(self, pid: bytes, keys: Sequence[bytes], parent: bytes | None) -> None:
         """A chain seen again (existing blocks) is linked for eviction order too."""
         for i, k in enumerate(keys):
-            b = self._blocks.get(pid + k)
+            b = self.blocks.get(pid + k)
             if b is not None and b.parent is None:
-                self._link(b, pid + keys[i - 1] if i else (pid + parent if parent else None))
+                self.link(b, pid + keys[i - 1] if i else (pid + parent if parent else None))
 
-    def attach_index(self, index) -> None:
-        """Publish every block's presence in `index` (a tierd.index.SharedIndex) from now on."""
-        with self._cond:
-            self._index = index
-            for b in self._blocks.values():
-                self._publish(b)
-            self._note_stall()
-
-    SCAN_CHUNK = 2048     # most blocks an O(N) walk handles per hold of the lock
-    SCAN_HOLD_S = 0.002   # and the longest it holds the lock at a time
-    SCAN_YIELD_S = 5e-5   # how long it stays out between holds, so that a waiter gets the lock
-
-    def _each_block(self, fn, ns_id: bytes | None = None) -> None:
-        """Call `fn(block)` (lock held) for every block indexed now, a chunk at a time: the lock
-        is held for at most `SCAN_CHUNK` blocks or `SCAN_HOLD_S`, whichever comes first, then
-        let go for `SCAN_YIELD_S`, so an O(N) walk (snapshots, flushes, syncs) never keeps
-        other callers out for more than a few milliseconds. (Letting go and taking the lock at
-        once is not enough: `threading.Lock` is not fair, and the walker, already running,
-        takes it again before a woken waiter is scheduled.) A block that leaves meanwhile is
-        skipped; one that comes meanwhile may be missed."""
-        with self._cond:
-            ikeys = list(self._blocks)   # one C-level copy of the keys
-        i, n, clock = 0, len(ikeys), time.perf_counter
-        while i < n:
-            with self._cond:
-                self._check_open()
-                deadline = clock() + self.SCAN_HOLD_S
-                end = min(n, i + self.SCAN_CHUNK)
-                while i < end:
-                    for ikey in ikeys[i:min(end, i + 64)]:
-                        b = self._blocks.get(ikey)
-                        if b is not None and (ns_id is None or b.st.ns_id == ns_id):
-                            fn(b)
-                    i = min(end, i + 64)
-                    if clock() >= deadline:
-                        break
-            if i < n:
-                time.sleep(self.SCAN_YIELD_S)
-
-    def refresh_health(self) -> None:
-        """Notice a stalled disk now (the daemon calls this with its heartbeat, so the shared
-        index stops counting a hung disk's blocks even while nobody asks the daemon).
-        Lock-free: the heartbeat runs on the daemon's event loop, which never waits for the
-        store lock; it reads only the disk's calls in flight and sets the index's flag."""
-        disk, index = self.disk, self._index
-        if index is not None:
-            io = disk.oldest_io() if disk is not None else None
-            index.set_disk_ok(io is None or io[1] < self.config.disk_stall_s)
-
-    def _publish(self, b: Block) -> None:
-        """(Lock held.) Publish `b`'s state in the shared index. Called wherever it changes —
-        in particular in the same hold of the lock that frees its host slot (`_drop_host`):
-        clients read published host slots without a lease (tierd/index.py)."""
-        if self._index is not None and not b.orphan:   # an orphan's key is another block's
-            host = self._host_servable(b)
-            self._index.set(b.st.ns_id, b.key, host | (self._disk_servable(b) << 1)
+    def publish(self, b: Block) -> None:
+        """Publish `b`'s state in the shared index. Called wherever it changes — in particular
+        in the same hold of the lock that frees its host slot (`drop_host`): clients read
+        published host slots without a lease (tierd/index.py)."""
+        if self.shared is not None and not b.orphan:   # an orphan's key is another block's
+            host = host_servable(b)
+            self.shared.set(b.st.ns_id, b.key, host | (disk_servable(b) << 1)
                             | ((b.host_state == LOADING and not b.doomed & DOOM_HOST) << 2),
-                            self.host.offset(b.host_slot) if host else -1)
+                            self.host.tier.offset(b.host_slot) if host else -1)
 
-    @staticmethod
-    def _host_servable(b: Block) -> bool:
-        return b.host_state == READY and not b.doomed & DOOM_HOST
-
-    @staticmethod
-    def _disk_servable(b: Block) -> bool:
-        return b.disk is not None and not b.doomed & DOOM_DISK
-
-    def _doom(self, b: Block, copies: int) -> None:
-        """(Lock held.) A flush dropped these copies of `b` while they are pinned (leased, being
-        read or written): from now on they are not served, and they go when their pins do."""
+    def doom(self, b: Block, copies: int) -> None:
+        """A flush dropped these copies of `b` while they are pinned (leased, being read or
+        written): from now on they are not served, and they go when their pins do."""
         b.doomed |= copies
         if copies & DOOM_HOST:
-            self._keep_forget(b)   # a flushed block never comes back after a restart
-        self._publish(b)
-        self._reap(b)
+            self.keeping.forget(b)   # a flushed block never comes back after a restart
+        self.publish(b)
+        self.reap(b)
 
-    def _retire_doomed(self, b: Block) -> bool:
-        """(Lock held.) Before a write of `b`'s key (`b` the block `_blocks` holds for it): if a
-        flush dropped every copy of `b` while they were pinned — a host copy leased, being
-        recorded or being read up (LOADING), a disk copy being read, a disk write in flight
-        (which the flush's fence discards when it lands) — `b` leaves the key now: an orphan,
-        out of `_blocks`, the policies, the tiers' counts and the shared index, whose slots are
-        freed when its pins go (`_drop_host`, `_drop_disk`). The write then goes ahead. Else it
-        would find the key present and skip it, and the doomed copies would go after: the key
-        lost right after a put that said it was stored. False, changing nothing, while `b` has
-        a copy no flush dropped (or an HBM copy)."""
+    def retire_doomed(self, b: Block) -> bool:
+        """Before a write of `b`'s key (`b` the block `blocks` holds for it): if a flush dropped
+        every copy of `b` while they were pinned — a host copy leased, being recorded or being
+        read up (LOADING), a disk copy being read, a disk write in flight (which the flush's
+        fence discards when it lands) — `b` leaves the key now: an orphan, out of `blocks`, the
+        policies, the tiers' counts and the shared index, whose slots are freed when its pins go
+        (`drop_host`, `drop_disk`). The write then goes ahead. Else it would find the key
+        present and skip it, and the doomed copies would go after: the key lost right after a
+        put that said it was stored. False, changing nothing, while `b` has a copy no flush
+        dropped (or an HBM copy)."""
         if not b.doomed or b.gpu_slot >= 0:
             return False
         host = b.host_state == ABSENT or (b.doomed & DOOM_HOST and b.host_state in (READY, LOADING))
@@ -127,155 +118,178 @@ class BlockIndex:
         if not (host and disk):
             return False
         if b.host_state == READY:                  # (a LOADING copy never entered)
-            self._rh.policy.remove(b.ikey, evicted=False)
-            self._leave(b, "host")
+            self.host.policy.remove(b.ikey, evicted=False)
+            self.leave(b, "host")
         if b.disk is not None:
-            self._rd.policy.remove(b.ikey, evicted=False)
-            self._leave(b, "disk")
+            self.disk.policy.remove(b.ikey, evicted=False)
+            self.leave(b, "disk")
         b.orphan = True
-        del self._blocks[b.ikey]
+        del self.blocks[b.ikey]
         b.st.records -= 1
         return True
 
-    def _reap(self, b: Block) -> None:
-        """(Lock held.) Drop the doomed copies of `b` whose pins are gone; called wherever a pin
-        of a block ends."""
+    def reap(self, b: Block) -> None:
+        """Drop the doomed copies of `b` whose pins are gone; called wherever a pin of a block
+        ends."""
         if not b.doomed:
             return
-        if b.doomed & DOOM_HOST and (b.host_state == ABSENT or self._host_evictable(b)):
+        if b.doomed & DOOM_HOST and (b.host_state == ABSENT or host_evictable(b)):
             b.doomed &= ~DOOM_HOST
             if b.host_state != ABSENT:
-                self._drop_host(b, evicted=False)
+                self.drop_host(b, evicted=False)
         # (a write in flight keeps the mark: the fence discards what it writes when it lands)
         if b.doomed & DOOM_DISK and not b.disk_writing and (b.disk is None or b.disk_pins == 0):
             b.doomed &= ~DOOM_DISK
             if b.disk is not None:
-                self._drop_disk(b, evicted=False)
+                self.drop_disk(b, evicted=False)
 
-    def _enter(self, b: Block, tier: str, event: bool = True) -> None:
-        self._publish(b)
-        if self._events is not None and event:
-            self._event(b, tier, True)
-        p = self._blocks.get(b.parent) if b.parent else None
+    def enter(self, b: Block, tier: str, event: bool = True) -> None:
+        """`b`'s copy in `tier` ("host" or "disk") is in place: published, counted, recorded."""
+        self.publish(b)
+        if self.feed.on and event:
+            self.feed.event(b, tier, True)
+        p = self.blocks.get(b.parent) if b.parent else None
         if tier == "host":
-            self._keep_note(b)
-            self._mark_clean(b, 1 if b.disk is not None else 0)
+            self.keeping.note(b)
+            self.mark_clean(b, 1 if b.disk is not None else 0)
             b.st.counters["host_blocks"] += 1
-            self._pad_bytes += b.st.host_slot_bytes - b.st.block_bytes
+            self.pad_bytes += b.st.host_slot_bytes - b.st.block_bytes
             if p is not None:
                 p.host_children += 1
         else:
             if b.clean == 0:
-                self._mark_clean(b, 1)
+                self.mark_clean(b, 1)
             b.st.counters["disk_blocks"] += 1
             if p is not None:
                 p.disk_children += 1
 
-    def _leave(self, b: Block, tier: str) -> None:
+    def leave(self, b: Block, tier: str) -> None:
         # Counts may under-estimate after a parent is re-created, never over-estimate: a
         # wrong count can reorder eviction but never pin a block forever.
-        if self._events is not None:
-            self._event(b, tier, False)
-        p = self._blocks.get(b.parent) if b.parent else None
+        if self.feed.on:
+            self.feed.event(b, tier, False)
+        p = self.blocks.get(b.parent) if b.parent else None
         if tier == "host":
-            self._mark_clean(b, -1)
+            self.mark_clean(b, -1)
             b.st.counters["host_blocks"] -= 1
-            self._pad_bytes -= b.st.host_slot_bytes - b.st.block_bytes
+            self.pad_bytes -= b.st.host_slot_bytes - b.st.block_bytes
             if p is not None and p.host_children > 0:
                 p.host_children -= 1
         else:
             if b.clean == 1:
-                self._mark_clean(b, 0)
+                self.mark_clean(b, 0)
             b.st.counters["disk_blocks"] -= 1
             if p is not None and p.disk_children > 0:
                 p.disk_children -= 1
 
-    def _mark_clean(self, b: Block, clean: int) -> None:
-        """(Lock held.) `b.clean` becomes `clean` (1: READY in host RAM with a disk copy,
-        0: without one, -1: not READY in host RAM); `_dirty` and the byte counts follow.
-        Invariants: `_dirty` holds exactly the blocks whose `clean` is 0, in the order they
-        became so, and `_dirty_bytes` sums their host slots; `_clean_bytes` sums the host
-        slots of those whose `clean` is 1."""
+    def mark_clean(self, b: Block, clean: int) -> None:
+        """`b.clean` becomes `clean` (1: READY in host RAM with a disk copy, 0: without one,
+        -1: not READY in host RAM); `dirty` and the byte counts follow (see the invariants)."""
         old = b.clean
         if old == clean:
             return
         if old == 1:
-            self._clean_bytes -= b.st.host_slot_bytes
+            self.clean_bytes -= b.st.host_slot_bytes
         elif old == 0:
-            self._dirty_bytes -= b.st.host_slot_bytes
-            if self._dirty.get(b.ikey) is b:
-                del self._dirty[b.ikey]
+            self.dirty_bytes -= b.st.host_slot_bytes
+            if self.dirty.get(b.ikey) is b:
+                del self.dirty[b.ikey]
         if clean == 1:
-            self._clean_bytes += b.st.host_slot_bytes
+            self.clean_bytes += b.st.host_slot_bytes
         elif clean == 0:
-            self._dirty_bytes += b.st.host_slot_bytes
-            self._dirty[b.ikey] = b
+            self.dirty_bytes += b.st.host_slot_bytes
+            self.dirty[b.ikey] = b
         b.clean = clean
 
-    def _new_block(self, ikey: bytes, st: NsState, key: bytes) -> Block:
-        """(Lock held.) Index a new block record. Invariant: `st.records` counts the records
-        of `st` in `_blocks`, and `st` is the table's state of its namespace
-        (`NamespaceTable.live`)."""
-        st = self._namespaces.live(st)
-        b = self._blocks[ikey] = Block(ikey, st, key)
+    def new_block(self, ikey: bytes, st: NsState, key: bytes) -> Block:
+        """Index a new block record (of the table's state of `st`'s namespace)."""
+        st = self.namespaces.live(st)
+        b = self.blocks[ikey] = Block(ikey, st, key)
         st.records += 1
         return b
 
-    @staticmethod
-    def _has_copy(b: Block) -> bool:
-        """`b` holds a host slot (any state), a disk copy, or a disk write in flight."""
-        return b.host_state != ABSENT or b.disk is not None or b.disk_writing
+    def adopt_recovered(self, disk) -> None:
+        """Index the blocks `disk` (a disk tier just opened) found at open, oldest first in
+        eviction order. (Lock held, or at the store's own open, before anyone else has it.)"""
+        adopted = []
+        for e in sorted(disk.recovered, key=lambda e: e.seq):
+            st = self.namespaces.get(e.ns_id) or self.namespaces.recovered(e.ns_id, e.raw_len,
+                                                                           disk.namespaces.get(e.ns_id, {}))
+            b = self.blocks.get(e.ns_id + e.key)
+            if b is not None:
+                # a reopened directory: this node still holds the block in RAM; the copy on disk
+                # joins it (the old disk tier's copies were forgotten with it)
+                if b.disk is not None or b.disk_writing:
+                    disk.free_slot(e.slot)
+                    continue
+            else:
+                b = self.new_block(e.ns_id + e.key, st, e.key)
+                b.parent = (e.ns_id + e.parent) if e.parent else None
+            b.disk = e
+            adopted.append(b)
+            self.publish(b)
+            self.disk.owner[e.slot] = b
+            self.disk.policy.insert(b.ikey)
+            if b.clean == 0:
+                self.mark_clean(b, 1)          # a host block that has a disk copy again
+            b.st.counters["disk_blocks"] += 1
+        for b in adopted:
+            p = self.blocks.get(b.parent) if b.parent else None
+            if p is not None:
+                p.disk_children += 1
+        disk.recovered = []
 
-    def _forget_if_gone(self, b: Block) -> None:
-        if not self._has_copy(b):
-            if self._blocks.get(b.ikey) is b:
-                del self._blocks[b.ikey]
+    def forget_if_gone(self, b: Block) -> None:
+        if not has_copy(b):
+            if self.blocks.get(b.ikey) is b:
+                del self.blocks[b.ikey]
                 b.st.records -= 1
 
-    def _host_evictable(self, b: Block) -> bool:
-        return b.host_state == READY and b.host_pins == 0 and not b.disk_writing
-
-    def _disk_evictable(self, b: Block) -> bool:
-        return b.disk is not None and b.disk_pins == 0
-
-    def _drop_host(self, b: Block, *, evicted: bool) -> None:
+    def drop_host(self, b: Block, *, evicted: bool) -> None:
         if b.gpu_slot >= 0:
-            self._drop_gpu(b, evicted=False)   # inclusive: no HBM copy without the host copy
+            self.drop_gpu(b, evicted=False)   # inclusive: no HBM copy without the host copy
         if b.host_state == READY and not b.orphan:    # (an orphan left both when it became one)
-            self._rh.policy.remove(b.ikey, evicted=evicted)
-            self._leave(b, "host")
-        self._free(self._rh, b.host_slot, evicted=evicted)
+            self.host.policy.remove(b.ikey, evicted=evicted)
+            self.leave(b, "host")
+        self.host.free(b.host_slot, evicted=evicted)
         b.host_slot, b.host_state = -1, ABSENT
-        self._publish(b)
-        self._forget_if_gone(b)
+        self.publish(b)
+        self.forget_if_gone(b)
 
-    def _drop_gpu(self, b: Block, *, evicted: bool) -> None:
-        if self._events is not None:
-            self._event(b, "gpu", False)
-        self._rg.policy.remove(b.ikey, evicted=evicted)
-        self._free(self._rg, b.gpu_slot, evicted=evicted)
+    def drop_gpu(self, b: Block, *, evicted: bool) -> None:
+        if self.feed.on:
+            self.feed.event(b, "gpu", False)
+        self.gpu.policy.remove(b.ikey, evicted=evicted)
+        self.gpu.free(b.gpu_slot, evicted=evicted)
         b.gpu_slot = -1
 
-    def _drop_disk(self, b: Block, *, evicted: bool, free: bool = True) -> None:
-        """(Lock held.) Forget `b`'s disk copy; with `free=False` its slot stays taken until its
-        header is erased on disk (`_tombstone`)."""
+    def drop_disk(self, b: Block, *, evicted: bool, free: bool = True) -> None:
+        """Forget `b`'s disk copy; with `free=False` its slot stays taken until its header is
+        erased on disk (`Promotion.tombstone`)."""
         if not b.orphan:                     # (an orphan left both when it became one)
-            self._rd.policy.remove(b.ikey, evicted=evicted)
-            self._leave(b, "disk")
-        self._free(self._rd, b.disk.slot, evicted=evicted, free=free)
+            self.disk.policy.remove(b.ikey, evicted=evicted)
+            self.leave(b, "disk")
+        self.disk.free(b.disk.slot, evicted=evicted, free=free)
         b.disk = None
-        self._publish(b)
-        self._forget_if_gone(b)
+        self.publish(b)
+        self.forget_if_gone(b)
 
-    def _unindex_disk(self, b: Block) -> int:
-        """(Lock held.) Take `b`'s disk copy out of the index for good; its slot stays taken
-        until `_tombstone` has erased the header on disk (outside the lock). Returns the slot."""
+    def forget_disk(self, policy) -> None:
+        """The disk tier's files are gone: every disk copy is forgotten, and the disk's
+        residency record starts afresh, `policy` its eviction order."""
+        for b in [b for b in self.blocks.values() if b.disk is not None]:
+            self.drop_disk(b, evicted=False)
+        for b in self.disk.owner.values():
+            if b.orphan:
+                # a doomed copy a read still pins, whose key was written again (out of
+                # `blocks`): it goes with the old tier; when its pin goes nothing is left to drop
+                b.disk = None
+        self.disk.owner.clear()
+        self.disk.policy = policy
+
+    def unindex_disk(self, b: Block) -> int:
+        """Take `b`'s disk copy out of the index for good; its slot stays taken until its
+        header is erased on disk (outside the lock). Returns the slot."""
         slot = b.disk.slot
-        self._drop_disk(b, evicted=False, free=False)
+        self.drop_disk(b, evicted=False, free=False)
         return slot
-
-    @staticmethod
-    def _unsynced(b: Block) -> bool:
-        """A host-only block that a sync or a demotion would write to disk (not one a flush
-        dropped while it was leased: written down, it would come back as a disk copy)."""
-        return b.host_state == READY and not b.doomed & DOOM_HOST and b.disk is None and not b.disk_writing

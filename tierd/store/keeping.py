@@ -1,5 +1,5 @@
 """Keeping host blocks across restarts: block records, and the re-adoption of an earlier arena's
-blocks at open. Part of `TieredStore` (its one lock guards the queue and the blocks; the records
+blocks at open. A part of `TieredStore` (the store's lock guards the queue and the blocks; the records
 file is the host tier's, `tiers/host_records.py`).
 
 **Recording.** A put acknowledged is a put recorded. A block that becomes READY in host RAM
@@ -21,7 +21,7 @@ tmpfs) or whose namespace found no room in the log: it pins a batch, reserves wh
 checksums them outside the lock (xxh3, which lets go of the GIL), and writes each record under
 the lock only if the block is still READY in the same slot and not flushed. It runs at the
 lowest priority (`KEEP_NICE`), so a busy machine can starve it: what it left waiting longer than
-`KEEP_DUE_S` is recorded by a second thread at normal priority (`_keep_due_loop`), so a block
+`KEEP_DUE_S` is recorded by a second thread at normal priority (`HostKeeping._due_loop`), so a block
 without its checksum is recorded within about KEEP_DUE_S of its commit plus the hash at a fair
 share of the CPU (stats: `keep_pending`, `records_due`). A record is cleared before its slot
 is freed (`HostTier.free_slot`) and when a flush dooms the block. A block that was not yet
@@ -104,48 +104,66 @@ def _check_not_busy(path: str) -> None:
 
 
 class HostKeeping:
-    """Part of `TieredStore` (see its docstring): state and lock are the store's."""
+    """The host blocks' records for restarts, and their re-adoption (see the module docstring).
+
+    Fields: `queue` (blocks waiting for the keeper, oldest first, each with when it was queued;
+    None when the host tier keeps no records), `busy` (blocks of the batches being
+    checksummed), `counters` (for stats), `seqs` (records' sequence numbers), the two threads
+    and their wake-ups. Collaborators: the store's lock (`cond`: it guards the queue, the
+    counters and the blocks), the block index (the host tier and its residency record, new
+    block records, `enter`, `reap`) and the namespace table (re-adoption's namespaces).
+
+    Invariants (where the host tier keeps records): a block READY in host RAM, not flushed, is
+    recorded, queued, or in a batch being checksummed (pinned) — or counted `unrecorded`; a
+    record is written only for a block still READY in the slot it describes and not flushed; a
+    record is cleared before its slot is freed (`HostTier.free_slot`) and when a flush dooms
+    its block (`forget`)."""
 
     KEEP_BATCH_BYTES = 16 << 20   # most bytes the keeper pins and checksums at a time
     KEEP_SETTLE_BLOCKS = 16       # records it writes per hold of the store lock
     KEEP_CLOSE_S = 30.0           # how long a close waits for the keeper's backlog
-    KEEP_DUE_S = 1.0              # queued longer than this: recorded at normal priority (_keep_due_loop)
+    KEEP_DUE_S = 1.0              # queued longer than this: recorded at normal priority (_due_loop)
 
-    def _keep_init(self) -> None:
-        # blocks waiting for the keeper, oldest first, each with when it was queued
-        self._keep_queue: collections.deque[tuple[Block, float]] | None = (
+    def __init__(self, cond, index, namespaces):
+        self.cond = cond
+        self.index = index
+        self.namespaces = namespaces
+        self.host = index.host.tier
+        self.queue: collections.deque[tuple[Block, float]] | None = (
             collections.deque() if self.host.records is not None else None)
-        self._keep_wake = threading.Event()
-        self._keep_due_wake = threading.Event()   # (only to stop the due thread at once)
-        self._keep_seqs = itertools.count(1)   # records' sequence numbers (next() is atomic)
-        self._keep_busy = 0           # blocks of the batches being checksummed
-        self._keep_stop = False
-        self._keep_failing = False
-        self._keep_stats = {"adopted_blocks": 0, "adopted_bytes": 0, "adopt_dropped": 0,
-                            "adopt_seconds": 0.0, "records_written": 0, "records_hashed": 0,
-                            "records_due": 0, "unrecorded": 0}
-        self._keeper = self._keep_due = None
+        self.wake = threading.Event()
+        self.due_wake = threading.Event()   # (only to stop the due thread at once)
+        self.seqs = itertools.count(1)      # (next() is atomic)
+        self.busy = 0
+        self.stopping = False
+        self.failing = False                # writing records fails (logged once per episode)
+        self.counters = {"adopted_blocks": 0, "adopted_bytes": 0, "adopt_dropped": 0,
+                         "adopt_seconds": 0.0, "records_written": 0, "records_hashed": 0,
+                         "records_due": 0, "unrecorded": 0}
+        self.keeper = self.due_thread = None
 
+    # (`_keep_start` and `_keep_loop` keep their names: tests/test_records_ack.py stops the
+    # keeper by replacing them)
     def _keep_start(self) -> None:
-        if self._keep_queue is not None:
-            self._keeper = threading.Thread(target=self._keep_loop, name="tierd-keeper", daemon=True)
-            self._keeper.start()
-            self._keep_due = threading.Thread(target=self._keep_due_loop, name="tierd-keeper-due",
-                                              daemon=True)
-            self._keep_due.start()
+        if self.queue is not None:
+            self.keeper = threading.Thread(target=self._keep_loop, name="tierd-keeper", daemon=True)
+            self.keeper.start()
+            self.due_thread = threading.Thread(target=self._due_loop, name="tierd-keeper-due",
+                                               daemon=True)
+            self.due_thread.start()
 
-    def _keep_note(self, b: Block) -> None:
+    def note(self, b: Block) -> None:
         """(Lock held.) `b` became READY in host RAM: record it now when its writer gave its
         checksum (a few microseconds: memory writes into the records files), else soon, off the
         critical path (the keeper; within about KEEP_DUE_S on a busy machine)."""
-        if self._keep_queue is not None:
-            if b.csum >= 0 and self._keep_now(b):
+        if self.queue is not None:
+            if b.csum >= 0 and self._record_now(b):
                 return
-            self._keep_queue.append((b, time.monotonic()))
-            if not self._keep_wake.is_set():   # (once per wake-up, not per block: set() takes a lock)
-                self._keep_wake.set()
+            self.queue.append((b, time.monotonic()))
+            if not self.wake.is_set():   # (once per wake-up, not per block: set() takes a lock)
+                self.wake.set()
 
-    def _keep_now(self, b: Block) -> bool:
+    def _record_now(self, b: Block) -> bool:
         """(Lock held.) Write `b`'s record with the checksum its writer gave, its namespace's
         description first if it is not on file yet: memory writes, no file work. False only when
         one of them has no room (a full tmpfs, or a full namespace log): the keeper then tries
@@ -160,16 +178,16 @@ class HostKeeping:
         off = self.host.alloc.offset(b.host_slot)
         if not rec.write_packed(off, self._record_of(b, b.host_slot, b.csum)):
             return False
-        self._keep_stats["records_written"] += 1
+        self.counters["records_written"] += 1
         return True
 
     def _record_of(self, b: Block, slot: int, csum: int) -> bytes:
         """`b`'s record, packed, for its copy in `slot` with checksum `csum` (a new sequence number)."""
         return pack_record(HostRecord(self.host.alloc.offset(slot), b.st.ns_id, b.key,
                                       b.parent[len(b.st.ns_id):] if b.parent else None, b.st.block_bytes,
-                                      next(self._keep_seqs), csum, FLAG_DECODED if b.decoded else 0))
+                                      next(self.seqs), csum, FLAG_DECODED if b.decoded else 0))
 
-    def _keep_forget(self, b: Block) -> None:
+    def forget(self, b: Block) -> None:
         """(Lock held.) A flush doomed `b`'s host copy: its record goes now, before its pins do."""
         rec = self.host.records
         if rec is not None and b.host_slot >= 0:
@@ -183,46 +201,46 @@ class HostKeeping:
         except (OSError, AttributeError):
             pass
         while True:
-            self._keep_wake.wait(0.5)
-            self._keep_wake.clear()
+            self.wake.wait(0.5)
+            self.wake.clear()
             try:
-                while self._keep_round():
+                while self._round():
                     pass
             except Exception:  # noqa: BLE001 -- records are best effort; serving goes on
                 log.exception("host tier: recording blocks failed; blocks stored from now on may "
                               "not survive a restart")
                 return
-            if self._keep_stop:
+            if self.stopping:
                 return
 
-    def _keep_due_loop(self) -> None:
+    def _due_loop(self) -> None:
         """Record, at normal priority, what waited on the keeper longer than KEEP_DUE_S (a busy
         machine starves the keeper): the bound on how long a block stays unrecorded. Idle, this
         thread wakes once per KEEP_DUE_S to look at the oldest queued block."""
         while True:
-            with self._cond:
-                if self._keep_stop:
+            with self.cond:
+                if self.stopping:
                     return
-                q = self._keep_queue
+                q = self.queue
                 wait = self.KEEP_DUE_S if not q else q[0][1] + self.KEEP_DUE_S - time.monotonic()
             if wait > 0:
-                self._keep_due_wake.wait(wait)
+                self.due_wake.wait(wait)
                 continue
             try:
-                while self._keep_round(due=time.monotonic() - self.KEEP_DUE_S):
+                while self._round(due=time.monotonic() - self.KEEP_DUE_S):
                     pass
             except Exception:  # noqa: BLE001 -- records are best effort; serving goes on
                 log.exception("host tier: recording overdue blocks failed")
                 return
 
-    def _keep_round(self, due: float | None = None) -> bool:
+    def _round(self, due: float | None = None) -> bool:
         """Record one batch of queued blocks (with `due`: only those queued before it); False
         when there was none."""
         rec = self.host.records
         batch = []
         nbytes = 0
-        with self._cond:
-            q = self._keep_queue
+        with self.cond:
+            q = self.queue
             while q and nbytes < self.KEEP_BATCH_BYTES and (due is None or q[0][1] <= due):
                 b, _ = q.popleft()
                 if b.host_state != READY or b.doomed & DOOM_HOST or b.host_slot < 0:
@@ -230,9 +248,9 @@ class HostKeeping:
                 b.host_pins += 1
                 batch.append((b, b.host_slot, b.csum))
                 nbytes += b.st.block_bytes
-            self._keep_busy += len(batch)
+            self.busy += len(batch)
             if due is not None:
-                self._keep_stats["records_due"] += len(batch)
+                self.counters["records_due"] += len(batch)
         if not batch:
             return False
         named = True
@@ -240,15 +258,15 @@ class HostKeeping:
             rec.reserve_pages(rec.pages_for(self.host.alloc.offset(slot) for _, slot, _ in batch))
         except OSError as e:
             named = False
-            with self._cond:
-                self._keep_stats["unrecorded"] += len(batch)
-            if not self._keep_failing:    # once per episode (stats count every block)
-                self._keep_failing = True
+            with self.cond:
+                self.counters["unrecorded"] += len(batch)
+            if not self.failing:    # once per episode (stats count every block)
+                self.failing = True
                 log.error("host tier: cannot write block records (%s); blocks stored meanwhile will not "
                           "survive a restart (stats: unrecorded)", e)
         else:
-            if self._keep_failing:
-                self._keep_failing = False
+            if self.failing:
+                self.failing = False
                 log.info("host tier: block records are written again")
         # no records can be written: the batch is only unpinned, not checksummed for nothing
         # Checksums and records are made outside the lock (the blocks are pinned; a parent or
@@ -264,56 +282,62 @@ class HostKeeping:
                 continue
             if csum < 0:
                 csum = checksum(self.host.view(slot, b.st.block_bytes))
-                self._keep_stats["records_hashed"] += 1
+                self.counters["records_hashed"] += 1
             recs.append(self._record_of(b, slot, csum))
         for i in range(0, len(batch), self.KEEP_SETTLE_BLOCKS):
             if i:
                 time.sleep(0)   # let the GIL and the lock go to requests between chunks
-            with self._cond:
+            with self.cond:
                 for (b, slot, _), data in zip(batch[i:i + self.KEEP_SETTLE_BLOCKS], recs[i:i + self.KEEP_SETTLE_BLOCKS]):
                     b.host_pins -= 1
-                    if (data is not None and not self._keep_stop and b.host_slot == slot
+                    if (data is not None and not self.stopping and b.host_slot == slot
                             and b.host_state == READY and not b.doomed & DOOM_HOST):
                         if (rec.note_namespace(b.st.ns_id, b.st.desc)
                                 and rec.write_packed(self.host.alloc.offset(slot), data)):
-                            self._keep_stats["records_written"] += 1
+                            self.counters["records_written"] += 1
                         else:
-                            self._keep_stats["unrecorded"] += 1
-                    self._reap(b)
-                    self._keep_busy -= 1
-                self._cond.notify_all()
+                            self.counters["unrecorded"] += 1
+                    self.index.reap(b)
+                    self.busy -= 1
+                self.cond.notify_all()
         return True
 
-    def _keep_close(self) -> None:
+    def close(self) -> None:
         """Record the backlog (at most KEEP_CLOSE_S), then stop the keeper and the due thread."""
-        if self._keeper is None:
+        if self.keeper is None:
             return
         deadline = time.monotonic() + self.KEEP_CLOSE_S
-        while self._keeper.is_alive() and time.monotonic() < deadline:
-            with self._cond:
-                if not self._keep_queue and not self._keep_busy:
+        while self.keeper.is_alive() and time.monotonic() < deadline:
+            with self.cond:
+                if not self.queue and not self.busy:
                     break
-            self._keep_wake.set()
+            self.wake.set()
             time.sleep(0.01)
-        with self._cond:
-            left = len(self._keep_queue)
-            self._keep_stop = True
-        self._keep_wake.set()
-        self._keep_due_wake.set()
-        self._keeper.join(max(0.1, deadline - time.monotonic()))
-        if self._keep_due is not None:
-            self._keep_due.join(max(0.1, deadline - time.monotonic()))
+        with self.cond:
+            left = len(self.queue)
+            self.stopping = True
+        self.wake.set()
+        self.due_wake.set()
+        self.keeper.join(max(0.1, deadline - time.monotonic()))
+        if self.due_thread is not None:
+            self.due_thread.join(max(0.1, deadline - time.monotonic()))
         if left:
             log.warning("host tier: %d blocks were not recorded before the close; they will not be "
                         "re-adopted", left)
 
-    def keep_pending(self) -> int:
+    def pending(self) -> int:
         """Blocks in host RAM whose records are not written yet."""
-        with self._cond:
-            return len(self._keep_queue) + self._keep_busy if self._keep_queue is not None else 0
+        with self.cond:
+            return len(self.queue) + self.busy if self.queue is not None else 0
+
+    def stats(self) -> dict:
+        """(Lock held.) The host tier's stats of records and re-adoption ({} without records)."""
+        if self.queue is None:
+            return {}
+        return {**self.counters, "keep_pending": len(self.queue) + self.busy}
 
     # -- re-adoption at open ------------------------------------------------------------------
-    def _adopt_host(self, old: tuple[str, str]) -> None:
+    def adopt(self, old: tuple[str, str]) -> None:
         """Re-adopt the blocks of the arena set aside at `old` (see the module docstring);
         remove the old files whatever happens."""
         arena_path, rec_path = old
@@ -344,7 +368,7 @@ class HostKeeping:
                 except FileNotFoundError:
                     pass
         dt = time.monotonic() - t0
-        self._keep_stats.update(adopted_blocks=len(adopted), adopted_bytes=nbytes, adopt_dropped=dropped,
+        self.counters.update(adopted_blocks=len(adopted), adopted_bytes=nbytes, adopt_dropped=dropped,
                                 adopt_seconds=dt)
         if adopted or dropped:
             log.info("host tier: re-adopted %d blocks (%s) from the last run in %.2fs; %d dropped "
@@ -368,7 +392,7 @@ class HostKeeping:
         rec = self.host.records
         try:
             plan = []
-            with self._cond:                       # slots, newest first while there is room
+            with self.cond:                       # slots, newest first while there is room
                 for r in sorted(records, key=lambda r: -r.seq):
                     st = self._adopt_ns(r, descs)
                     slot = self.host.alloc_slot(st.host_slot_bytes) if st is not None else None
@@ -412,20 +436,20 @@ class HostKeeping:
             else:
                 verdicts = [v for part in parts for v in copy(part)]
             named = {}
-            with self._cond:
+            with self.cond:
                 for (r, st, slot), good in zip(plan, verdicts):
-                    b = self._blocks.get(r.ns_id + r.key)
+                    b = self.index.blocks.get(r.ns_id + r.key)
                     if not good or (b is not None and b.host_state != ABSENT):
                         self.host.free_slot(slot)
                         dropped += 1
                         continue
                     if b is None:
-                        b = self._new_block(r.ns_id + r.key, st, r.key)
+                        b = self.index.new_block(r.ns_id + r.key, st, r.key)
                     if b.parent is None and r.parent:
                         b.parent = r.ns_id + r.parent
                     b.host_slot, b.host_state, b.decoded = slot, READY, bool(r.flags & FLAG_DECODED)
                     b.csum = r.checksum    # verified over this copy
-                    self._rh.owner[slot] = b
+                    self.index.host.owner[slot] = b
                     adopted.append((b, r))
                     nbytes += r.length
                     if r.ns_id in descs:
@@ -434,13 +458,13 @@ class HostKeeping:
                 rec.reserve_pages(rec.pages_for(self.host.alloc.offset(b.host_slot) for b, _ in adopted))
             except OSError as e:
                 log.error("host tier: cannot write the re-adopted blocks' records (%s); the keeper retries", e)
-            with self._cond:
+            with self.cond:
                 for ns_id, desc in named.items():   # the descriptions on file, also of namespaces known
                     rec.note_namespace(ns_id, desc)  # only from these records (a memory write each)
-                self._keep_queue.clear()
+                self.queue.clear()
                 for b, _ in reversed(adopted):                       # oldest first: eviction order
-                    self._rh.policy.insert(b.ikey)
-                    self._enter(b, "host")   # recorded here (its checksum is known), or by the keeper
+                    self.index.host.policy.insert(b.ikey)
+                    self.index.enter(b, "host")   # recorded here (its checksum is known), or by the keeper
         finally:
             src = None   # noqa: F841 -- the last view of the mapping goes before it is closed
             mm.close()
@@ -450,11 +474,11 @@ class HostKeeping:
         """(Lock held.) The namespace a re-adopted block belongs to (known from an earlier record
         or the disk tier, else made from its description), or None when the block cannot be
         one of its blocks here."""
-        st = self._namespaces.get(r.ns_id)
+        st = self.namespaces.get(r.ns_id)
         if st is None:
             try:
                 self.host.check_block(r.length)
             except TierdError:
                 return None
-            st = self._recovered_ns(r.ns_id, r.length, descs.get(r.ns_id, {}))
+            st = self.namespaces.recovered(r.ns_id, r.length, descs.get(r.ns_id, {}))
         return st if st.block_bytes == r.length else None

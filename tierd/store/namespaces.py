@@ -1,7 +1,6 @@
 """The store's namespaces: the table (`NamespaceTable`: each namespace's state, by id and by the
-name clients use, and which of them may be forgotten), and the store's calls on it
-(`Registration`: registering, looking up, the tiers' recovered namespaces). One lock, the
-store's, guards both."""
+name clients use, which of them may be forgotten, and those known only from a tier's blocks).
+Memory only, under the store's lock."""
 
 from __future__ import annotations
 
@@ -80,97 +79,8 @@ class NamespaceTable:
             gone.append(name)
         return gone
 
-    def values(self) -> Iterator[NsState]:
-        return iter(list(self._by_id.values()))
-
-    def __len__(self) -> int:
-        return len(self._by_id)
-
-
-class Registration:
-    """Part of `TieredStore` (see its docstring): the store's calls on its `NamespaceTable`
-    (`self._namespaces`), under its lock."""
-
-    def register(self, ns: Namespace) -> None:
-        """Make `ns` known (done implicitly by every operation that takes a Namespace).
-        Raises CapacityError when a block of `ns` cannot fit a tier."""
-        with self._cond:
-            self._check_open()
-            self._ns(ns)
-
-    def _ns(self, ns) -> NsState:
-        if isinstance(ns, Namespace):
-            st = self._namespaces.get(ns.id)
-            if st is not None and st.ns is not None:
-                if ns.label and ns.label != st.label:
-                    st.label = ns.label
-                return st
-            whose = f"of namespace {ns.name} "
-            host_sb = self.host.check_block(ns.block_bytes, whose)
-            disk_sb = DiskTier.slot_bytes_for(ns.block_bytes)
-            if self.disk is not None:
-                self.disk.check_block(ns.block_bytes, whose)
-            if st is None:
-                st = NsState(ns.id, ns, ns.block_bytes, ns.dtype_bytes, host_sb, disk_sb, ns.to_dict())
-            else:  # known from disk: attach the description
-                st.ns, st.desc = ns, ns.to_dict()
-            st.label = ns.label or st.label
-            self._namespaces.enter(st)   # by the name clients use too (the daemon's protocol)
-            return st
-        if isinstance(ns, (bytes, str)):
-            st = self._namespaces.find(ns)
-            if st is not None:
-                if st.ns is None:
-                    raise UnknownNamespaceError(
-                        f"namespace {st.name} is known only from disk; register it with its Namespace first")
-                return st
-            raise UnknownNamespaceError(
-                f"unknown namespace {ns if isinstance(ns, str) else ns.hex()!r}; pass a tierd.Namespace "
-                "or the name of a registered one (see stats)")
-        raise TypeError(f"expected a tierd.Namespace, got {type(ns).__name__}")
-
-    def namespace_count(self) -> int:
-        with self._cond:
-            return len(self._namespaces)
-
-    def namespace(self, name: str) -> Namespace:
-        """The registered Namespace whose name (or hex id) is `name`."""
-        with self._cond:
-            return self._ns(name).ns
-
-    def _adopt_recovered(self) -> None:
-        """Index the blocks the disk tier found at open (oldest first in eviction order)."""
-        disk = self.disk
-        adopted = []
-        for e in sorted(disk.recovered, key=lambda e: e.seq):
-            st = self._namespaces.get(e.ns_id) or self._recovered_ns(e.ns_id, e.raw_len,
-                                                                     disk.namespaces.get(e.ns_id, {}))
-            b = self._blocks.get(e.ns_id + e.key)
-            if b is not None:
-                # a reopened directory: this node still holds the block in RAM; the copy on disk
-                # joins it (the old disk tier's copies were forgotten with it)
-                if b.disk is not None or b.disk_writing:
-                    disk.free_slot(e.slot)
-                    continue
-            else:
-                b = self._new_block(e.ns_id + e.key, st, e.key)
-                b.parent = (e.ns_id + e.parent) if e.parent else None
-            b.disk = e
-            adopted.append(b)
-            self._publish(b)
-            self._rd.owner[e.slot] = b
-            self._rd.policy.insert(b.ikey)
-            if b.clean == 0:
-                self._mark_clean(b, 1)          # a host block that has a disk copy again
-            b.st.counters["disk_blocks"] += 1
-        for b in adopted:
-            p = self._blocks.get(b.parent) if b.parent else None
-            if p is not None:
-                p.disk_children += 1
-        disk.recovered = []
-
-    def _recovered_ns(self, ns_id: bytes, block_bytes: int, desc: dict) -> NsState:
-        """(Lock held.) Enter a namespace known only from blocks found at open (on disk, or in
+    def recovered(self, ns_id: bytes, block_bytes: int, desc: dict) -> NsState:
+        """Enter a namespace known only from blocks found at open (on disk, or in
         an earlier host arena) with the description stored beside them, if any; it is
         completed when a client registers it."""
         dtype_bytes = 2
@@ -181,22 +91,53 @@ class Registration:
                 desc = {}
         st = NsState(ns_id, None, block_bytes, dtype_bytes, slot_bytes_for(block_bytes),
                      DiskTier.slot_bytes_for(block_bytes), desc)
-        self._namespaces.enter(st)
+        self.enter(st)
         return st
 
-    def forget_unused(self, names) -> list[str]:
-        """Forget the namespaces among `names` that nothing refers to: no block in any local
-        tier (and so no lease or reservation) and no staged slot, which a client's next put
-        names with no request first. The daemon's table of namespaces stays bounded. A
-        forgotten one is registered again by its next user (a client does it by itself on
-        `unknown_namespace`). Returns the names forgotten."""
-        with self._cond:
-            return self._namespaces.forget(names)
+    def state(self, ns, host, disk) -> NsState:
+        """The state of `ns`: a Namespace (entered, and its blocks checked against the `host`
+        and `disk` tiers, on first use), or the name or id of a registered one."""
+        if isinstance(ns, Namespace):
+            st = self._by_id.get(ns.id)
+            if st is not None and st.ns is not None:
+                if ns.label and ns.label != st.label:
+                    st.label = ns.label
+                return st
+            whose = f"of namespace {ns.name} "
+            host_sb = host.check_block(ns.block_bytes, whose)
+            disk_sb = DiskTier.slot_bytes_for(ns.block_bytes)
+            if disk is not None:
+                disk.check_block(ns.block_bytes, whose)
+            if st is None:
+                st = NsState(ns.id, ns, ns.block_bytes, ns.dtype_bytes, host_sb, disk_sb, ns.to_dict())
+            else:  # known from disk: attach the description
+                st.ns, st.desc = ns, ns.to_dict()
+            st.label = ns.label or st.label
+            self.enter(st)   # by the name clients use too (the daemon's protocol)
+            return st
+        if isinstance(ns, (bytes, str)):
+            st = self.find(ns)
+            if st is not None:
+                if st.ns is None:
+                    raise UnknownNamespaceError(
+                        f"namespace {st.name} is known only from disk; register it with its Namespace first")
+                return st
+            raise UnknownNamespaceError(
+                f"unknown namespace {ns if isinstance(ns, str) else ns.hex()!r}; pass a tierd.Namespace "
+                "or the name of a registered one (see stats)")
+        raise TypeError(f"expected a tierd.Namespace, got {type(ns).__name__}")
 
-    def _ns_for_flush(self, namespace) -> bytes:
+    def flush_scope(self, namespace) -> bytes:
+        """The id of the namespace a flush names (a Namespace, or a name or id in the table)."""
         if isinstance(namespace, Namespace):
             return namespace.id
-        st = self._namespaces.find(namespace)
+        st = self.find(namespace)
         if st is not None:
             return st.ns_id
         raise UnknownNamespaceError(f"flush: unknown namespace {namespace!r}")
+
+    def values(self) -> Iterator[NsState]:
+        return iter(list(self._by_id.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_id)

@@ -41,8 +41,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..errors import LeaseError, TierdError
-from ..keys import check_keys, checksums_ok
+from ..errors import LeaseError
 from ..namespace import Namespace
 from .records import RESERVED, Block
 
@@ -276,23 +275,39 @@ class Holdings:
 
 
 class Ownership:
-    """Part of `TieredStore` (see its docstring): the store's calls on `Holdings`
-    (`self._held`), under its lock."""
+    """Who holds which slots, and how they end: reservations aborted, leases released, staged
+    slots handed out and given back, and everything a gone connection held taken back. The
+    tables are `held` (`Holdings`); this object frees and unpins the slots they name.
+    Collaborators: the store's lock (`cond`: `StoreLock`), the block index (the host tier, and
+    the blocks a reservation or a lease ends for), the namespace table, and demotion (host
+    slots for staging, made room for). See the module docstring for the rules it keeps."""
+
+    def __init__(self, cond, index, namespaces, demotion):
+        self.cond = cond
+        self.index = index
+        self.namespaces = namespaces
+        self.demotion = demotion
+        self.held = Holdings()
+
+    @property
+    def host(self):
+        return self.index.host.tier
 
     def abort(self, res: Reservation) -> None:
         """Give back the slots of an uncommitted reservation."""
         if res.id == 0:
             return
-        with self._cond:
-            if self._held.end_reservation(res.id) is None:
+        with self.cond:
+            if self.held.end_reservation(res.id) is None:
                 return
-            self._abort_locked(res)
+            self.abort_locked(res)
 
-    def _abort_locked(self, res: Reservation) -> None:
+    def abort_locked(self, res: Reservation) -> None:
+        """(Lock held; `res` no longer registered.) Give back the slots `res` still holds."""
         for b in res._blocks:
             if b is not None and b.host_state == RESERVED and b.owner_res == res.id:
-                self._drop_host(b, evicted=False)
-        self._cond.notify_all()
+                self.index.drop_host(b, evicted=False)
+        self.cond.notify_all()
 
     def release(self, lease: Lease, *, confirm: bool = False) -> None:
         """End a lease; its buffers must no longer be read. (`confirm` is for the daemon's
@@ -302,25 +317,26 @@ class Ownership:
                 raise LeaseError("this (empty) lease is already released")
             lease._blocks = None
             return
-        with self._cond:
-            if self._held.end_lease(lease.id) is None:
+        with self.cond:
+            if self.held.end_lease(lease.id) is None:
                 raise LeaseError(f"lease {lease.id} is unknown or already released")
             self._release_locked(lease)
 
     def _release_locked(self, lease: Lease) -> None:
+        """(Lock held; `lease` no longer registered.) Drop the pins `lease` holds."""
         for i, b in enumerate(lease._blocks):
             b.host_pins -= 1
             if i < len(lease.gpu_offsets) and lease.gpu_offsets[i] >= 0:
                 b.gpu_pins -= 1
-            self._reap(b)
+            self.index.reap(b)
         lease._blocks = None
-        self._cond.notify_all()
+        self.cond.notify_all()
 
     def find_reservation(self, rid: int, owner, *, missing_ok: bool = False) -> Reservation | None:
         """The open reservation `rid` held by `owner`; LeaseError otherwise (the daemon's check
         that a client names only its own slots)."""
-        with self._cond:
-            r = self._held.reservation(rid)
+        with self.cond:
+            r = self.held.reservation(rid)
             if r is None and missing_ok:
                 return None   # already committed, aborted or reclaimed
             if r is None or r.owner != owner:
@@ -329,8 +345,8 @@ class Ownership:
 
     def find_lease(self, lid: int, owner) -> Lease:
         """The open lease `lid` held by `owner`; LeaseError otherwise."""
-        with self._cond:
-            lease = self._held.lease(lid)
+        with self.cond:
+            lease = self.held.lease(lid)
             if lease is None or lease.owner != owner:
                 raise LeaseError(f"lease {lid} is not an open lease of this client")
             return lease
@@ -338,10 +354,10 @@ class Ownership:
     def drop_owner(self, owner) -> tuple[int, int]:
         """Abort every reservation and release every lease held by `owner` (a disconnected
         client). Returns (reservations aborted, leases released)."""
-        with self._cond:
-            rs, ls = self._held.end_owners(owner)
+        with self.cond:
+            rs, ls = self.held.end_owners(owner)
             for r in rs:
-                self._abort_locked(r)
+                self.abort_locked(r)
             for lease in ls:
                 self._release_locked(lease)
             self._unstage_locked(owner, None)
@@ -357,31 +373,31 @@ class Ownership:
         more than the others leave); `inline`: free slots, or clean blocks' slots (their disk
         copies stay): no I/O, no wait. (Staged slots hold no cached block: the bounds keep
         writers' slots from crowding blocks out of the host tier.)"""
-        with self._cond:
-            self._check_open()
-            st = self._ns(ns)
+        with self.cond:
+            self.cond.check_open()
+            st = self.namespaces.state(ns, self.host, self.index.disk.tier)
             sb = st.host_slot_bytes
-            token = self._held.staging(owner)
+            token = self.held.staging(owner)
             offsets: list[int] = []
             try:
                 for _ in range(max(0, n)):
                     # the room is looked at again for every slot, under the same hold of the lock
-                    # as the slot's staging: `_host_alloc` may let go of it, and concurrent stages
+                    # as the slot's staging: `host_alloc` may let go of it, and concurrent stages
                     # then take their slots from the same pool
                     if self._stage_room(owner, limit_bytes, pool_bytes) < sb:
                         break
                     if inline:        # free slots, or clean blocks dropped: no I/O, no wait
-                        slot = self.host.alloc_slot(sb) if self._host_room_inline(st, 1) else None
+                        slot = self.host.alloc_slot(sb) if self.demotion.host_room_inline(st, 1) else None
                     else:
-                        slot = self._host_alloc(st)   # may let go of the lock
+                        slot = self.demotion.host_alloc(st)   # may let go of the lock
                     if slot is None:
                         break
-                    st = self._namespaces.live(st)   # (forgotten while the lock was let go: the table's own)
+                    st = self.namespaces.live(st)   # (forgotten while the lock was let go: the table's own)
                     if self._stage_room(owner, limit_bytes, pool_bytes) < sb:
                         self.host.free_slot(slot)     # others staged while the lock was let go
                         break
                     off = self.host.alloc.offset(slot)
-                    if not self._held.add_staged(owner, token, off, slot, st, self.host.alloc.slot_bytes_of(slot)):
+                    if not self.held.add_staged(owner, token, off, slot, st, self.host.alloc.slot_bytes_of(slot)):
                         self.host.free_slot(slot)   # dropped (drop_owner) while the lock was let go
                         return []
                     offsets.append(off)
@@ -389,9 +405,9 @@ class Ownership:
                 # nothing reached the client: the slots this call staged go back, and the error
                 # says it staged none
                 self._unstage_locked(owner, offsets)
-                self._held.end_staging(owner, token)
+                self.held.end_staging(owner, token)
                 raise
-            self._held.end_staging(owner, token)
+            self.held.end_staging(owner, token)
             return offsets
 
     def _stage_room(self, owner, limit_bytes: int | None, pool_bytes: int | None) -> int:
@@ -399,59 +415,30 @@ class Ownership:
         room = 1 << 62
         if limit_bytes is None and pool_bytes is None:
             return room
-        mine = self._held.staged_bytes_of(owner)
+        mine = self.held.staged_bytes_of(owner)
         if limit_bytes is not None:
             room = limit_bytes - mine
         if pool_bytes is not None:
-            total, writers = self._held.staged_bytes()
+            total, writers = self.held.staged_bytes()
             room = min(room, pool_bytes // max(1, writers) - mine, pool_bytes - total)
         return max(0, room)
-
-    def put_staged(self, ns: Namespace, keys: Sequence[bytes], offsets: Sequence[int], *, owner,
-                   parent: bytes | None = None, token_ids: Sequence[int] | None = None,
-                   checksums: Sequence[int] | None = None) -> int:
-        """Store the blocks `owner` wrote into its staged slots: `keys[i]`'s block is at
-        `offsets[i]` (-1: not written, the writer found it present). All at once, as `commit`:
-        each slot becomes its block's, or goes back to the free pool where the key is present
-        (or repeated). LeaseError, changing nothing, if any offset is not one of `owner`'s
-        staged slots of this namespace. `checksums`: per key, the writer's checksum
-        of what it wrote (see `Reservation.checksums`). Returns how many blocks were newly stored."""
-        keys = check_keys(keys)
-        if len(offsets) != len(keys):
-            raise TierdError(f"put: {len(keys)} keys but {len(offsets)} slots")
-        if checksums is not None:
-            checksums = list(checksums)
-            if not checksums_ok(checksums, len(keys)):
-                raise TierdError(f"put: checksums must hold one 64-bit checksum (or -1) for each of the "
-                                 f"{len(keys)} keys")
-        with self._cond:
-            self._check_open()
-            st = self._ns(ns)
-            if token_ids is not None and len(token_ids) != len(keys) * st.ns.block_tokens:
-                raise TierdError(f"put: {len(token_ids)} token ids for {len(keys)} blocks of "
-                                 f"{st.ns.block_tokens} tokens")
-            slots = self._held.take_staged(owner, offsets, st)
-            res = self._reserve_locked(st, keys, parent, owner, token_ids, slots=slots)   # never lets go of the lock
-            if not res.id:
-                return 0
-            res.checksums = checksums
-            return self._commit_locked(res)
 
     def unstage(self, owner, offsets: Sequence[int] | None = None) -> int:
         """Give `owner`'s staged slots at `offsets` (None: all of them) back to the free pool;
         offsets it does not hold are ignored. Returns how many went back."""
-        with self._cond:
+        with self.cond:
             return self._unstage_locked(owner, offsets)
 
     def _unstage_locked(self, owner, offsets) -> int:
-        gone = self._held.unstage(owner, offsets)
+        """(Lock held.) `unstage`."""
+        gone = self.held.unstage(owner, offsets)
         for slot in gone:
             self.host.free_slot(slot)
         if gone:
-            self._cond.notify_all()
+            self.cond.notify_all()
         return len(gone)
 
     def staged_slots(self, owner=...) -> int:
         """Staged slots held by `owner` (all owners when not given)."""
-        with self._cond:
-            return self._held.staged_count(owner)
+        with self.cond:
+            return self.held.staged_count(owner)

@@ -11,13 +11,62 @@ from ..keys import check_keys
 from ..namespace import Namespace
 from ..tiers.disk import CorruptBlockError, DiskEntry, DiskTier
 from .ownership import Lease
-from .records import ABSENT, DOOM_HOST, LOADING, READY, REMOTE, Block, NsState, WouldBlock
+from .records import (
+    ABSENT,
+    DOOM_HOST,
+    LOADING,
+    READY,
+    REMOTE,
+    Block,
+    NsState,
+    WouldBlock,
+    disk_servable,
+    host_servable,
+)
 
 log = logging.getLogger("tierd.store")
 
 
 class Promotion:
-    """Part of `TieredStore` (see its docstring): state and lock are the store's."""
+    """Serving leases: the leading present blocks of a request pinned, those below host RAM
+    read up into it (from disk, verified; from the remote tier), HBM copies made for blocks hit
+    often, and damaged disk copies erased. Plan under the lock, reads outside it, settle on
+    every exit. No state of its own: it moves blocks between the parts that hold them.
+
+    Collaborators: the store's lock (`cond`: `StoreLock`), the block index, the namespace table,
+    the event feed, `held` (the open leases: `Holdings`), demotion (room in host RAM and HBM),
+    the disk's health, the remote link, the store's config, `ids` (the store's reservation and
+    lease ids) and `store`, the one a lease is released to (`Lease.release`).
+
+    Invariants: a planned block is pinned (`host_pins`; `disk_pins` while its disk copy is
+    read) from its plan to its settle, and the settle drops every pin the plan took whatever
+    happens; a block read up is LOADING — counted by lookups, never leased — until it was
+    verified and becomes READY; only READY host copies no flush dropped are leased."""
+
+    def __init__(self, cond, index, namespaces, feed, held, demotion, health, remote, config, *, ids, store):
+        self.cond = cond
+        self.index = index
+        self.namespaces = namespaces
+        self.feed = feed
+        self.held = held
+        self.demotion = demotion
+        self.health = health
+        self.remote = remote
+        self.config = config
+        self.ids = ids
+        self.store = store
+
+    @property
+    def host(self):
+        return self.index.host.tier
+
+    @property
+    def disk(self):
+        return self.index.disk.tier
+
+    @property
+    def gpu(self):
+        return self.index.gpu.tier
 
     def _gpu_lease(self, b: Block) -> tuple[int, bool]:
         """(Lock held.) For a leased host-resident block: its HBM offset, pinned for the lease,
@@ -27,17 +76,17 @@ class Promotion:
         if b.gpu_slot < 0:
             if b.hits - 1 < self.config.gpu_admit_hits:   # hits counts this serve too
                 return -1, False
-            slot = self._gpu_alloc(b.st)
+            slot = self.demotion.gpu_alloc(b.st)
             if slot is None:
                 return -1, False
             b.gpu_slot, b.gpu_filling = slot, True
-            self._rg.owner[slot] = b
+            self.index.gpu.owner[slot] = b
             b.gpu_pins += 1
             return self.gpu.offset(slot), True
         if b.gpu_filling:
             return -1, False   # another lease is copying it in right now
-        self._rg.policy.hit(b.ikey)
-        self._rg.counters["bytes_out"] += b.st.block_bytes
+        self.index.gpu.policy.hit(b.ikey)
+        self.index.gpu.counters["bytes_out"] += b.st.block_bytes
         b.gpu_pins += 1
         return self.gpu.offset(b.gpu_slot), False
 
@@ -45,19 +94,19 @@ class Promotion:
         """Whether `acquire` or `reserve` of `keys` would finish without disk I/O, a copy into
         HBM or waiting for room (a hint for the daemon, which then serves it on its event loop
         thread)."""
-        with self._cond:
-            st = self._namespaces.get(ns.id)
+        with self.cond:
+            st = self.namespaces.get(ns.id)
             if st is None:
                 return False
             if op == "reserve":
                 return self.host.alloc.free_slot_count(st.host_slot_bytes) >= len(keys)
             hbm = gpu and self.gpu is not None
             for k in keys:
-                b = self._blocks.get(st.ns_id + k)
+                b = self.index.blocks.get(st.ns_id + k)
                 if b is None:
-                    return self.remote is None   # the remote tier may have it: not quick
+                    return self.remote.tier is None   # the remote tier may have it: not quick
                 if b.host_state != READY:
-                    return b.disk is None and self.remote is None  # a promotion: not quick
+                    return b.disk is None and self.remote.tier is None  # a promotion: not quick
                 if hbm and b.gpu_slot < 0 and b.hits >= self.config.gpu_admit_hits:
                     return False                 # this serve would copy it into HBM
             return True
@@ -78,9 +127,9 @@ class Promotion:
         plan would read a tier, wait for another promotion or copy into HBM."""
         keys = check_keys(keys)
         plan: list[tuple[Block, DiskEntry | str | None]] = []
-        with self._cond:
-            self._check_open()
-            st = self._ns(ns)
+        with self.cond:
+            self.cond.check_open()
+            st = self.namespaces.state(ns, self.host, self.disk)
             try:
                 # (inline for an HBM reader too: a block that left host RAM since `is_quick`
                 # must not be read from disk on the daemon's event loop)
@@ -94,13 +143,13 @@ class Promotion:
         sums: dict[int, int] = {}
         try:
             errors = self._load_from_disk([(b, e) for b, e in plan if e is not None and e is not REMOTE], sums)
-            errors.update(self._load_from_remote([b for b, e in plan if e is REMOTE]))
+            errors.update(self.remote.load([b for b, e in plan if e is REMOTE]))
         except BaseException:
-            with self._cond:
+            with self.cond:
                 self._settle_failed(st, plan)
             raise
         discard: list[int] = []
-        with self._cond:
+        with self.cond:
             disk = self.disk
             cut = len(plan)
             for i, (b, e) in enumerate(plan):
@@ -110,7 +159,7 @@ class Promotion:
                     err = errors.get(id(b))
                     if err is None and b.doomed & DOOM_HOST:
                         err = KeyError("flushed while it was fetched")
-                    if self._settle_remote(b, err):
+                    if self.remote.settle(b, err):
                         continue
                     cut = min(cut, i)
                     continue
@@ -120,30 +169,30 @@ class Promotion:
                     cut = min(cut, i)
                     b.host_pins -= 1
                     b.doomed &= ~DOOM_HOST
-                    self._drop_host(b, evicted=False)
-                    self._reap(b)
+                    self.index.drop_host(b, evicted=False)
+                    self.index.reap(b)
                     continue
                 if err is None:
                     # the checksum the disk read verified over the bytes now in the slot (a raw
                     # payload): the block is recorded for restarts at once, not hashed again
                     b.host_state, b.csum = READY, sums.get(id(b), -1)
                     b.decoded = e.codec in _codec.LOSSY
-                    self._rh.policy.insert(b.ikey)
-                    self._enter(b, "host")
-                    c = self._rd.counters
+                    self.index.host.policy.insert(b.ikey)
+                    self.index.enter(b, "host")
+                    c = self.index.disk.counters
                     c["promotions"] += 1
                     c["bytes_out"] += st.block_bytes
                 else:
                     cut = min(cut, i)
                     b.host_pins -= 1
-                    self._drop_host(b, evicted=False)
+                    self.index.drop_host(b, evicted=False)
                     if isinstance(err, CorruptBlockError):
                         log.warning("disk tier: dropped a damaged block of %s (%s)", st.name, err)
-                        self._rd.counters["corrupt_dropped"] += 1
+                        self.index.disk.counters["corrupt_dropped"] += 1
                         if b.disk is not None:
-                            discard.append(self._unindex_disk(b))
+                            discard.append(self.index.unindex_disk(b))
                     else:
-                        self._disk_error("read", err)   # a miss; the copy may read later
+                        self.health.error("read", err)   # a miss; the copy may read later
             for i, (b, _) in enumerate(plan[:cut]):
                 if b.doomed & DOOM_HOST:          # flushed since it was planned: not served
                     cut = i
@@ -151,20 +200,20 @@ class Promotion:
             for b, _ in plan[cut:]:
                 if b.host_state == READY:
                     b.host_pins -= 1
-                    self._reap(b)
+                    self.index.reap(b)
                 elif b.disk is not None:
-                    self._reap(b)
+                    self.index.reap(b)
             leased = [b for b, _ in plan[:cut]]
             for b in reversed(leased):  # ancestors touched last: they stay the most recent
                 b.hits += 1
-                self._rh.policy.hit(b.ikey)
+                self.index.host.policy.hit(b.ikey)
             st.counters["hits"] += len(leased)
             st.counters["hit_bytes"] += len(leased) * st.block_bytes
             st.counters["misses"] += len(keys) - len(leased)
-            self._rh.counters["bytes_out"] += len(leased) * st.block_bytes
-            lid = next(self._ids) if leased else 0   # nothing leased: nothing to release
+            self.index.host.counters["bytes_out"] += len(leased) * st.block_bytes
+            lid = next(self.ids) if leased else 0   # nothing leased: nothing to release
             tiers = ["host" if e is None else "remote" if e is REMOTE else "disk" for _, e in plan[:cut]]
-            lease = Lease(lid, st.ns, keys[:cut], leased, tiers, owner, self,
+            lease = Lease(lid, st.ns, keys[:cut], leased, tiers, owner, self.store,
                           [self.host.offset(b.host_slot) for b in leased])
             fills = []
             hbm = gpu and self.gpu is not None
@@ -176,8 +225,8 @@ class Promotion:
                     if fill:
                         fills.append(i)
             if lid and not fills:
-                self._held.open_lease(lease)
-            self._cond.notify_all()
+                self.held.open_lease(lease)
+            self.cond.notify_all()
         if discard:
             self._tombstone(disk, discard)   # erase damaged copies on disk (no lock)
         if fills:
@@ -194,19 +243,19 @@ class Promotion:
         blocks it leases — recency, hit counts, counters — for those still ready in host RAM.
         Returns how many were counted."""
         keys = check_keys(keys)
-        with self._cond:
-            self._check_open()
-            st = self._ns(ns)
-            found = [b for b in map(self._blocks.get, (st.ns_id + k for k in keys))
-                     if b is not None and self._host_servable(b)]
+        with self.cond:
+            self.cond.check_open()
+            st = self.namespaces.state(ns, self.host, self.disk)
+            found = [b for b in map(self.index.blocks.get, (st.ns_id + k for k in keys))
+                     if b is not None and host_servable(b)]
             for b in reversed(found):   # ancestors touched last, as a lease does
                 b.hits += 1
-                self._rh.policy.hit(b.ikey)
+                self.index.host.policy.hit(b.ikey)
             n = len(keys)
             st.counters["hits"] += n
             st.counters["hit_bytes"] += n * st.block_bytes
             st.counters["misses"] += max(0, asked - n)
-            self._rh.counters["bytes_out"] += n * st.block_bytes
+            self.index.host.counters["bytes_out"] += n * st.block_bytes
         return len(found)
 
     def _plan_acquire(self, st: NsState, keys: Sequence[bytes], plan: list, *, inline: bool = False) -> None:
@@ -217,18 +266,18 @@ class Promotion:
         the remote tier may continue the prefix)."""
         for k in keys:
             ikey = st.ns_id + k
-            b = self._blocks.get(ikey)
+            b = self.index.blocks.get(ikey)
             if inline and b is not None and b.host_state != READY and (b.host_state == LOADING or b.disk is not None):
                 raise WouldBlock()
             while b is not None and b.host_state == LOADING:
                 # another request's promotion (its settle always ends it); a stalled disk or
                 # a store closing ends the wait
-                if self._note_stall():
+                if self.health.note_stall():
                     b = None
                     break
-                self._cond.wait(0.05)
-                self._check_open()
-                b = self._blocks.get(ikey)
+                self.cond.wait(0.05)
+                self.cond.check_open()
+                b = self.index.blocks.get(ikey)
             if b is None:
                 break
             if b.host_state == READY:
@@ -237,35 +286,35 @@ class Promotion:
                 b.host_pins += 1
                 plan.append((b, None))
                 continue
-            if not self._disk_servable(b) or self._note_stall():   # a stalled disk: a miss, not a wait
+            if not disk_servable(b) or self.health.note_stall():   # a stalled disk: a miss, not a wait
                 break
             b.disk_pins += 1  # making room may evict from disk: not this block
             try:
-                slot = self._host_alloc(st)
+                slot = self.demotion.host_alloc(st)
             finally:
                 b.disk_pins -= 1
-                self._reap(b)  # a flush meanwhile (the lock may have been let go) doomed it
-            b = self._blocks.get(ikey)
-            if b is not None and self._host_servable(b):  # promoted meanwhile
+                self.index.reap(b)  # a flush meanwhile (the lock may have been let go) doomed it
+            b = self.index.blocks.get(ikey)
+            if b is not None and host_servable(b):  # promoted meanwhile
                 if slot is not None:
                     self.host.free_slot(slot)
                 b.host_pins += 1
                 plan.append((b, None))
                 continue
-            if b is None or not self._disk_servable(b) or b.host_state != ABSENT or slot is None:
+            if b is None or not disk_servable(b) or b.host_state != ABSENT or slot is None:
                 if slot is not None:
                     self.host.free_slot(slot)
                 break
             b.host_slot, b.host_state = slot, LOADING
-            self._rh.owner[slot] = b
-            self._publish(b)
+            self.index.host.owner[slot] = b
+            self.index.publish(b)
             b.host_pins += 1
             b.disk_pins += 1
             plan.append((b, b.disk))
-        if self.remote is not None and len(plan) < len(keys) and self._remote_ok():
+        if self.remote.tier is not None and len(plan) < len(keys) and self.remote.ok():
             if inline:
                 raise WouldBlock()
-            self._plan_remote(st, keys, plan)
+            self.remote.plan(st, keys, plan)
 
     def _settle_failed(self, st: NsState, plan: list) -> None:
         """(Lock held.) Undo an acquire's plan that will not be served: every pin it took is
@@ -273,15 +322,15 @@ class Promotion:
         for b, e in plan:
             b.host_pins -= 1
             if e is None:
-                self._reap(b)   # flushed while planned (the lock may have been let go): goes now
+                self.index.reap(b)   # flushed while planned (the lock may have been let go): goes now
                 continue
             if e is not REMOTE:
                 b.disk_pins -= 1
             if b.host_state == LOADING:
-                self._drop_host(b, evicted=False)
-            self._reap(b)
+                self.index.drop_host(b, evicted=False)
+            self.index.reap(b)
         plan.clear()
-        self._cond.notify_all()
+        self.cond.notify_all()
 
     def _gpu_fill(self, lease: Lease, fills: list[int]) -> None:
         """Copy newly admitted blocks of `lease` into their HBM slots (no lock; the slots and the
@@ -289,25 +338,25 @@ class Promotion:
         blocks = [lease._blocks[i] for i in fills]
         # every copy queued, one wait for the lease (a failed one: the host copy serves it)
         ok = self.gpu.fill_many([(b.gpu_slot, self.host.view(b.host_slot, b.st.block_bytes)) for b in blocks])
-        with self._cond:
-            c = self._rg.counters
+        with self.cond:
+            c = self.index.gpu.counters
             for i, good in zip(fills, ok):
                 b = lease._blocks[i]
                 b.gpu_filling = False
                 if good:
-                    self._rg.policy.insert(b.ikey)
-                    if self._events is not None:
-                        self._event(b, "gpu", True)
+                    self.index.gpu.policy.insert(b.ikey)
+                    if self.feed.on:
+                        self.feed.event(b, "gpu", True)
                     c["promotions"] += 1
                     c["bytes_in"] += b.st.block_bytes
                 else:
                     b.gpu_pins -= 1
-                    self._free(self._rg, b.gpu_slot, evicted=False)
+                    self.index.gpu.free(b.gpu_slot, evicted=False)
                     b.gpu_slot = -1
                     lease.gpu_offsets[i] = -1
             if lease.id:
-                self._held.open_lease(lease)
-            self._cond.notify_all()
+                self.held.open_lease(lease)
+            self.cond.notify_all()
 
     def _load_from_disk(self, loads: list[tuple[Block, DiskEntry]], sums: dict[int, int]) -> dict[int, Exception]:
         """Read pinned disk copies into their LOADING host slots in parallel (no lock); `sums`
@@ -342,11 +391,11 @@ class Promotion:
                 disk.flush()
         except OSError as e:
             err = e
-        with self._cond:
+        with self.cond:
             if self.disk is disk and not disk.closed:
                 for slot in slots:
                     disk.free_slot(slot)
             if err is not None:
-                self._disk_error("tombstone", err)
-            self._cond.notify_all()
+                self.health.error("tombstone", err)
+            self.cond.notify_all()
         return err

@@ -72,7 +72,7 @@ class NsState:
 
 @dataclass(slots=True, eq=False)
 class Block:
-    """One block known to the store. Invariant: present in `_blocks` iff it has a host slot
+    """One block known to the store. Invariant: present in the block index iff it has a host slot
     (any state) or a disk copy or a disk write in flight, and is not an orphan."""
 
     ikey: bytes                 # ns_id + key: the index key
@@ -97,9 +97,43 @@ class Block:
     #                              READY (the writer hashed them as it copied), else -1: the
     #                              keeper computes it (`keeping.py`)
     doomed: int = 0              # copies a flush dropped while pinned (DOOM_HOST | DOOM_DISK):
-    #                              never served again, dropped when their pins go (`_reap`)
+    #                              never served again, dropped when their pins go (`BlockIndex.reap`)
     clean: int = -1              # READY in host RAM: 1 with a disk copy (evicting it needs no
-    #                              I/O), 0 without (`_dirty`); -1 not READY in host RAM
+    #                              I/O), 0 without (`BlockIndex.dirty`); -1 not READY in host RAM
     orphan: bool = False         # a doomed block whose key was written again meanwhile: out of
-    #                              `_blocks`, the index and the policy; its pinned slot is freed
-    #                              when its pins go, nothing else (`_retire_doomed`)
+    #                              the block index, the shared index and the policy; its pinned
+    #                              slot is freed when its pins go, nothing else
+    #                              (`BlockIndex.retire_doomed`)
+
+
+# What a block's fields say about it (the store's lock held to read them).
+
+def host_servable(b: Block) -> bool:
+    """A new reader is served `b`'s host copy: READY, and no flush dropped it."""
+    return b.host_state == READY and not b.doomed & DOOM_HOST
+
+
+def disk_servable(b: Block) -> bool:
+    """A new reader is served `b`'s disk copy (read up first): there, and no flush dropped it."""
+    return b.disk is not None and not b.doomed & DOOM_DISK
+
+
+def has_copy(b: Block) -> bool:
+    """`b` holds a host slot (any state), a disk copy, or a disk write in flight."""
+    return b.host_state != ABSENT or b.disk is not None or b.disk_writing
+
+
+def host_evictable(b: Block) -> bool:
+    """`b`'s host copy may be dropped now: READY, unpinned, not being written down."""
+    return b.host_state == READY and b.host_pins == 0 and not b.disk_writing
+
+
+def disk_evictable(b: Block) -> bool:
+    """`b`'s disk copy may be dropped now: there, and no read pins it."""
+    return b.disk is not None and b.disk_pins == 0
+
+
+def unsynced(b: Block) -> bool:
+    """A host-only block that a sync or a demotion would write to disk (not one a flush
+    dropped while it was leased: written down, it would come back as a disk copy)."""
+    return b.host_state == READY and not b.doomed & DOOM_HOST and b.disk is None and not b.disk_writing
