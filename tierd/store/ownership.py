@@ -26,7 +26,7 @@ leased: the daemon hands it on only once **the client's end of the socket is clo
 process exited (the kernel closes its sockets), or the client closed the socket itself, which is
 how it confirms that it dropped the connection's slots (tierd's client closes a connection only
 once no thread holds it: `tierd.connection._Link`). Every close the daemon makes goes through
-`_Conn._close` (tierd/server.py): a connection that holds slots is half-closed (the daemon
+`_Conn._close` (tierd/server_conn.py): a connection that holds slots is half-closed (the daemon
 writes its last reply and an end-of-stream, which the client sees at once, and serves nothing
 more) and its slots are taken back (`drop_owner`) when the client's end closes. A request that
 reaches the store after that (a worker still running it) gives back all it made for the

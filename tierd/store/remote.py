@@ -91,7 +91,7 @@ class RemoteLink:
         r = self.counters
         r["latency_ms"] = seconds * 1e3 if not r["latency_ms"] else 0.9 * r["latency_ms"] + 0.1 * seconds * 1e3
 
-    # -- write-behind (tiers/remote.py: WriteBehind owns the queue and threads) ----------------
+    # -- write-behind (tiers/remote_writes.py: WriteBehind owns the queue and threads) ----------------
     def enqueue(self, b: Block) -> None:
         """(Lock held.) Write `b` (READY in host RAM) to the remote tier behind the caller's back:
         its host slot stays pinned until the write is settled; a full queue or a degraded tier
