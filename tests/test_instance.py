@@ -127,7 +127,9 @@ def test_a_client_refuses_an_arena_file_that_is_not_its_daemons(daemon):
 @pytest.mark.parametrize("fault", ["write=EIO flush=EIO meta=EIO", "all=hang:300"], ids=["failing", "hanging"])
 def test_a_daemon_stopped_with_a_bad_disk_exits_0_and_leaves_only_its_kept_arena(tmp_path, fault):
     faults = tmp_path / "faults"
+    # a stop's sync gives up on the hanging disk after sync_on_stop_s (60 s by default)
     toml = f"""
+sync_on_stop_s = 5.0
 [host]
 slab_bytes = "1MiB"
 [disk]

@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(vllm_wait.BUDGET_S + 600)]
 
 BLOCK_TOKENS = 256
 WINDOW = 128            # vLLM's CPU blocks are 128 tokens: a window of one block, a tier block of two
+# MLA: no chunked prefill on CPU, and vLLM's reference CPU MLA backend on every machine (on a
+# CPU with AMX it would pick its AMX backend, which takes bf16 weights only)
+WHOLE = {"max_num_batched_tokens": 1024, "attention_backend": "CPU_MLA"}
 ENGINE = {"max_num_batched_tokens": 256, "max_model_len": 1024, "enable_prefix_caching": False,
           "max_num_seqs": 4}
 
@@ -130,12 +134,26 @@ def runs(tmp_path_factory):
     url = daemon.url
     out: dict = {}
 
-    def run(name, model, batches, connect=True, **kw):
-        out[name] = _run(py, _spec(tmp, name, model, batches, url if connect else None, **kw), tmp / f"{name}.log",
-                         budget)
+    mla = dict(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096, kv_lora_rank=512,
+               qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4,
+               num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1)
+    dsv2 = write_random_model(tmp / "dsv2", architecture="deepseek_v2", q_lora_rank=None, n_group=1, topk_group=1,
+                              seed=8, **mla)
+    dsv3 = write_random_model(tmp / "dsv3", architecture="deepseek_v3", q_lora_rank=64, n_group=1, topk_group=1,
+                              topk_method="noaux_tc", seed=9, **mla)
+    llama = write_random_model(tmp / "llama", vocab_size=512, hidden_size=128, intermediate_size=256,
+                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                               max_position_embeddings=4096, seed=10)
+
+    def run(name, model, batches, connect=True, lane=0, env=None, **kw):
+        # an engine's one OpenMP thread on its lane's core: the two lanes below do not share one
+        env = {"VLLM_CPU_OMP_THREADS_BIND": str(lane), **(env or {})}
+        out[name] = _run(py, _spec(tmp, name, model, batches, url if connect else None, env=env, **kw),
+                         tmp / f"{name}.log", budget)
         out[name]["log"] = (tmp / f"{name}.log").read_text(errors="replace")
 
-    try:
+    def windows_and_mla():
         run("g1", gptoss, [batch("store", "A", "B"), batch("decode", "D", max_tokens=24)])
         # D and the tokens G1 generated: tier block 1 (tokens 256-511) was completed by a decode
         # step, when the window had freed its first half: its sliding layers hold zeros there
@@ -147,29 +165,18 @@ def runs(tmp_path_factory):
         run("gx", gptoss, [batch("load", "A")], module="tests.vllm_mutant", mutation="swap_groups")
         run("m1", mistral, [batch("store", "A", "C")])
         run("m2", mistral, [batch("load", "A", "C")])
-        mla = dict(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=3,
-                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096, kv_lora_rank=512,
-                   qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4,
-                   num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1)
-        dsv2 = write_random_model(tmp / "dsv2", architecture="deepseek_v2", q_lora_rank=None, n_group=1, topk_group=1,
-                                  seed=8, **mla)
-        dsv3 = write_random_model(tmp / "dsv3", architecture="deepseek_v3", q_lora_rank=64, n_group=1, topk_group=1,
-                                  topk_method="noaux_tc", seed=9, **mla)
-        # no chunked prefill with MLA on CPU; vLLM's reference CPU MLA backend on every machine
-        # (on a CPU with AMX it would pick its AMX backend, which takes bf16 weights only)
-        whole = {"max_num_batched_tokens": 1024, "attention_backend": "CPU_MLA"}
-        run("d0", dsv2, [batch("plain", "A")], connect=False, engine=whole)
-        run("d1", dsv2, [batch("plain", "A")], engine=whole)
-        run("e1", dsv3, [batch("plain", "A")], engine=whole)
+        run("d0", dsv2, [batch("plain", "A")], connect=False, engine=WHOLE)
+        run("d1", dsv2, [batch("plain", "A")], engine=WHOLE)
+        run("e1", dsv3, [batch("plain", "A")], engine=WHOLE)
+
+    def latent_stages_and_state():
+        lane = 1
         dump = tmp / "latent-rows"
         dump.mkdir()
-        lifted = dict(engine=whole, module="tests.vllm_mutant", mutation="cpu_mla", dump=str(dump))
-        run("x1", dsv2, [batch("store", "A", "B")], **lifted)
-        run("x2", dsv2, [batch("load", "A", "B")], **lifted)
+        lifted = dict(engine=WHOLE, module="tests.vllm_mutant", mutation="cpu_mla", dump=str(dump))
+        run("x1", dsv2, [batch("store", "A", "B")], lane=lane, **lifted)
+        run("x2", dsv2, [batch("load", "A", "B")], lane=lane, **lifted)
         out["latent_rows"] = _latent_rows(dump)
-        llama = write_random_model(tmp / "llama", vocab_size=512, hidden_size=128, intermediate_size=256,
-                                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                   max_position_embeddings=4096, seed=10)
         # two stages on two cores, a worker each; vLLM's CPU runner needs its warm-up (no
         # enforce_eager) for a second stage, and a dynamo trace without inductor keeps it short
         pp = dict(engine={"pipeline_parallel_size": 2, "enforce_eager": False,
@@ -183,7 +190,7 @@ def runs(tmp_path_factory):
         # the state is kept at vLLM's block boundaries, whose size vLLM derives from the machine
         # (256 tokens on some CPUs, 128 on others): tier blocks of one engine block, as the
         # connector asks (block_tokens unset); the counts below hold for either size
-        qconn = dict(engine=qeng, block_tokens=None)
+        qconn = dict(engine=qeng, block_tokens=None, lane=lane)
         c_salted = {"name": "ref", "prompts": [{"tokens": PROMPTS["C2"], "max_tokens": 16, "salt": "ref"}]}
         run("q1", qnext, [c_salted, batch("store", "A", "B")], **qconn)
         # C2 first: its 256-token hit is the tier's, not vLLM's own cache's
@@ -191,7 +198,15 @@ def runs(tmp_path_factory):
         run("qx", qnext, [batch("load", "A")], module="tests.vllm_mutant", mutation="no_state", **qconn)
         # Granite-4-like (Mamba2 + attention): vLLM's CPU build fails in its own Mamba2 kernel with
         # prefix caching on (connector or not); with it off there is no state to cache
-        run("k1", granite, [batch("plain", "A")], engine={"enable_prefix_caching": False})
+        run("k1", granite, [batch("plain", "A")], engine={"enable_prefix_caching": False}, lane=lane)
+
+    try:
+        # Two lanes of engines side by side, one per core (each chain of a store and the fresh
+        # engines that load it stays in one lane, in order; the lanes' models, and so their
+        # namespaces, differ)
+        with ThreadPoolExecutor(2) as lanes:
+            for f in [lanes.submit(windows_and_mla), lanes.submit(latent_stages_and_state)]:
+                f.result()
         out["stats"] = _stats(url)
         yield out
     finally:
