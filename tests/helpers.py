@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from tierd import Namespace, StoreConfig
+
+
+# `make test-fast` runs the suite without the engine environments (vLLM, SGLang): with
+# TEST_NO_ENGINES=1 their tests skip, whatever TEST_REQUIRE_VLLM / TEST_REQUIRE_SGLANG say
+ENGINES_OFF = "engines off (TEST_NO_ENGINES=1, as in make test-fast)"
+
+
+def engines_off() -> bool:
+    return os.environ.get("TEST_NO_ENGINES") == "1"
 
 
 def make_ns(*, model: str = "test-model", kv_dtype: str = "float16", num_layers: int = 2,

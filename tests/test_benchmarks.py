@@ -6,8 +6,10 @@ a constant the store had moved.) The engine benchmarks run in their own tests an
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,13 +20,25 @@ ROOT = Path(__file__).resolve().parent.parent
 CHEAP = {"recovery": None, "kv_waste": None, "routing": None, "remote": "redis-server", "load": None}
 
 
-def _leftovers() -> set[str]:
-    """Paths benchmarks create (their prefixes) in the temporary directory and /dev/shm."""
-    out = set()
-    for d in ("/tmp", "/dev/shm"):
-        if os.path.isdir(d):
-            out |= {os.path.join(d, n) for n in os.listdir(d) if n.startswith("tierd-")}
-    return out
+def _run_alone(argv: list[str], timeout: float) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run a benchmark with a temporary directory of its own (TMPDIR); returns its result and what
+    it left behind: paths it made (`tierd-*`) in that directory, and arena directories of its
+    daemons in /dev/shm (`tierd-bench-*`). Other tests running beside it (CI runs the engine tests beside the rest)
+    make files of their own in /tmp: they are not this benchmark's."""
+    def shm() -> set[str]:
+        if not os.path.isdir("/dev/shm"):
+            return set()
+        return {os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm") if n.startswith("tierd-bench-")}
+
+    before = shm()
+    tmp = tempfile.mkdtemp(prefix="tb-")          # short: the daemons' socket paths go under it
+    try:
+        p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, "TMPDIR": tmp})
+        left = {os.path.join(tmp, n) for n in os.listdir(tmp) if n.startswith("tierd-")} | (shm() - before)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return p, left
 
 
 @pytest.mark.timeout(240)
@@ -33,10 +47,8 @@ def test_a_quick_benchmark_runs_writes_the_shared_json_shape_and_leaves_nothing(
     if CHEAP[name] == "redis-server":
         from .redis_servers import redis_binary
         redis_binary()                     # skips (or fails where redis is required) without one
-    before = _leftovers()
     out = tmp_path / f"{name}.json"
-    p = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--quick", "--json", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=220)
+    p, left = _run_alone([sys.executable, "-m", f"benchmarks.{name}", "--quick", "--json", str(out)], 220)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == name
@@ -51,7 +63,6 @@ def test_a_quick_benchmark_runs_writes_the_shared_json_shape_and_leaves_nothing(
         if ref and v and math.isfinite(r["ratio"]):   # the ratio is value over reference, either way up
             assert min(abs(r["ratio"] - v / ref), abs(r["ratio"] - ref / v)) <= 1e-9 * max(1.0, abs(r["ratio"])), r
     assert "ratio" in p.stdout                          # the printed table
-    left = _leftovers() - before
     assert not left, f"benchmarks.{name} left {sorted(left)}"
 
 
@@ -64,10 +75,8 @@ def test_node_pool_quick_serves_the_trace_in_every_configuration_with_recompute_
     tokens equal to recompute's, the restart measured, nothing left behind. Not performance."""
     from .test_vllm_connector import required_vllm_python
     required_vllm_python()                      # skips without .venv-vllm (fails with TEST_REQUIRE_VLLM)
-    before = _leftovers()
     out = tmp_path / "node_pool.json"
-    p = subprocess.run([sys.executable, "-m", "benchmarks.node_pool", "--quick", "--json", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=840)
+    p, left = _run_alone([sys.executable, "-m", "benchmarks.node_pool", "--quick", "--json", str(out)], 840)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-4000:]
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "node_pool" and set(doc["machine"]) >= {"cpus", "ram_bytes", "torch", "python", "gpu"}
@@ -88,7 +97,6 @@ def test_node_pool_quick_serves_the_trace_in_every_configuration_with_recompute_
             assert by_name[f"{c}: greedy tokens equal recompute's"]["value"] == 1.0, c
     assert by_name["shared tierd daemon: prefix hit rate (engine cache + pool)"]["params"]["pool_hit_rate"] > 0
     assert "ratio" in p.stdout
-    left = _leftovers() - before
     assert not left, f"benchmarks.node_pool left {sorted(left)}"
 
 

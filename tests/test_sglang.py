@@ -30,6 +30,7 @@ import pytest
 
 from . import vllm_wait
 from .daemon import DaemonProc
+from .helpers import ENGINES_OFF, engines_off
 from .sglang_engine import drop_leaked_shm, shm_entries
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +43,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(vllm_wait.BUDGET_S + 600)]
 def sglang_python() -> str:
     """The SGLang environment's python, or the test fails (where the environment is part of the
     suite: TEST_REQUIRE_SGLANG, as in CI) or is skipped."""
+    if engines_off():
+        pytest.skip(ENGINES_OFF)
     py = SGLANG_VENV / "bin" / "python"
     if not py.exists():
         if os.environ.get("TEST_REQUIRE_SGLANG"):

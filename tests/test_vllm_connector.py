@@ -17,6 +17,7 @@ from tierd.connectors import vllm as tv
 from tierd.errors import TierdError
 
 from . import vllm_driver as drv
+from .helpers import ENGINES_OFF, engines_off
 from . import vllm_wait
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -222,6 +223,8 @@ VLLM_ENVS = {"cpu-build": ".venv-vllm", "latest": ".venv-vllm-latest"}
 def vllm_python(env: str = "cpu-build") -> str | None:
     """The Python of a vLLM environment `make vllm-env` builds ($TEST_VLLM_PYTHON overrides the
     CPU build's)."""
+    if engines_off():
+        return None
     if env == "cpu-build" and os.environ.get("TEST_VLLM_PYTHON"):
         return os.environ["TEST_VLLM_PYTHON"]
     py = ROOT / VLLM_ENVS[env] / "bin" / "python"
@@ -233,6 +236,8 @@ def required_vllm_python(env: str = "cpu-build") -> str:
     TEST_REQUIRE_VLLM, as in CI) or is skipped."""
     py = vllm_python(env)
     if py is None:
+        if engines_off():
+            pytest.skip(ENGINES_OFF)
         if os.environ.get("TEST_REQUIRE_VLLM"):
             pytest.fail(f"the vLLM environment {VLLM_ENVS[env]} is part of this suite here, and it is missing")
         pytest.skip(f"no {VLLM_ENVS[env]} environment; `make vllm-env` builds it")

@@ -33,7 +33,7 @@ dir="$cache/$name-$key"
 
 exec 9>"$cache/$name.lock"
 flock 9
-if [ ! -e "$dir/.built" ]; then
+if [ ! -e "$dir/.installed" ]; then
     rm -rf "$dir"
     echo "building the $name environment into $dir (cached for later checkouts)"
     if ! make -s --no-print-directory "_build-$name" ENV_DIR="$dir"; then
@@ -42,7 +42,7 @@ if [ ! -e "$dir/.built" ]; then
         exit 1
     fi
     [ "$editable" != yes ] || echo "$PWD" > "$dir/.tierd-checkout"   # (the recipe's `pip install -e .`)
-    touch "$dir/.built"
+    touch "$dir/.installed"
 fi
 touch "$dir"   # used now: the last to be removed
 # the NAME's environments beyond the two used last go (an SGLang one is ~7 GB)
