@@ -179,9 +179,11 @@ PYTEST_DURATIONS ?= 25
 test: $(STAMP) deploy-env
 	tools/test_lanes.sh $(PY) -q --durations=$(PYTEST_DURATIONS)
 
-# The inner loop: every test that needs no engine environment (vLLM, SGLang), on both cores.
+# The inner loop, on both cores: every test that needs no engine environment (vLLM, SGLang) and
+# is not marked slow (Triton's interpreter, the daemon's model test, a few end-to-end runs:
+# `make test` runs them).
 test-fast: $(STAMP) deploy-env
-	TEST_NO_ENGINES=1 $(PY) -m pytest -q -n 2 --durations=10
+	TEST_NO_ENGINES=1 $(PY) -m pytest -q -n 2 -m "not slow" --durations=10
 
 bench: $(STAMP) vllm-env sglang-env redis fio
 	$(PY) -m pip install --quiet -e '.[test,bench]'

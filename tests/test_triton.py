@@ -28,10 +28,12 @@ def interpreted(tmp_path, module: str, done: str, timeout: int) -> None:
     print(r.stdout, file=sys.stderr)
 
 
+@pytest.mark.slow   # a minute of Triton's interpreter (make test runs it; make test-fast does not)
 def test_the_triton_decode_kernel_matches_the_reference_under_the_interpreter(tmp_path):
     interpreted(tmp_path, "triton_check", "triton decode: OK", 600)
 
 
+@pytest.mark.slow   # a minute of Triton's interpreter (make test runs it; make test-fast does not)
 def test_the_gpu_op_set_and_the_static_decode_step_under_the_interpreter(tmp_path):
     """The engine with what a GPU runs (fused Triton norm, rotary and gate kernels, the Triton
     decode kernel, decode steps through the static buffers a CUDA graph captures) gives the
