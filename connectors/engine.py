@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 
+import numpy as np
 import torch
 
 from tierd.costs import Plan, primary_tier, slowest_tier
@@ -187,13 +188,10 @@ class EngineConnector:
             hold.enter_context(holding(store, lease))
             have = len(seq.block_table)                        # engine blocks already in place
             block_manager.allocate(seq, (first + n) * self.block_tokens - seq.num_computed)
-            table, r = seq.block_table, self.ratio
-            rows = []                                           # -1: parts the engine already holds
-            for j in range(n):
-                base = (first + j) * r
-                e0 = min(r, max(0, have - base))
-                rows.append([-1] * e0 + table[base + e0:base + r])
-            ids = torch.tensor(rows, dtype=torch.long)
+            r, lo = self.ratio, first * self.ratio
+            ids = np.array(seq.block_table[lo:lo + n * r], dtype=np.int64)
+            ids[:max(0, have - lo)] = -1                        # -1: parts the engine already holds
+            ids = torch.from_numpy(ids.reshape(n, r))
             self.xfer.attach(store)
             gpu = list(getattr(lease, "gpu_buffers", None) or ())[:n] or None
             job = self.xfer.load_layers(ids, lease.buffers[:n], gpu, layered=True)

@@ -107,14 +107,17 @@ def drain_quietly(xfer) -> None:
 
 
 def acquire_for(store, ns, keys: Sequence[bytes], device):
-    """`store.acquire(ns, keys)` for a reader on `device`: an embedded store whose HBM tier is on
-    that device is asked for its HBM copies too (`lease.gpu_buffers`), which the reader copies
-    device-to-device; a daemon's client asks for them itself when it maps the daemon's tier."""
+    """`store.acquire(ns, keys)` for a reader on `device` that confirms the lease after its copy
+    (`release(lease, confirm=True)`; a lost lease means recompute): an embedded store whose HBM
+    tier is on that device is asked for its HBM copies too (`lease.gpu_buffers`), which the
+    reader copies device-to-device; a daemon's client asks for them itself when it maps the
+    daemon's tier, and pipelines the lease's request (`Client.acquire`: its answer is read at
+    the release, not before the copy)."""
     tier = getattr(store, "gpu", None)
     buffer = getattr(tier, "buffer", None)
     if isinstance(buffer, torch.Tensor) and buffer.device == torch.device(device):
         return store.acquire(ns, keys, gpu=True)
-    return store.acquire(ns, keys)
+    return store.acquire(ns, keys, pipelined=True)
 
 
 def load_unleased(store, ns, keys: Sequence[bytes], copy) -> int | None:

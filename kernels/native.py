@@ -18,9 +18,11 @@ consecutive engine blocks go in one memcpy. A copy of over a MiB (`STREAM_MIN_BY
 its destination through streaming stores, 16 KiB at a time as four interleaved page streams,
 and fences them before it returns: its destination's lines are not read first, which makes a
 load out of DRAM about as fast as memcpy's own large copy (1.4x a plain-store copy at 128 MiB).
-A copy of 4 MiB or more (`SPLIT_MIN_BYTES`) is also split by plane and layer between its caller
-and helper threads (`copy_threads()`: torch's intra-op threads, which an engine waiting for a
-load or a save does not use meanwhile), since one core does not reach the memory's bandwidth.
+A copy of 4 MiB or more (`SPLIT_MIN_BYTES`) is also split by plane and layer into items of about
+a MiB, which its caller and helper threads (`copy_threads()`: torch's intra-op threads, which an
+engine waiting for a load or a save does not use meanwhile) take in turn, since one core does not
+reach the memory's bandwidth; a helper that wakes late takes fewer, and the caller never waits
+for a share it could have copied itself.
 
 The source is compiled at first use, once per process, by the system C compiler (`$CC`, else
 `cc`) for this machine (`-march=native`), in a private temporary directory that is removed once
@@ -260,27 +262,23 @@ class CopyPlan:
         if threads is None:
             threads = copy_threads() if need * tiers >= SPLIT_MIN_BYTES else 1
         slots_at, step = ctypes.addressof(base), self.planes * part
-        calls = []      # (plane, first layer, layers, group): every (plane, layer) once
-        per_plane = max(1, min(threads, self.layers))       # each thread: a part of every plane
-        for kv in range(self.planes):
-            for first, count, g in self._runs:
-                k = min(per_plane, count)
-                for i in range(k):
-                    lo, hi = first + count * i // k, first + count * (i + 1) // k
-                    calls.append((kv, lo, hi - lo, g))
+        # the work as (plane, first layer, layers, group) items of about ITEM_BYTES each, every
+        # (plane, layer) once, taken in turn by the caller and the helpers (`_shared`)
+        per_item = max(1, ITEM_BYTES // max(1, tiers * part)) if threads > 1 else self.layers
+        calls = [(kv, lo, min(per_item, first + count - lo), g)
+                 for kv in range(self.planes) for first, count, g in self._runs
+                 for lo in range(first, first + count, per_item)]
         ids_at = [x.data_ptr() for x in by_group]
+        fn, num_blocks, plane_args = self._fn, self.num_blocks, self._plane_args
 
-        def run(part_of: list) -> int:
-            bad = 0
-            for kv, lo, n, g in part_of:
-                bases, stride, tail = self._plane_args[kv]
-                bad |= self._fn(n, ctypes.addressof(bases) + 8 * lo, stride, self.num_blocks, tiers, ratio, ids_at[g],
-                                slots_at, kv * part + lo * step, step, to_cache, int(stream), *tail)
-            return bad
+        def run(item) -> int:
+            kv, lo, n, g = item
+            bases, stride, tail = plane_args[kv]
+            return fn(n, ctypes.addressof(bases) + 8 * lo, stride, num_blocks, tiers, ratio, ids_at[g],
+                      slots_at, kv * part + lo * step, step, to_cache, int(stream), *tail)
         # every call checks every id before it copies: one that refuses them all refuse, nothing copied
-        shares = [calls[j::threads] for j in range(min(threads, len(calls)))]
-        if _split(run, shares) != 0:
-            raise ValueError(f"engine block id out of range 0..{self.num_blocks - 1}")  # the reference raises
+        if _shared(run, calls, threads) != 0:
+            raise ValueError(f"engine block id out of range 0..{num_blocks - 1}")  # the reference raises
 
 
 # Copies of at least this many bytes are split across the caller and helper threads (by plane and
@@ -297,24 +295,48 @@ def copy_threads() -> int:
     return max(1, min(torch.get_num_threads(), 4))
 
 
-def _split(fn, shares: list) -> int:
-    """fn(share) for each share, the first on the caller, the rest on `_workers()` at once;
-    returns the OR of their results once every one has returned (raises what one raised)."""
-    pool = _workers()[0] if len(shares) > 1 else None
+# One item of a split copy: small enough that a helper woken late (about 0.15 ms here) finds
+# work left, large enough that each C call's Python overhead (a few microseconds) is small.
+ITEM_BYTES = 1 << 20
+
+
+def _shared(fn, items: list, threads: int) -> int:
+    """fn(item) for every item, each once, by the caller and up to `threads - 1` of `_workers()`,
+    each taking the next item not yet taken (a helper that wakes late finds less or nothing left,
+    instead of the caller waiting for its share). Returns the OR of the results once every item
+    is done — not once every helper has woken: one that wakes after the end takes nothing.
+    Raises what an item raised."""
+    pool = _workers()[0] if threads > 1 and len(items) > 1 else None
     if pool is None:
         bad = 0
-        for share in shares:
-            bad |= fn(share)
+        for item in items:
+            bad |= fn(item)
         return bad
-    futures = [pool.submit(fn, share) for share in shares[1:]]
-    try:
-        bad = fn(shares[0])
-    finally:
-        from concurrent.futures import wait
-        wait(futures)      # nothing of the copy still running when it returns or raises
-    for f in futures:
-        bad |= f.result()
-    return bad
+    todo = iter(items)          # next() on it is atomic under the GIL: each item is taken once
+    state = {"left": len(items), "bad": 0, "error": None}
+    done = threading.Condition(threading.Lock())
+
+    def work() -> None:
+        for item in todo:
+            try:
+                r, e = fn(item), None
+            except BaseException as x:  # noqa: BLE001 - handed to the caller
+                r, e = 0, x
+            with done:
+                state["bad"] |= r
+                state["error"] = state["error"] or e
+                state["left"] -= 1
+                if state["left"] == 0:
+                    done.notify_all()
+    for _ in range(min(threads, len(items)) - 1):
+        pool.submit(work)
+    work()
+    with done:
+        while state["left"]:
+            done.wait()
+    if state["error"] is not None:
+        raise state["error"]
+    return state["bad"]
 
 
 _pool = None

@@ -7,6 +7,9 @@
          puts in turn (their blocks take each other's slots), every block served checked
          bit-exact; prints `OK <gets> <blocks verified> <gets without a lease> <copies
          discarded>` or exits 1
+  lease  as read, through pipelined leases (`acquire(..., pipelined=True)`, each copied out,
+         then released with confirm): every block of a confirmed lease checked bit-exact;
+         prints `OK <leases> <blocks verified> <pipelined leases> <leases lost>` or exits 1
   hold   put a chain, take a lease on it and a reservation of N more keys, print HOLDING,
          then wait to be killed
 """
@@ -18,6 +21,7 @@ import numpy as np
 
 import tierd
 from tierd.client import Client
+from tierd.errors import LeaseError
 
 from .helpers import block_for, chain, make_ns
 
@@ -56,6 +60,26 @@ def main() -> int:
                     return 1
                 verified += 1
         print(f"OK {n} {verified} {c.unleased_reads} {c.unleased_discarded}", flush=True)
+        c.close()
+        return 0
+    if mode == "lease":
+        ns = FLIP_NS
+        lost = 0
+        for i in range(n):
+            keys = flip_chain(int(rng.integers(0, 2)), int(rng.integers(0, FLIP_CHAINS)))
+            lease = c.acquire(ns, keys, pipelined=True)
+            copies = [np.array(b) for b in lease.buffers]
+            try:
+                lease.release(confirm=True)
+            except LeaseError:
+                lost += 1
+                continue
+            for k, b in zip(lease.keys, copies):
+                if not np.array_equal(b, block_for(ns, k)):
+                    print(f"MISMATCH {k.hex()} in lease {i}", flush=True)
+                    return 1
+                verified += 1
+        print(f"OK {n} {verified} {c.pipelined_leases} {lost}", flush=True)
         c.close()
         return 0
     for _ in range(n):

@@ -97,6 +97,8 @@ class Client(Staging, UnleasedReads, DaemonConnection):
         self._hits_reporter: threading.Thread | None = None   # reports them when a client idles
         self.unleased_reads = 0      # gets served without a lease (a count, for tests and tools)
         self.unleased_discarded = 0  # copies made without a lease, then discarded (a block changed)
+        self.pipelined_leases = 0    # leases handed out before the daemon's answer (`acquire(pipelined=)`)
+        self.pipelined_lost = 0      # ... whose answer or the index then said the bytes may be wrong
         self._link: _Link | None = None
         self.limits: dict = {}       # the daemon's, from its hello (until then, the protocol's defaults)
         self.events = False          # the daemon publishes KV events with token ids (its hello says)
@@ -307,7 +309,7 @@ class Client(Staging, UnleasedReads, DaemonConnection):
         room = limits.get("max_frame_bytes", P.DEFAULT_MAX_FRAME_BYTES) - 1024
         return max(1, min(limits.get("max_keys_per_request", P.DEFAULT_MAX_KEYS), room // per_key))
 
-    def acquire(self, ns, keys: Sequence[bytes]) -> ClientLease:
+    def acquire(self, ns, keys: Sequence[bytes], *, pipelined: bool = False) -> ClientLease:
         """Lease the longest present prefix of `keys`; read `lease.buffers`, then `release`.
 
         Threads: a client may be shared by threads. A lease (and a reservation) holds its
@@ -315,9 +317,22 @@ class Client(Staging, UnleasedReads, DaemonConnection):
         gives the connection up — cannot make the daemon reclaim these slots while they are
         read. Bytes are trustworthy only if the lease still stands after they were read:
         `release(lease, confirm=True)` checks that (`get` does it for you, without a round
-        trip)."""
+        trip).
+
+        `pipelined`: for a reader that confirms (a load that copies the blocks, then releases
+        with `confirm=True`). Where the daemon's shared index shows the blocks ready in host RAM,
+        the request is sent and not waited for: the lease comes back at once with the slots the
+        index shows, the daemon's answer arrives while they are copied, and the release reads
+        it — one round trip less on the reader's path. The bytes count only if the daemon leased
+        those very slots and the index shows no change to them until its answer; else the
+        confirming release raises LeaseError (read again). Until the release, such a lease's
+        blocks may not yet be pinned: a reader that does not confirm must not use it."""
         keys = check_keys(keys)          # bad input is refused before anything is asked
         nsobj = self._namespace(ns)
+        if pipelined and keys:
+            lease = self._acquire_pipelined(nsobj, keys)
+            if lease is not None:
+                return lease
         with self._lock:
             hbm = self._gpu_arena is not None if self._hbm is None else self._hbm
             r = self._call("acquire", ns=nsobj.name, keys=keys, **({"gpu": True} if hbm else {}))
@@ -340,6 +355,9 @@ class Client(Staging, UnleasedReads, DaemonConnection):
         if not lease._open:
             raise E.LeaseError(f"lease {lease.id} is already released")
         lease._open = False
+        if lease._pending is not None:
+            self._release_pipelined(lease, confirm)
+            return
         if lease.id == 0:
             return   # nothing was leased
         link, lease._link = lease._link, None
@@ -357,6 +375,25 @@ class Client(Staging, UnleasedReads, DaemonConnection):
                     # saves a round trip per get. Unanswered where the daemon allows it (no reply
                     # to write and read), else its reply is read before the next one.
                     self._send_deferred({"op": "release", "lease": lease.id}, answered=not self._noreply)
+        finally:
+            self._unpin(link)
+
+    def _release_pipelined(self, lease: ClientLease, confirm: bool) -> None:
+        """`release` of a pipelined lease: its answer read, the lease ended where it was granted,
+        LeaseError with `confirm` where the bytes read under it may not be the blocks'."""
+        link, lease._link = lease._link, None
+        try:
+            with self._lock:
+                why = self._settle_grant(lease, link)
+                if why is None and confirm and (link is None or not link.intact()):
+                    why = "its connection to the daemon was lost (it restarted or ended the connection)"
+                if lease.id and link is not None and link is self._link and not link.dead:
+                    self._send_deferred({"op": "release", "lease": lease.id}, answered=not self._noreply)
+            if why is not None:
+                self.pipelined_lost += 1
+                if confirm:
+                    raise E.LeaseError(f"a pipelined lease of {len(lease.keys)} blocks: {why}: the bytes read "
+                                       "under it may not be the blocks'; read them again")
         finally:
             self._unpin(link)
 

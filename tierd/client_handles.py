@@ -47,6 +47,9 @@ class ClientLease:
         self.gpu_buffers: list = []          # per block: (block_bytes,) CUDA view, or None
         self._client, self._generation, self._open = client, generation, True
         self._link = link   # the held connection (None: nothing leased, nothing held)
+        # A pipelined lease (`Client.acquire(..., pipelined=True)`): its request's answer, read
+        # at release; until then `id` is 0 and the slots are what the shared index showed.
+        self._pending: PendingGrant | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -65,3 +68,17 @@ class ClientLease:
         the block was read (what was read must be thrown away), unless the block already raised."""
         if self._open:
             self._client.release(self, confirm=exc_type is None)
+
+
+class PendingGrant:
+    """What a pipelined lease was handed before the daemon answered: the shared index's ways,
+    sequence numbers and slots for its blocks, and (once read) the daemon's reply."""
+
+    __slots__ = ("index", "ways", "seqs", "offsets", "reply")
+
+    def __init__(self, index, ways: list[int], seqs: list[int], offsets: list[int]):
+        self.index, self.ways, self.seqs, self.offsets = index, ways, seqs, offsets
+        self.reply: dict | None = None
+
+    def answered(self, reply: dict) -> None:
+        self.reply = reply

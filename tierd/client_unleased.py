@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from . import protocol as P
 from . import threads
+from .client_handles import ClientLease, PendingGrant
 from .keys import check_keys
 from .namespace import Namespace
 from .transfer import copy_block
@@ -118,6 +119,65 @@ class UnleasedReads:
             return n
         finally:
             self._unpin(link)
+
+    def _acquire_pipelined(self, nsobj: Namespace, keys: list[bytes]) -> ClientLease | None:
+        """`acquire(..., pipelined=True)`: where the shared index shows the blocks ready in host
+        RAM, a lease of them whose request is sent and not waited for — its answer is read at
+        release, where the bytes count only if the daemon leased the very slots the index showed
+        and the index shows no change to them from before the first read until after that answer
+        (so the slots held the blocks before the daemon pinned them, and it pinned them since).
+        None where the index cannot tell, or a lease might get more blocks: lease as usual."""
+        with self._lock:
+            hbm = self._gpu_arena is not None if self._hbm is None else self._hbm
+            idx = self._index
+            if not self._unleased_ok or hbm or idx is None or self._sock is None or self._hup.poll(0):
+                return None
+            run = idx.host_run(nsobj.id, keys)
+            if run is None:
+                return None
+            n, final, ways, seqs, offsets = run
+            if n < len(keys) and (not final or self._putting or self._deferred_commits):
+                return None   # a lease may get more (from disk, or this client's writes in flight)
+            if n > self.limits.get("max_keys_per_request", P.DEFAULT_MAX_KEYS):
+                return None   # over the daemon's limit: the usual path refuses it
+            if self._hits:
+                self._report_hits()   # counted before what this request may show, as `_call` does
+            link = self._pin()
+            bb = nsobj.block_bytes
+            lease = ClientLease(0, nsobj, keys[:n], [self._view(o, bb, False) for o in offsets], ["host"] * n,
+                                self, self._generation, link)
+            grant = lease._pending = PendingGrant(idx, ways, seqs, offsets)
+            if not self._send_deferred({"op": "acquire", "ns": nsobj.name, "keys": keys[:n]}, grant.answered):
+                self._unpin(link)
+                return None   # the connection is gone: lease as usual (it connects again)
+            self.pipelined_leases += 1
+            return lease
+
+    def _settle_grant(self, lease: ClientLease, link) -> str | None:
+        """(Lock held.) A pipelined lease at its release: read the daemon's answer (it came
+        during the caller's copy, or comes now); set the lease's id where it was granted.
+        Returns why the bytes read under it may not be the blocks', or None."""
+        grant = lease._pending
+        lost = "the connection to the daemon was lost before it answered"
+        if grant.reply is None:
+            if link is None or link is not self._link or link.dead:
+                return lost
+            try:
+                self._drain_deferred(time.monotonic() + self.timeout_s, enough=lambda: grant.reply is not None)
+            except (OSError, EOFError):
+                self._disconnect()
+                return lost
+            if grant.reply is None:
+                return lost
+        reply = grant.reply
+        if "error" in reply:
+            return f"the daemon did not lease them ({reply['error'].get('message', '')})"
+        lease.id = int(reply.get("lease") or 0)
+        if list(reply.get("offsets", ())) != grant.offsets:
+            return "the daemon leased other slots than its index showed"
+        if grant.index is not self._index or not grant.index.unchanged(grant.ways, grant.seqs):
+            return "a block changed before the daemon leased it"
+        return None
 
     def _wake_hits_reporter(self) -> None:
         """(Lock held.) Make sure the reads of a client that then goes quiet still reach the

@@ -44,7 +44,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from .errors import ConfigError
 
@@ -150,13 +149,17 @@ class TransferFit:
 
 class RecomputeFit:
     """One forward's seconds ≈ a + b·N + c·Q (N: new tokens, Q: Σ n·(k + n/2)), fitted by
-    exponentially weighted least squares with every coefficient ≥ 0."""
+    exponentially weighted least squares with every coefficient ≥ 0.
+
+    In plain Python floats: the systems are at most 3 x 3, and a load asks for the fit right
+    after a forward changed it, so the fit is on a hit's path (numpy's per-call overhead made it
+    a third of a 512-token host hit's load)."""
 
     __slots__ = ("xtx", "xty", "yty", "n", "updated", "_coef")
 
     def __init__(self):
-        self.xtx = np.zeros((3, 3))
-        self.xty = np.zeros(3)
+        self.xtx = [[0.0] * 3 for _ in range(3)]
+        self.xty = [0.0] * 3
         self.yty = 0.0
         self.n = 0
         self.updated = 0.0
@@ -165,9 +168,12 @@ class RecomputeFit:
     def add(self, tokens: float, quad: float, seconds: float, decay: float = RECOMPUTE_DECAY) -> None:
         if not (tokens > 0 and quad >= 0 and seconds > 0 and math.isfinite(seconds)):
             return
-        x = np.array([1.0, float(tokens), float(quad)])
-        self.xtx = self.xtx * decay + np.outer(x, x)
-        self.xty = self.xty * decay + x * seconds
+        x = (1.0, float(tokens), float(quad))
+        for i in range(3):
+            row = self.xtx[i]
+            for j in range(3):
+                row[j] = row[j] * decay + x[i] * x[j]
+            self.xty[i] = self.xty[i] * decay + x[i] * seconds
         self.yty = self.yty * decay + seconds * seconds
         self.n += 1
         self.updated = time.time()
@@ -185,23 +191,26 @@ class RecomputeFit:
         # the least-squares fit over every subset of the terms that holds N; of those whose
         # coefficients are all ≥ 0, the one with the least residual
         best, best_res = (0.0, 0.0, 0.0), math.inf
-        scale = np.sqrt(np.maximum(np.diag(self.xtx), 1e-300))    # (columns of very unequal size)
+        xtx, xty = self.xtx, self.xty
+        scale = [math.sqrt(max(xtx[i][i], 1e-300)) for i in range(3)]   # (columns of very unequal size)
         for cols in ((0, 1, 2), (1, 2), (0, 1), (1,)):
-            idx = np.array(cols)
-            a = self.xtx[np.ix_(idx, idx)] / np.outer(scale[idx], scale[idx])
-            rhs = self.xty[idx] / scale[idx]
-            try:
-                beta = np.linalg.solve(a + 1e-9 * np.eye(len(idx)), rhs) / scale[idx]
-            except np.linalg.LinAlgError:
+            a = [[xtx[i][j] / (scale[i] * scale[j]) + (1e-9 if i == j else 0.0) for j in cols] for i in cols]
+            rhs = [xty[i] / scale[i] for i in cols]
+            beta = _solve(a, rhs)
+            if beta is None:
                 continue
-            if np.any(beta < 0):
+            beta = [b / scale[i] for b, i in zip(beta, cols)]
+            if any(b < 0 for b in beta):
                 continue
-            res = self.yty - 2 * beta @ self.xty[idx] + beta @ self.xtx[np.ix_(idx, idx)] @ beta
+            quad = sum(beta[p] * xtx[i][j] * beta[q] for p, i in enumerate(cols) for q, j in enumerate(cols))
+            res = self.yty - 2 * sum(b * xty[i] for b, i in zip(beta, cols)) + quad
             if res < best_res - 1e-15:
                 full = [0.0, 0.0, 0.0]
                 for i, v in zip(cols, beta):
                     full[i] = float(v)
                 best, best_res = tuple(full), res
+            if len(cols) == 3:
+                break       # all three terms ≥ 0: no subset fits better (least squares on fewer terms)
         return best
 
     def saving(self, first: float, tokens: float) -> float | None:
@@ -213,11 +222,14 @@ class RecomputeFit:
         return c[1] * tokens + c[2] * tokens * (first + tokens / 2)
 
     def state(self) -> list:
-        return [self.xtx.ravel().tolist(), self.xty.tolist(), self.yty, self.n, self.updated]
+        return [[v for row in self.xtx for v in row], list(self.xty), self.yty, self.n, self.updated]
 
     def set_state(self, st: list) -> None:
-        self.xtx = np.array(st[0], dtype=float).reshape(3, 3)
-        self.xty = np.array(st[1], dtype=float)
+        flat = [float(v) for v in st[0]]
+        if len(flat) != 9 or len(st[1]) != 3:
+            raise ValueError("a recompute fit's state is 9 + 3 numbers")
+        self.xtx = [flat[0:3], flat[3:6], flat[6:9]]
+        self.xty = [float(v) for v in st[1]]
         self.yty, self.n, self.updated = float(st[2]), int(st[3]), float(st[4])
         self._coef = None
 
@@ -227,6 +239,27 @@ class RecomputeFit:
             return {"measured": 0}
         return {"fixed_s": c[0], "per_token_s": c[1], "per_token_context_s": c[2], "measured": self.n,
                 "age_s": time.time() - self.updated}
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """x with a·x = b (n ≤ 3) by Gaussian elimination with partial pivoting; None if a is
+    singular or the result is not finite."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if not abs(m[p][c]) > 1e-300:
+            return None
+        m[c], m[p] = m[p], m[c]
+        for r in range(c + 1, n):
+            f = m[r][c] / m[c][c]
+            if f:
+                for k in range(c, n + 1):
+                    m[r][k] -= f * m[c][k]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
+    return x if all(math.isfinite(v) for v in x) else None
 
 
 def forward_terms(batch) -> tuple[int, float]:

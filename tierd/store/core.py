@@ -627,11 +627,12 @@ class TieredStore:
         return self._promotion.is_quick(op, ns, keys, gpu=gpu)
 
     def acquire(self, ns: Namespace, keys: Sequence[bytes], *, owner=None, gpu: bool = False,
-                inline: bool = False) -> Lease:
+                inline: bool = False, pipelined: bool = False) -> Lease:
         """Lease the longest present prefix of `keys`, promoting disk blocks to host RAM
         (`Promotion.acquire`). `gpu`: the caller reads HBM copies (`lease.gpu_buffers`);
         `inline` (the daemon's event loop thread): raise WouldBlock, changing nothing, when it
-        would read a tier, wait for another promotion or copy into HBM."""
+        would read a tier, wait for another promotion or copy into HBM. `pipelined`: as
+        `Client.acquire`'s, for the same interface; a lease here is pinned when it returns."""
         return self._promotion.acquire(ns, keys, owner=owner, gpu=gpu, inline=inline)
 
     def note_hits(self, ns: Namespace, keys: Sequence[bytes], asked: int) -> int:
