@@ -350,7 +350,7 @@ class TierdStorage(HiCacheStorage):
         got = 0
         t0 = time.perf_counter()
         try:
-            lease = store.acquire(self.ns, self._keys(keys))
+            lease = store.acquire(self.ns, self._keys(keys), pipelined=True)   # confirmed below
             try:
                 with holding(store, lease):
                     for i, buf in enumerate(lease.buffers):

@@ -562,7 +562,7 @@ class TierdTier(SecondaryTierManager):
             # keys are independent chunks: lease the longest present run, then continue after a gap
             while i < len(keys):
                 t0 = time.perf_counter()
-                lease = store.acquire(self.ns, tkeys[i:])
+                lease = store.acquire(self.ns, tkeys[i:], pipelined=True)   # confirmed below
                 n = len(lease)
                 try:
                     with holding(store, lease):

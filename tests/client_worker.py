@@ -34,6 +34,41 @@ def flip_chain(which: int, i: int) -> list[bytes]:
     return chain(FLIP_NS, 5000 + 100 * which + i, 4)
 
 
+def run_flips(tmp_path, mode: str, n: int) -> tuple[int, list[list[int]]]:
+    """Two reader processes in `mode` ("read" or "lease", `n` reads each) against a daemon while
+    this process flushes the host tier and puts one set of FLIP_NS chains, then the other, in
+    turn (each set's blocks take the slots the other's just left). Asserts that both readers
+    found every block they kept exact, and that no lease or reservation is left; returns the
+    flips made and each reader's printed numbers."""
+    import subprocess
+
+    from .daemon import ROOT, DaemonProc
+    d = DaemonProc(tmp_path, host_bytes="32MiB", toml='[host]\nslab_bytes = "4MiB"\n').start()
+    try:
+        readers = [subprocess.Popen([sys.executable, "-m", "tests.client_worker", d.socket, mode, str(i), str(n)],
+                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   for i in range(2)]
+        sets = [[k for i in range(FLIP_CHAINS) for k in flip_chain(w, i)] for w in (0, 1)]
+        blocks = [[block_for(FLIP_NS, k) for k in keys] for keys in sets]
+        flips = 0
+        with Client(d.socket) as c:
+            while any(p.poll() is None for p in readers):
+                c.flush(tier="host")
+                for i in range(0, len(sets[flips % 2]), 4):
+                    c.put(FLIP_NS, sets[flips % 2][i:i + 4], blocks[flips % 2][i:i + 4])
+                flips += 1
+        outs = [p.communicate(timeout=600) for p in readers]
+        for p, (out, err) in zip(readers, outs):
+            assert p.returncode == 0, out + err
+            assert out.startswith("OK")
+        with Client(d.socket) as c:
+            st = c.stats()
+            assert st["leases"] == 0 and st["reservations"] == 0
+        return flips, [list(map(int, out.split()[1:])) for out, _ in outs]
+    finally:
+        d.stop()
+
+
 def main() -> int:
     sock, mode, seed, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     # hold: a reservation the daemon keeps (the reserve path; staged slots have a test of their own)

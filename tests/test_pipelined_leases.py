@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,7 +19,7 @@ from tierd.client import Client
 from tierd.errors import LeaseError
 from tierd.index import LEASE_FREE_READS
 
-from .daemon import ROOT, DaemonProc
+from .daemon import DaemonProc
 from .helpers import block_for, chain, make_ns, put_chain
 
 pytestmark = pytest.mark.skipif(not LEASE_FREE_READS, reason="pipelined leases need x86-64's memory order")
@@ -181,32 +179,9 @@ def test_pipelined_leases_are_exact_while_slots_are_reused(tmp_path):
     slots the other's just left. Every block of a confirmed lease is bit-exact; most leases were
     confirmed, and some were refused. (Without the checks at release, this test fails: it
     confirms the other set's bytes.)"""
-    from .client_worker import FLIP_CHAINS, FLIP_NS, flip_chain
-    d = DaemonProc(tmp_path, host_bytes="32MiB", toml='[host]\nslab_bytes = "4MiB"\n').start()
-    try:
-        readers = [subprocess.Popen([sys.executable, "-m", "tests.client_worker", d.socket, "lease", str(i), "800"],
-                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                   for i in range(2)]
-        sets = [[k for i in range(FLIP_CHAINS) for k in flip_chain(w, i)] for w in (0, 1)]
-        blocks = [[block_for(FLIP_NS, k) for k in keys] for keys in sets]
-        flips = 0
-        with Client(d.socket) as c:
-            while any(p.poll() is None for p in readers):
-                c.flush(tier="host")
-                for i in range(0, len(sets[flips % 2]), 4):
-                    c.put(FLIP_NS, sets[flips % 2][i:i + 4], blocks[flips % 2][i:i + 4])
-                flips += 1
-        outs = [p.communicate(timeout=600) for p in readers]
-        for p, (out, err) in zip(readers, outs):
-            assert p.returncode == 0, out + err
-            assert out.startswith("OK")
-        fields = [list(map(int, out.split()[1:])) for out, _ in outs]
-        verified = sum(f[1] for f in fields)
-        pipelined = sum(f[2] for f in fields)
-        lost = sum(f[3] for f in fields)
-        assert flips > 20 and verified > 500 and pipelined > 100 and lost > 0, (flips, fields)
-        with Client(d.socket) as c:
-            st = c.stats()
-            assert st["leases"] == 0 and st["reservations"] == 0
-    finally:
-        d.stop()
+    from .client_worker import run_flips
+    flips, fields = run_flips(tmp_path, "lease", 800)
+    verified = sum(f[1] for f in fields)
+    pipelined = sum(f[2] for f in fields)
+    lost = sum(f[3] for f in fields)
+    assert flips > 20 and verified > 500 and pipelined > 100 and lost > 0, (flips, fields)

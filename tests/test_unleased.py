@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -17,7 +15,7 @@ import pytest
 from tierd.client import Client, DaemonUnavailableError
 from tierd.index import DISK, HOST, LEASE_FREE_READS, WAYS, SharedIndex
 
-from .daemon import ROOT, DaemonProc
+from .daemon import DaemonProc
 from .helpers import block_for, chain, make_ns, put_chain
 from .test_daemon import raw_conn, read_reply, send
 
@@ -153,34 +151,11 @@ def test_reads_without_a_lease_are_exact_while_slots_are_reused(tmp_path):
     other's just left, often while a reader copies them. Every block served is bit-exact; many
     gets needed no lease, and copies overtaken by a flush were discarded. (Without the check
     after the copy, this test fails: it serves the other set's bytes.)"""
-    from .client_worker import FLIP_CHAINS, FLIP_NS, flip_chain
-    d = DaemonProc(tmp_path, host_bytes="32MiB", toml='[host]\nslab_bytes = "4MiB"\n').start()
-    try:
-        readers = [subprocess.Popen([sys.executable, "-m", "tests.client_worker", d.socket, "read", str(i), "1500"],
-                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                   for i in range(2)]
-        sets = [[k for i in range(FLIP_CHAINS) for k in flip_chain(w, i)] for w in (0, 1)]
-        blocks = [[block_for(FLIP_NS, k) for k in keys] for keys in sets]
-        flips = 0
-        with Client(d.socket) as c:
-            while any(p.poll() is None for p in readers):
-                c.flush(tier="host")
-                for i in range(0, len(sets[flips % 2]), 4):
-                    c.put(FLIP_NS, sets[flips % 2][i:i + 4], blocks[flips % 2][i:i + 4])
-                flips += 1
-        outs = [p.communicate(timeout=600) for p in readers]
-        for p, (out, err) in zip(readers, outs):
-            assert p.returncode == 0, out + err
-            assert out.startswith("OK")
-        fields = [list(map(int, out.split()[1:])) for out, _ in outs]
-        verified = sum(f[1] for f in fields)
-        unleased = sum(f[2] for f in fields)
-        assert flips > 20 and verified > 1000 and unleased > 100, (flips, fields)
-        with Client(d.socket) as c:
-            st = c.stats()
-            assert st["leases"] == 0 and st["reservations"] == 0
-    finally:
-        d.stop()
+    from .client_worker import run_flips
+    flips, fields = run_flips(tmp_path, "read", 1500)
+    verified = sum(f[1] for f in fields)
+    unleased = sum(f[2] for f in fields)
+    assert flips > 20 and verified > 1000 and unleased > 100, (flips, fields)
 
 
 def test_a_dead_daemons_slots_are_not_read(tmp_path):

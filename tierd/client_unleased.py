@@ -76,23 +76,35 @@ class UnleasedReads:
             return None
         return self._read_unleased(self._namespace(ns), check_keys(keys), copy)
 
+    def _index_run(self, nsobj: Namespace, keys: list[bytes]):
+        """(Lock held.) The leading blocks of `keys` the shared index shows ready in host RAM, as
+        `SharedIndex.host_run` gives them — None where it cannot tell, where a lease might get
+        more (from disk, or this client's writes in flight) or more than one request may name,
+        or where reads go to HBM copies."""
+        hbm = self._gpu_arena is not None if self._hbm is None else self._hbm
+        idx = self._index
+        # (a stalled daemon's table is read too: nothing moves while it is stopped, and what
+        # moved before shows in the sequence numbers)
+        if hbm or idx is None or self._sock is None or self._hup.poll(0):
+            return None
+        run = idx.host_run(nsobj.id, keys)
+        if run is None:
+            return None
+        n, final = run[0], run[1]
+        if n < len(keys) and (not final or self._putting or self._deferred_commits):
+            return None
+        if n > self.limits.get("max_keys_per_request", P.DEFAULT_MAX_KEYS):
+            return None
+        return run
+
     def _read_unleased(self, nsobj: Namespace, keys: list[bytes], copy) -> int | None:
         with self._lock:
-            hbm = self._gpu_arena is not None if self._hbm is None else self._hbm
             idx, arena = self._index, self._arena
-            # (a stalled daemon's table is read too: nothing moves while it is stopped, and what
-            # moved before shows in the sequence numbers)
-            if hbm or idx is None or self._sock is None or self._hup.poll(0):
-                return None
-            run = idx.host_run(nsobj.id, keys)
+            run = self._index_run(nsobj, keys)
             if run is None:
                 return None
-            n, final, ways, seqs, offsets = run
-            if n < len(keys) and (not final or self._putting or self._deferred_commits):
-                return None   # a lease may get more (from disk, or this client's writes in flight)
+            n, _, ways, seqs, offsets = run
             limit = self.limits.get("max_keys_per_request", P.DEFAULT_MAX_KEYS)
-            if n > limit:
-                return None   # more than one report may name: the lease path refuses it
             if self._hits_keys + n > limit:
                 self._report_hits()
             link = self._pin()
@@ -128,18 +140,11 @@ class UnleasedReads:
         (so the slots held the blocks before the daemon pinned them, and it pinned them since).
         None where the index cannot tell, or a lease might get more blocks: lease as usual."""
         with self._lock:
-            hbm = self._gpu_arena is not None if self._hbm is None else self._hbm
             idx = self._index
-            if not self._unleased_ok or hbm or idx is None or self._sock is None or self._hup.poll(0):
-                return None
-            run = idx.host_run(nsobj.id, keys)
+            run = self._index_run(nsobj, keys) if self._unleased_ok else None
             if run is None:
                 return None
-            n, final, ways, seqs, offsets = run
-            if n < len(keys) and (not final or self._putting or self._deferred_commits):
-                return None   # a lease may get more (from disk, or this client's writes in flight)
-            if n > self.limits.get("max_keys_per_request", P.DEFAULT_MAX_KEYS):
-                return None   # over the daemon's limit: the usual path refuses it
+            n, _, ways, seqs, offsets = run
             if self._hits:
                 self._report_hits()   # counted before what this request may show, as `_call` does
             link = self._pin()
