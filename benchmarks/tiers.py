@@ -22,7 +22,6 @@ GB/s on one core beside the raw disk write floor (above 1x: the codec does not s
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import shutil
 import subprocess
@@ -36,6 +35,7 @@ import numpy as np
 from tierd import Namespace, TieredStore
 from tierd import codec as tcodec
 from tierd.config import MiB, format_size
+from tierd.tiers.disk_files import io_buffer
 
 from .common import Result, best_of, parse_args, report
 
@@ -121,7 +121,9 @@ class RawDirect:
     Each block is one O_DIRECT pwrite / pread of tierd's request size (a 4 KiB header page
     plus the block rounded up to 4 KiB) at tierd's slot offsets (slots of that size back to
     back in slabs of `slab_bytes`, a header page before each slab and one before the first),
-    from a page-aligned anonymous buffer per thread (as tierd's bounce buffers), on a
+    from a buffer per thread of the memory tierd's bounce buffers are made of (`io_buffer`:
+    huge pages where the buffer is large, so that a request is as few segments as the disk
+    can take: the best this disk does, not a buffer it reads slower into), on a
     preallocated, pre-written file of the same filesystem. `write(t)` writes every block on
     t threads (t requests in flight), then one fdatasync; `read(t)` reads them READ_BATCH
     blocks per call, each call's blocks on t threads, as tierd's acquire of READ_BATCH keys.
@@ -143,11 +145,11 @@ class RawDirect:
         for t in threads:   # converts the unwritten extents, starts every thread and buffer
             self.write(t)
 
-    def _buf(self) -> mmap.mmap:
+    def _buf(self) -> np.ndarray:
         b = getattr(self._local, "buf", None)
         if b is None:
-            b = self._local.buf = mmap.mmap(-1, self.req)
-            b.write(self.pattern)
+            b = self._local.buf = io_buffer(self.req)[:self.req]
+            b[:] = np.frombuffer(self.pattern, dtype=np.uint8)
         return b
 
     def _pwrite(self, off: int) -> None:

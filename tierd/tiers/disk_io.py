@@ -23,7 +23,7 @@ from .. import codec as _codec
 from ..arena import SlabAllocator
 from ..config import align_up
 from .base import BlockMeta
-from .disk_files import DiskEntry, _aligned
+from .disk_files import DiskEntry, _aligned, io_buffer
 from .slot_header import PAGE, CorruptBlockError, _csum, copy_hashed, encode_block, pack_slot_header, unpack_slot_header
 
 # Promotions read slots that lie one after another in a file in one call of up to RUN_BYTES
@@ -64,7 +64,7 @@ class _Buffers:
                     return self._free.pop(fits[0])[1]
                 if order:
                     self.nbytes -= self._free.pop(order[0])[1].nbytes
-                buf = np.frombuffer(_aligned(nbytes), dtype=np.uint8)
+                buf = io_buffer(nbytes)
                 self.nbytes += buf.nbytes
                 return buf
         except BaseException:
