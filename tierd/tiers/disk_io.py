@@ -27,13 +27,15 @@ from .disk_files import DiskEntry, _aligned, io_buffer
 from .slot_header import PAGE, CorruptBlockError, _csum, copy_hashed, encode_block, pack_slot_header, unpack_slot_header
 
 # Promotions read slots that lie one after another in a file in one call of up to RUN_BYTES
-# (cut into an even share per I/O thread above SPLIT_BYTES each), across gaps of up to
-# READ_GAP_BYTES (read and not used); syncs write such slots in one call while it is under
-# WRITE_RUN_BYTES (benchmarks/tiers.py: 1 MiB beat 512 KiB and 2 MiB for 64-512 KiB blocks)
+# (cut into an even share of twice the I/O threads above SPLIT_BYTES each, so that a thread
+# reads its next share while the last one is checked), across gaps of up to READ_GAP_BYTES
+# (read and not used); syncs write such slots in one call while it is under WRITE_RUN_BYTES
+# (benchmarks/tiers.py; with huge-page bounce buffers a call of up to 4 MiB is one request to
+# the disk: docs/design-notes.md)
 RUN_BYTES = 8 << 20
 SPLIT_BYTES = 512 << 10
 READ_GAP_BYTES = 64 << 10
-WRITE_RUN_BYTES = 1 << 20
+WRITE_RUN_BYTES = 2 << 20
 # A sync of more runs than I/O threads packs runs (payload copied and checksummed, header laid
 # out) on PACK_THREADS threads while the I/O threads keep writing: the copy no longer leaves the
 # disk with fewer writes in flight (benchmarks/tiers.py)
@@ -278,7 +280,7 @@ class BlockIO:
         given, gets the checksum of item i's bytes as they are in its buffer where the read
         verified it (a block stored raw), else -1 (left as it was if the read failed). Slots
         that lie one after another in a file are read in one call (up to RUN_BYTES, and split
-        so that every thread gets a share): this disk reads large requests several times
+        so that every thread gets two shares): this disk reads large requests several times
         faster than small ones (benchmarks/tiers.py); a large slot is read a piece at a time.
         More than one call is pipelined: the I/O threads only read, this thread checks each
         call's blocks as it lands (tierd/tiers/disk_pieces.py)."""
@@ -303,9 +305,10 @@ class BlockIO:
 
     def _read_cap(self, total: int) -> int:
         """The size of a read call for an acquire of `total` bytes: under RUN_BYTES, and under
-        an even share of the I/O threads where that share is over SPLIT_BYTES (both larger
-        calls and more threads make this disk read faster: benchmarks/tiers.py)."""
-        return min(RUN_BYTES, max(SPLIT_BYTES, -(-total // self.io_threads)))
+        an even share of twice the I/O threads where that share is over SPLIT_BYTES (larger
+        calls and all the threads make this disk read faster, and a second share per thread
+        lets the checks of the first overlap the reads: benchmarks/tiers.py)."""
+        return min(RUN_BYTES, max(SPLIT_BYTES, -(-total // (2 * self.io_threads))))
 
     def _read_run(self, items: Sequence[tuple[DiskEntry, np.ndarray]], run: list,
                   errors: dict[int, BaseException], sums: list[int] | None) -> None:
