@@ -5,10 +5,10 @@ A promotion of more than one read call: the I/O threads only read (READ_AHEAD x 
 queued at most), and the calling thread checks each call's blocks as it lands, in file order, so
 the disk has reads in flight while blocks are checked and copied into their slots.
 
-A block whose payload is over PIECE_BYTES is written and read in pieces of PIECE_BYTES, so that
-copying and checksumming one piece runs while the disk moves the one before: a whole block at a
-time, the copy and checksum of a block cannot overlap its own transfer, and with a few large
-blocks there is little else to overlap. A write: a pack thread copies and hashes each payload
+A block whose payload is over PIECE_BYTES is written and read in pieces of PIECE_BYTES (a
+remainder under a piece joined to the last one), so that copying and checksumming one piece runs
+while the disk moves the one before: a whole block at a time, the copy and checksum of a block
+cannot overlap its own transfer, and with a few large blocks there is little else to overlap. A write: a pack thread copies and hashes each payload
 piece into a bounce buffer and hands it to the I/O threads; the header page, which holds the
 payload's checksum, is written last, by the caller, once every payload piece is written: a slot
 whose payload write failed never gets a header. A read: the first piece holds the header page,
@@ -16,6 +16,7 @@ checked first; each piece is copied into the block's buffer and hashed as it lan
 served only once the whole payload's checksum matches (its buffer is a LOADING slot nobody reads
 before). Nothing here returns while a read or write it started is under way.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -36,6 +37,13 @@ PIECE_BYTES = 2 << 20
 # Reads in flight or waiting for a thread, in I/O threads: the next ones are queued when a batch
 # of reads lands, so the disk is never left without requests while the caller checks them
 READ_AHEAD = 2
+
+
+def _cuts(nbytes: int) -> list[tuple[int, int]]:
+    """(offset, bytes) of the pieces of `nbytes`: PIECE_BYTES each, a remainder under a piece
+    joined to the last one (no small request at the end)."""
+    starts = list(range(0, nbytes - PIECE_BYTES + 1, PIECE_BYTES)) or [0]
+    return [(a, (starts[k + 1] if k + 1 < len(starts) else nbytes) - a) for k, a in enumerate(starts)]
 
 
 def _wait_all(futures) -> None:
@@ -66,8 +74,7 @@ class PieceIO:
                 payload = np.frombuffer(payload, dtype=np.uint8)
             n = payload.nbytes
             h = xxhash.xxh3_64()
-            for a in range(0, align_up(n), PIECE_BYTES):
-                size = min(PIECE_BYTES, align_up(n) - a)
+            for a, size in _cuts(align_up(n)):
                 stg = self._bounce.take(size)
                 try:
                     used = min(size, n - a)
@@ -190,11 +197,9 @@ class PieceIO:
 
     def _large_pieces(self, slot: tuple) -> list[tuple]:
         """A large slot (index, fd, offset, bytes to read) as read units (fd, offset, bytes,
-        slot): pieces of PIECE_BYTES, the first holding the header page, the remainder under a
-        piece joined to the last."""
+        slot), the first holding the header page."""
         _, fd, off, want = slot
-        cuts = list(range(0, want - PIECE_BYTES + 1, PIECE_BYTES)) or [0]
-        return [(fd, off + a, (cuts[k + 1] if k + 1 < len(cuts) else want) - a, slot) for k, a in enumerate(cuts)]
+        return [(fd, off + a, size, slot) for a, size in _cuts(want)]
 
     def _read_piece(self, fd: int, off: int, size: int) -> tuple[np.ndarray, int]:
         stg = self._spare.take(size)
