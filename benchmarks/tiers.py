@@ -258,16 +258,17 @@ def bench_disk(ns: Namespace, n_blocks: int, repeats: int, where: str, io_thread
     out = [Result("disk write (sync)", {**params, "floor_threads": io_threads}, gbps(total, t_w), "GB/s",
                   "raw O_DIRECT pwrite GB/s, same threads", gbps(total, r_w[io_threads]),
                   note=note + goal + "write = sync(): checksum, header page and payload per block, slots "
-                  "next to each other in one aligned write of up to 1 MiB (one per block from 1 MiB), "
-                  "laid out on 2 pack threads while "
-                  f"{io_threads} I/O threads write, then fdatasync; raw = one write per block and "
-                  f"fdatasync on {io_threads} threads"),
+                  "next to each other in one aligned write of up to 2 MiB, a block over 2 MiB in 2 MiB "
+                  "pieces and its header page last, laid out in huge-page bounce buffers on 2 pack "
+                  f"threads while {io_threads} I/O threads write, then fdatasync; raw = one write per "
+                  f"block and fdatasync on {io_threads} threads"),
            Result("disk read (promote)", {**params, "floor_threads": io_threads}, gbps(total, t_r), "GB/s",
                   "raw O_DIRECT pread GB/s, same threads", gbps(total, r_r[io_threads]),
                   note=note + goal + f"read = acquire of blocks on disk only ({READ_BATCH} per call): "
-                  f"pread of slots next to each other in one call (up to 8 MiB, an even share per thread) "
-                  f"on {io_threads} I/O threads into a bounce buffer, verify each block's header and "
-                  f"checksum, copy into host slots; raw = one pread per block on {io_threads} threads"),
+                  f"pread of slots next to each other in one call (up to 8 MiB, an even share of twice "
+                  f"the threads; a block over 2 MiB in 2 MiB pieces) on {io_threads} I/O threads into "
+                  f"bounce buffers, each block's header and checksum verified and copied into its host "
+                  f"slot as the reads land; raw = one pread per block on {io_threads} threads"),
            Result("disk write (sync) vs the best raw setting", {**params, "floor_threads": best_w},
                   gbps(total, t_w), "GB/s", "raw O_DIRECT pwrite GB/s, best threads", gbps(total, r_w[best_w]),
                   note=f"raw GB/s by threads {{{by_threads(r_w)}}}"),
