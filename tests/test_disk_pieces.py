@@ -47,7 +47,8 @@ def test_the_sizes_cross_piece_boundaries():
 @pytest.mark.parametrize("io_threads", [1, 4])
 def test_large_blocks_come_back_equal_after_sync_restart_and_promotion(tmp_path, io_threads, index):
     cfg = config(tmp_path, disk_io_threads=io_threads)
-    chains = {ns: chain(ns, 40 + k, n) for k, (ns, n) in enumerate(((SIXTEEN, 4), (TWO_PIECES_AND_A_PAGE, 3), (ODD, 3)))}
+    sizes = ((SIXTEEN, 4), (TWO_PIECES_AND_A_PAGE, 3), (ODD, 3))
+    chains = {ns: chain(ns, 40 + k, n) for k, (ns, n) in enumerate(sizes)}
     with TieredStore(cfg) as s:
         for ns, keys in chains.items():
             s.put(ns, keys, [block_for(ns, k) for k in keys])
@@ -97,7 +98,8 @@ def test_a_damaged_byte_anywhere_in_a_large_slot_drops_that_block_only(tmp_path,
             assert len(lease) == 1
             assert np.array_equal(lease.buffers[0], block_for(SIXTEEN, keys[0]))
         served = [served_exact(s, SIXTEEN, k) for k in keys]
-        assert served == [True] + [None] * len(DAMAGE) + [True], dict(zip(["intact", *DAMAGE, "intact"], served))
+        where = ["intact", *DAMAGE, "intact"]
+        assert served == [True] + [None] * len(DAMAGE) + [True], dict(zip(where, served))
         # (a damaged header is dropped by the scan at open, where there is one; the rest at
         # their read)
         assert s.stats()["tiers"]["disk"]["corrupt_dropped"] == len(DAMAGE)

@@ -8,10 +8,11 @@ the disk has reads in flight while blocks are checked and copied into their slot
 A block whose payload is over PIECE_BYTES is written and read in pieces of PIECE_BYTES (a
 remainder under a piece joined to the last one), so that copying and checksumming one piece runs
 while the disk moves the one before: a whole block at a time, the copy and checksum of a block
-cannot overlap its own transfer, and with a few large blocks there is little else to overlap. A write: a pack thread copies and hashes each payload
-piece into a bounce buffer and hands it to the I/O threads; the header page, which holds the
-payload's checksum, is written last, by the caller, once every payload piece is written: a slot
-whose payload write failed never gets a header. A read: the first piece holds the header page,
+cannot overlap its own transfer, and with a few large blocks there is little else to overlap.
+A write: a pack thread copies and hashes each payload piece into a bounce buffer and hands it to
+the I/O threads; the header page, which holds the payload's checksum, is written last, by the
+caller, once every payload piece is written: a slot whose payload write failed never gets a
+header. A read: the first piece holds the header page,
 checked first; each piece is copied into the block's buffer and hashed as it lands; the block is
 served only once the whole payload's checksum matches (its buffer is a LOADING slot nobody reads
 before). Nothing here returns while a read or write it started is under way.
@@ -34,8 +35,9 @@ from .slot_header import PAGE, CorruptBlockError, copy_hashed, encode_block
 # Larger payloads go a piece of this size at a time: a piece in a huge-page buffer (`io_buffer`)
 # is one request of up to 4 MiB to the disk (benchmarks/tiers.py; docs/design-notes.md)
 PIECE_BYTES = 2 << 20
-# Reads in flight or waiting for a thread, in I/O threads: the next ones are queued when a batch
-# of reads lands, so the disk is never left without requests while the caller checks them
+# Read calls queued at most (in flight, or waiting for a thread), as a multiple of the I/O
+# threads: when the reads in flight land together, the next ones start at once, and the disk is
+# not left without requests while the calling thread checks what landed
 READ_AHEAD = 2
 
 
@@ -122,11 +124,11 @@ class PieceIO:
     # -- reads ----------------------------------------------------------------------------------
     def _read_pipelined(self, items: Sequence[tuple[DiskEntry, np.ndarray]], units: list,
                         errors: dict[int, BaseException], sums: list[int] | None) -> None:
-        """Read `units` on the I/O threads, io_threads + 1 ahead, and check each here as it
-        lands, in file order: a run of whole slots, (fd, offset, bytes, run), each block of it
-        checked and copied into its buffer (`_check_slot`); or a piece of a large raw slot,
-        (fd, offset, bytes, slot), the slot (index in `items`, fd, offset, bytes to read)
-        checked a piece at a time (`_check_piece`). The I/O threads only read, so the disk has
+        """Read `units` on the I/O threads, up to READ_AHEAD x io_threads queued, and check each
+        here as it lands, in file order: a run of whole slots, (fd, offset, bytes, run), each
+        block of it checked and copied into its buffer (`_check_slot`); or a piece of a large
+        raw slot, (fd, offset, bytes, slot), the slot (index in `items`, fd, offset, bytes to
+        read) checked a piece at a time (`_check_piece`). The I/O threads only read, so the disk has
         io_threads requests in flight while this thread checks and copies what came in. A
         failed read or check fails those blocks only."""
         futs: list = [None] * len(units)
