@@ -22,7 +22,6 @@ GB/s on one core beside the raw disk write floor (above 1x: the codec does not s
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import shutil
 import subprocess
@@ -36,6 +35,7 @@ import numpy as np
 from tierd import Namespace, TieredStore
 from tierd import codec as tcodec
 from tierd.config import MiB, format_size
+from tierd.tiers.disk_files import io_buffer
 
 from .common import Result, best_of, parse_args, report
 
@@ -121,7 +121,9 @@ class RawDirect:
     Each block is one O_DIRECT pwrite / pread of tierd's request size (a 4 KiB header page
     plus the block rounded up to 4 KiB) at tierd's slot offsets (slots of that size back to
     back in slabs of `slab_bytes`, a header page before each slab and one before the first),
-    from a page-aligned anonymous buffer per thread (as tierd's bounce buffers), on a
+    from a buffer per thread of the memory tierd's bounce buffers are made of (`io_buffer`:
+    huge pages where the buffer is large, so that a request is as few segments as the disk
+    can take: the best this disk does, not a buffer it reads slower into), on a
     preallocated, pre-written file of the same filesystem. `write(t)` writes every block on
     t threads (t requests in flight), then one fdatasync; `read(t)` reads them READ_BATCH
     blocks per call, each call's blocks on t threads, as tierd's acquire of READ_BATCH keys.
@@ -143,11 +145,11 @@ class RawDirect:
         for t in threads:   # converts the unwritten extents, starts every thread and buffer
             self.write(t)
 
-    def _buf(self) -> mmap.mmap:
+    def _buf(self) -> np.ndarray:
         b = getattr(self._local, "buf", None)
         if b is None:
-            b = self._local.buf = mmap.mmap(-1, self.req)
-            b.write(self.pattern)
+            b = self._local.buf = io_buffer(self.req)[:self.req]
+            b[:] = np.frombuffer(self.pattern, dtype=np.uint8)
         return b
 
     def _pwrite(self, off: int) -> None:
@@ -256,16 +258,17 @@ def bench_disk(ns: Namespace, n_blocks: int, repeats: int, where: str, io_thread
     out = [Result("disk write (sync)", {**params, "floor_threads": io_threads}, gbps(total, t_w), "GB/s",
                   "raw O_DIRECT pwrite GB/s, same threads", gbps(total, r_w[io_threads]),
                   note=note + goal + "write = sync(): checksum, header page and payload per block, slots "
-                  "next to each other in one aligned write of up to 1 MiB (one per block from 1 MiB), "
-                  "laid out on 2 pack threads while "
-                  f"{io_threads} I/O threads write, then fdatasync; raw = one write per block and "
-                  f"fdatasync on {io_threads} threads"),
+                  "next to each other in one aligned write of up to 2 MiB, a block over 2 MiB in 2 MiB "
+                  "pieces and its header page last, laid out in huge-page bounce buffers on 2 pack "
+                  f"threads while {io_threads} I/O threads write, then fdatasync; raw = one write per "
+                  f"block and fdatasync on {io_threads} threads"),
            Result("disk read (promote)", {**params, "floor_threads": io_threads}, gbps(total, t_r), "GB/s",
                   "raw O_DIRECT pread GB/s, same threads", gbps(total, r_r[io_threads]),
                   note=note + goal + f"read = acquire of blocks on disk only ({READ_BATCH} per call): "
-                  f"pread of slots next to each other in one call (up to 8 MiB, an even share per thread) "
-                  f"on {io_threads} I/O threads into a bounce buffer, verify each block's header and "
-                  f"checksum, copy into host slots; raw = one pread per block on {io_threads} threads"),
+                  f"pread of slots next to each other in one call (up to 8 MiB, an even share of twice "
+                  f"the threads; a block over 2 MiB in 2 MiB pieces) on {io_threads} I/O threads into "
+                  f"bounce buffers, each block's header and checksum verified and copied into its host "
+                  f"slot as the reads land; raw = one pread per block on {io_threads} threads"),
            Result("disk write (sync) vs the best raw setting", {**params, "floor_threads": best_w},
                   gbps(total, t_w), "GB/s", "raw O_DIRECT pwrite GB/s, best threads", gbps(total, r_w[best_w]),
                   note=f"raw GB/s by threads {{{by_threads(r_w)}}}"),

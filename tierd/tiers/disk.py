@@ -8,8 +8,9 @@ outside it, on slots the store has pinned.
 
 `DiskTier` is this module (opening, the slab allocator's side, I/O calls in flight, closing,
 probes) and its parts: the directory and slab files (tierd/tiers/disk_files.py), what survives a
-restart (tierd/tiers/disk_recovery.py) and block reads and writes (tierd/tiers/disk_io.py); its
-failpoints for fault tests are tierd/tiers/disk_faults.py.
+restart (tierd/tiers/disk_recovery.py), block reads and writes (tierd/tiers/disk_io.py) and their
+pipelines, large slots a piece at a time (tierd/tiers/disk_pieces.py); its failpoints for fault
+tests are tierd/tiers/disk_faults.py.
 
 File layout: `slab-NNNN.tds` = superblock (4 KiB) + slabs; slab = slab header (4 KiB) + slots;
 slot = slot header (4 KiB page, first bytes used) + payload (4 KiB-aligned).
@@ -34,6 +35,7 @@ from .base import Tier
 from .disk_files import (_SLAB, _SUPER, ALL_NAMESPACES, CHECKPOINT_NAME, FENCES_NAME, FILE_MAGIC, LOCK_NAME,  # noqa: F401
                          NAMESPACES_NAME, SLAB_MAGIC, DiskEntry, SlabFiles, _aligned)
 from .disk_faults import FaultInjector
+from .disk_pieces import PIECE_BYTES, PieceIO  # noqa: F401
 from .disk_io import (PACK_THREADS, READ_GAP_BYTES, RUN_BYTES, SPLIT_BYTES, WRITE_RUN_BYTES,  # noqa: F401
                       BlockIO, _Buffers)
 from .disk_recovery import Recovery
@@ -44,7 +46,7 @@ from .slot_header import (_CSUM, FORMAT_VERSION, PAGE, CorruptBlockError, _csum,
 log = logging.getLogger("tierd.disk")
 
 
-class DiskTier(SlabFiles, Recovery, BlockIO, Tier):
+class DiskTier(SlabFiles, Recovery, BlockIO, PieceIO, Tier):
     name = "disk"
 
     def __init__(self, path: str, capacity_bytes: int, slab_bytes: int, file_bytes: int, *,
@@ -93,8 +95,9 @@ class DiskTier(SlabFiles, Recovery, BlockIO, Tier):
             self._bounce = _Buffers(io_threads + PACK_THREADS)   # the pipelined sync's
             self._spare = _Buffers()                  # every other read and write's
             # buffers unused this long go back to the system (`trim_buffers`, which the store's
-            # maintainer calls): a sync of 16 MiB blocks keeps io_threads + PACK_THREADS of a
-            # run each, a promotion one per read in flight of up to RUN_BYTES
+            # maintainer calls): a sync keeps io_threads + PACK_THREADS of a run or a piece
+            # (up to WRITE_RUN_BYTES or PIECE_BYTES, in whole 2 MiB huge pages), a promotion
+            # one per read queued (up to READ_AHEAD x io_threads) of a run or a piece
             self.buffer_idle_s = buffer_idle_s
         except BaseException:
             self._remove_made()   # first: the lock is still held

@@ -14,6 +14,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ..arena import SlabAllocator
 from ..config import align_up, format_size
 from ..errors import (
@@ -62,6 +64,35 @@ class DiskEntry:
 def _aligned(nbytes: int) -> mmap.mmap:
     """Page-aligned anonymous buffer (O_DIRECT needs aligned memory)."""
     return mmap.mmap(-1, max(PAGE, align_up(nbytes)))
+
+
+HUGE_PAGE = 2 << 20
+HUGE_FROM = 256 << 10
+
+
+def io_buffer(nbytes: int) -> np.ndarray:
+    """A page-aligned I/O buffer of at least `nbytes`, (n,) uint8, in private anonymous memory.
+    From HUGE_FROM on, it is a whole number of 2 MiB pages, 2 MiB-aligned and advised to be
+    backed by huge pages.
+
+    The disk sees the buffer's physical memory: each physically contiguous stretch is one
+    segment of a request, a request takes a bounded number of segments (254 on the CPU build
+    VM's disk), so a buffer of scattered 4 KiB pages cuts one large read or write into several
+    device requests, and more segments cost the device more per byte (docs/design-notes.md).
+    With huge pages, every 2 MiB is one segment. (Python's `mmap.mmap(-1, n)` is shared
+    anonymous memory, which huge pages back only where shared-memory huge pages are on.)"""
+    n = max(PAGE, align_up(nbytes))
+    if n < HUGE_FROM:
+        return np.frombuffer(mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
+    n = align_up(n, HUGE_PAGE)
+    m = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = np.frombuffer(m, dtype=np.uint8)
+    skip = -buf.__array_interface__["data"][0] % HUGE_PAGE
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE, skip, n)
+    except (AttributeError, OSError, ValueError):
+        pass    # no huge pages here: still an aligned buffer
+    return buf[skip:skip + n]
 
 
 class SlabFiles:

@@ -1,7 +1,7 @@
 """The disk tier's block I/O, outside the store lock on slots the store has pinned: writing
 blocks (one slot, or many in runs of adjacent slots, pipelined through pack threads), reading and
-verifying them (one, or many in runs), tombstones and `flush`, and the page-aligned buffers they
-go through. Part of `DiskTier` (tierd/tiers/disk.py), whose constructor declares what it uses:
+verifying them (one, or many in runs; pipelines and large slots in tierd/tiers/disk_pieces.py),
+tombstones and `flush`, and the page-aligned buffers they go through. Part of `DiskTier` (tierd/tiers/disk.py), whose constructor declares what it uses:
 the I/O and pack threads (`pool`, `_packers`, `io_threads`), the buffers (`_spare`, `_bounce`,
 `_local`), the files (`_fds`, `_slot_loc`, `slab_gen`) and the calls in flight (`_io`, `faults`).
 It never serves a slot whose header or checksum fails, and never touches the allocator.
@@ -23,17 +23,19 @@ from .. import codec as _codec
 from ..arena import SlabAllocator
 from ..config import align_up
 from .base import BlockMeta
-from .disk_files import DiskEntry, _aligned
+from .disk_files import DiskEntry, _aligned, io_buffer
 from .slot_header import PAGE, CorruptBlockError, _csum, copy_hashed, encode_block, pack_slot_header, unpack_slot_header
 
 # Promotions read slots that lie one after another in a file in one call of up to RUN_BYTES
-# (cut into an even share per I/O thread above SPLIT_BYTES each), across gaps of up to
-# READ_GAP_BYTES (read and not used); syncs write such slots in one call while it is under
-# WRITE_RUN_BYTES (benchmarks/tiers.py: 1 MiB beat 512 KiB and 2 MiB for 64-512 KiB blocks)
+# (cut into an even share of twice the I/O threads above SPLIT_BYTES each, so that a thread
+# reads its next share while the last one is checked), across gaps of up to READ_GAP_BYTES
+# (read and not used); syncs write such slots in one call while it is under WRITE_RUN_BYTES
+# (benchmarks/tiers.py; with huge-page bounce buffers a call of up to 4 MiB is one request to
+# the disk: docs/design-notes.md)
 RUN_BYTES = 8 << 20
 SPLIT_BYTES = 512 << 10
 READ_GAP_BYTES = 64 << 10
-WRITE_RUN_BYTES = 1 << 20
+WRITE_RUN_BYTES = 2 << 20
 # A sync of more runs than I/O threads packs runs (payload copied and checksummed, header laid
 # out) on PACK_THREADS threads while the I/O threads keep writing: the copy no longer leaves the
 # disk with fewer writes in flight (benchmarks/tiers.py)
@@ -64,7 +66,7 @@ class _Buffers:
                     return self._free.pop(fits[0])[1]
                 if order:
                     self.nbytes -= self._free.pop(order[0])[1].nbytes
-                buf = np.frombuffer(_aligned(nbytes), dtype=np.uint8)
+                buf = io_buffer(nbytes)
                 self.nbytes += buf.nbytes
                 return buf
         except BaseException:
@@ -111,9 +113,9 @@ class BlockIO:
         """A page-aligned bounce buffer of at least `nbytes`, held for a `with` block.
 
         Every slot goes through one (a pipelined sync's through a `_bounce` buffer, the same
-        kind of memory): O_DIRECT to and from shared-memory (shmem) pages runs at less than
-        half the speed of anonymous memory here (benchmarks/tiers.py), and a bounce through
-        anonymous memory costs one memcpy, which is cheaper."""
+        kind of memory, `io_buffer`): a large request from the host arena's scattered 4 KiB
+        pages reaches the disk as several small ones and ran at half the speed, a bounce
+        through huge pages costs one memcpy, which is cheaper (docs/design-notes.md)."""
         return self._spare.held(nbytes)
 
     def trim_buffers(self) -> int:
@@ -121,22 +123,22 @@ class BlockIO:
         return self._spare.trim(self.buffer_idle_s) + self._bounce.trim(self.buffer_idle_s)
 
     def write(self, slot: int, src: np.ndarray, meta: BlockMeta) -> DiskEntry:
-        """Write one block from `src` (block_bytes,) uint8 as header page + payload in one
-        aligned write (with the namespace's lossy codec where it has one). Not durable until
+        """Write one block from `src` (block_bytes,) uint8 as header page + payload (with the
+        namespace's lossy codec where it has one), as `write_many` does. Not durable until
         `flush()`."""
-        with self._staging(self.slot_bytes_for(meta.block_bytes)) as stg:
-            entry = self._pack_slot((slot, src, meta), stg)
-            fd, off = self._slot_loc(slot)
-            self._pwrite(fd, stg, PAGE + align_up(entry.payload_len), off)
-        return entry
+        (got,) = self.write_many([(slot, src, meta)])
+        if isinstance(got, BaseException):
+            raise got
+        return got
 
     def write_many(self, jobs: Sequence[tuple[int, np.ndarray, BlockMeta]]) -> list:
         """Write blocks (slot, source, meta) on the I/O threads: for each, its DiskEntry or the
         exception that failed it. Slots that follow one another in a file are written in one
-        call of up to about WRITE_RUN_BYTES, each slot whole: header page, payload, and zeros to the
-        slot's end where a codec made the payload shorter. With more such runs than I/O
-        threads, the pack threads lay runs out while the I/O threads write the ones before.
-        Not durable until `flush()`."""
+        call of up to about WRITE_RUN_BYTES, each slot whole: header page, payload, and zeros to
+        the slot's end where a codec made the payload shorter. With more such runs than I/O
+        threads, or a slot large enough to go in pieces (tierd/tiers/disk_pieces.py), the pack
+        threads lay runs and pieces out while the I/O threads write the ones before. Not
+        durable until `flush()`."""
         out: list = [None] * len(jobs)
         if not jobs:
             return out
@@ -144,10 +146,8 @@ class BlockIO:
         for i, (slot, _, meta) in enumerate(jobs):
             fd, off = self._slot_loc(slot)
             locs.append((fd, off, self.slot_bytes_for(meta.block_bytes), i))
-        # writes of a MiB or more go out one slot per call, on every thread: larger writes
-        # did not make this disk write faster, only fewer of them in flight
         runs = self._cut_runs(locs, gap=0, cap=WRITE_RUN_BYTES)
-        if len(runs) > self.io_threads:
+        if len(runs) > self.io_threads or any(len(r) == 1 and self._in_pieces(r[0][3]) for r in runs):
             self._write_pipelined(jobs, runs, out)
             return out
 
@@ -165,10 +165,11 @@ class BlockIO:
         return out
 
     def _write_pipelined(self, jobs: Sequence[tuple[int, np.ndarray, BlockMeta]], runs: list, out: list) -> None:
-        """`write_many` of more runs than I/O threads: each run is packed into a bounce buffer
-        on a pack thread and handed to the I/O threads, which keep `io_threads` writes in
-        flight while the next runs are packed. Only pack threads wait for a buffer; the I/O
-        threads never wait on anything but the disk."""
+        """`write_many` of more runs than I/O threads, or of large slots: each run (each piece
+        of a large slot) is packed into a bounce buffer on a pack thread and handed to the I/O
+        threads, which keep `io_threads` writes in flight while the next are packed. Only pack
+        threads wait for a buffer; the I/O threads never wait on anything but the disk. A large
+        slot's header page is written here, once its pieces are."""
         def write(run: list, stg: np.ndarray, entries: list) -> None:
             try:
                 self._write_run(run, stg, entries, out)
@@ -176,6 +177,9 @@ class BlockIO:
                 self._bounce.give(stg)
 
         def pack(run: list):
+            if len(run) == 1 and self._in_pieces(run[0][3]):
+                i, fd, off, _ = run[0]
+                return self._pack_pieces(jobs[i], fd, off)
             stg = self._bounce.take(run[-1][2] + run[-1][3] - run[0][2])
             try:
                 entries = self._pack_run(jobs, run, stg)
@@ -186,10 +190,13 @@ class BlockIO:
                     out[i] = ex
                 return None
 
-        writes = [self._packers.submit(pack, run) for run in runs]
-        for f in writes:
+        packs = [(run, self._packers.submit(pack, run)) for run in runs]
+        for run, f in packs:
             w = f.result()
-            if w is not None:
+            if isinstance(w, tuple):
+                i, fd, off, _ = run[0]
+                out[i] = self._finish_pieces(w, fd, off)
+            elif w is not None:
                 w.result()
 
     def _write_run(self, run: list, stg: np.ndarray, entries: list[tuple[int, DiskEntry]], out: list) -> None:
@@ -229,18 +236,23 @@ class BlockIO:
     def _pack_slot(self, job: tuple[int, np.ndarray, BlockMeta], dst: np.ndarray) -> DiskEntry:
         """Lay one block's slot out at the start of `dst` (at least the slot's extent): header
         page, then the payload (with its codec), checksummed as it is copied in."""
-        slot, src, meta = job
-        seq = meta.seq or self.next_seq()
-        raw = src[:meta.block_bytes]
-        codec, payload = encode_block(self.codec_name, self.zstd_level, raw, meta.dtype_bytes, meta.lossy,
-                                      meta.kv_dtype)
+        _, src, meta = job
+        codec, payload = encode_block(self.codec_name, self.zstd_level, src[:meta.block_bytes], meta.dtype_bytes,
+                                      meta.lossy, meta.kv_dtype)
         payload_len = meta.block_bytes if codec == _codec.CODEC_NONE else len(payload)
         body = dst[PAGE:PAGE + payload_len]
         csum = copy_hashed(body, payload if codec == _codec.CODEC_NONE else np.frombuffer(payload, dtype=np.uint8))
+        return self._lay_header(job, dst[:PAGE], codec, payload_len, csum)
+
+    def _lay_header(self, job: tuple[int, np.ndarray, BlockMeta], page: np.ndarray, codec: int,
+                    payload_len: int, csum: int) -> DiskEntry:
+        """Lay a block's header page out in `page` (its payload's length and checksum); its entry."""
+        slot, _, meta = job
+        seq = meta.seq or self.next_seq()
         header = pack_slot_header(codec, meta.dtype_bytes, meta.ns_id, meta.key, meta.parent or b"", payload_len,
                                   meta.block_bytes, seq, self.slab_gen[SlabAllocator.slab_of(slot)], csum)
-        dst[:PAGE] = 0
-        dst[:len(header)] = np.frombuffer(header, dtype=np.uint8)
+        page[:PAGE] = 0
+        page[:len(header)] = np.frombuffer(header, dtype=np.uint8)
         return DiskEntry(slot, meta.ns_id, meta.key, seq, payload_len, meta.block_bytes, codec, meta.parent or b"")
 
     def _pwrite(self, fd: int, stg: np.ndarray, length: int, off: int) -> None:
@@ -255,72 +267,69 @@ class BlockIO:
         self.read_block(where, dst)
 
     def read_block(self, e: DiskEntry, dst: np.ndarray) -> None:
-        """Read and verify one block into `dst` (>= raw_len,) uint8.
+        """Read and verify one block into `dst` (>= raw_len,) uint8, as `read_many` does.
         Raises CorruptBlockError if anything does not match the index entry."""
-        fd, off = self._slot_loc(e.slot)
-        want = PAGE + align_up(e.payload_len)
-        with self._staging(want) as stg:
-            n = self._pread(fd, stg, want, off)
-            self._check_slot(e, stg, n, dst)
+        errors = self.read_many([(e, dst)])
+        if errors:
+            raise errors[0]
 
     def read_many(self, items: Sequence[tuple[DiskEntry, np.ndarray]],
                   sums: list[int] | None = None) -> dict[int, BaseException]:
         """Read and verify blocks into their buffers on the I/O threads: {index in `items`:
-        the error} for those that failed (each block is checked on its own, as `read_block`
-        does); `sums[i]`, where given, gets what `_check_slot` returns for item i (left as it
-        was if the read failed). Slots that lie one after another in a file are read in one
-        call (up to RUN_BYTES, and split so that every thread gets a share): this disk reads
-        large requests several times faster than small ones (benchmarks/tiers.py)."""
+        the error} for those that failed (each block is checked on its own); `sums[i]`, where
+        given, gets the checksum of item i's bytes as they are in its buffer where the read
+        verified it (a block stored raw), else -1 (left as it was if the read failed). Slots
+        that lie one after another in a file are read in one call (up to RUN_BYTES, and split
+        so that every thread gets two shares): this disk reads large requests several times
+        faster than small ones (benchmarks/tiers.py); a large slot is read a piece at a time.
+        More than one call is pipelined: the I/O threads only read, this thread checks each
+        call's blocks as it lands (tierd/tiers/disk_pieces.py)."""
         errors: dict[int, BaseException] = {}
         if not items:
             return errors
-        runs = self._plan_runs(items)
-
-        def one(run: list[tuple[int, int, int, int]]) -> None:
-            fd, start = run[0][1], run[0][2]
-            end = max(off + want for _, _, off, want in run)
-            with self._staging(end - start) as stg:
-                try:
-                    n = self._pread(fd, stg, end - start, start)
-                except OSError as ex:
-                    for i, *_ in run:
-                        errors[i] = ex
-                    return
-                for i, _, off, _ in run:
-                    e, dst = items[i]
-                    rel = off - start
-                    try:
-                        csum = self._check_slot(e, stg[rel:], max(0, n - rel), dst)
-                    except (CorruptBlockError, OSError) as ex:
-                        errors[i] = ex
-                    else:
-                        if sums is not None:
-                            sums[i] = csum
-
-        self._each_run(one, runs)
-        return errors
-
-    def _plan_runs(self, items: Sequence[tuple[DiskEntry, np.ndarray]]) -> list[list[tuple[int, int, int, int]]]:
-        """Group `items` into runs of slots contiguous in one file: lists of (index, fd,
-        offset, bytes to read), in file order."""
-        locs = []
+        locs, large = [], []
         for i, (e, _) in enumerate(items):
             fd, off = self._slot_loc(e.slot)
-            locs.append((fd, off, PAGE + align_up(e.payload_len), i))
-        return self._cut_runs(locs, gap=READ_GAP_BYTES)
+            loc = (fd, off, PAGE + align_up(e.payload_len), i)
+            (large if e.codec == _codec.CODEC_NONE and self._in_pieces(loc[2]) else locs).append(loc)
+        cap = self._read_cap(sum(w for _, _, w, _ in locs + large))
+        runs = self._cut_runs(locs, gap=READ_GAP_BYTES, cap=cap)
+        if len(runs) == 1 and not large:
+            self._read_run(items, runs[0], errors, sums)      # here: no pool hop for a small read
+            return errors
+        units = [(run[0][1], run[0][2], max(off + want for _, _, off, want in run) - run[0][2], run) for run in runs]
+        for fd, off, want, i in large:
+            units += self._large_pieces((i, fd, off, want))
+        self._read_pipelined(items, sorted(units, key=lambda u: u[:2]), errors, sums)
+        return errors
 
-    def _cut_runs(self, locs: list[tuple[int, int, int, int]], gap: int,
-                  cap: int | None = None) -> list[list[tuple[int, int, int, int]]]:
+    def _read_cap(self, total: int) -> int:
+        """The size of a read call for an acquire of `total` bytes: under RUN_BYTES, and under
+        an even share of twice the I/O threads where that share is over SPLIT_BYTES (larger
+        calls and all the threads make this disk read faster, and a second share per thread
+        lets the checks of the first overlap the reads: benchmarks/tiers.py)."""
+        return min(RUN_BYTES, max(SPLIT_BYTES, -(-total // (2 * self.io_threads))))
+
+    def _read_run(self, items: Sequence[tuple[DiskEntry, np.ndarray]], run: list,
+                  errors: dict[int, BaseException], sums: list[int] | None) -> None:
+        """Read one run into a bounce buffer here, then check and copy each of its blocks."""
+        fd, start = run[0][1], run[0][2]
+        end = max(off + want for _, _, off, want in run)
+        with self._staging(end - start) as stg:
+            try:
+                n = self._pread(fd, stg, end - start, start)
+            except OSError as ex:
+                for i, *_ in run:
+                    errors[i] = ex
+                return
+            self._check_run(items, run, start, stg, n, errors, sums)
+
+    @staticmethod
+    def _cut_runs(locs: list[tuple[int, int, int, int]], gap: int, cap: int) -> list[list[tuple[int, int, int, int]]]:
         """(fd, offset, bytes, index) of each slot into runs of (index, fd, offset, bytes), in
         file order, each run's slots one after another in one file (at most `gap` bytes apart),
         a run taking slots while it is under `cap` bytes."""
         locs = sorted(locs)
-        total = sum(w for _, _, w, _ in locs)
-        if cap is None:
-            # reads: under RUN_BYTES, and under an even share of the I/O threads where that
-            # share is over SPLIT_BYTES (both larger calls and more threads make this disk
-            # read faster: benchmarks/tiers.py)
-            cap = min(RUN_BYTES, max(SPLIT_BYTES, -(-total // self.io_threads)))
         runs: list[list[tuple[int, int, int, int]]] = []
         for fd, off, want, i in locs:
             if runs:
@@ -347,15 +356,7 @@ class BlockIO:
         want = PAGE + align_up(e.payload_len)
         if n < PAGE + e.payload_len:
             raise CorruptBlockError(f"slot truncated ({n} of {want} bytes readable)")
-        h = unpack_slot_header(stg[:PAGE])
-        if h is None:
-            raise CorruptBlockError("slot header is gone")
-        _, _, codec, _, _, ns_id, key, _, payload_len, raw_len, seq, gen, pcsum = h
-        if (ns_id, key, seq, payload_len, raw_len, codec) != (
-                e.ns_id, e.key, e.seq, e.payload_len, e.raw_len, e.codec):
-            raise CorruptBlockError("slot header does not match the index (overwritten)")
-        if gen != self.slab_gen[SlabAllocator.slab_of(e.slot)]:
-            raise CorruptBlockError("slot belongs to an earlier use of its slab")
+        pcsum = self._check_header(e, stg[:PAGE])
         payload = stg[PAGE:PAGE + e.payload_len]
         if e.codec == _codec.CODEC_NONE:
             # hashed as copied into `dst`, a slot nobody reads before this returns (a LOADING
@@ -370,6 +371,20 @@ class BlockIO:
         except Exception as ex:  # zstd errors are not one class
             raise CorruptBlockError(f"payload does not decode: {ex}") from None
         return -1
+
+    def _check_header(self, e: DiskEntry, page) -> int:
+        """Verify a slot's header page against the index entry `e` (and its slab's generation):
+        the payload checksum it records, or CorruptBlockError."""
+        h = unpack_slot_header(page)
+        if h is None:
+            raise CorruptBlockError("slot header is gone")
+        _, _, codec, _, _, ns_id, key, _, payload_len, raw_len, seq, gen, pcsum = h
+        if (ns_id, key, seq, payload_len, raw_len, codec) != (
+                e.ns_id, e.key, e.seq, e.payload_len, e.raw_len, e.codec):
+            raise CorruptBlockError("slot header does not match the index (overwritten)")
+        if gen != self.slab_gen[SlabAllocator.slab_of(e.slot)]:
+            raise CorruptBlockError("slot belongs to an earlier use of its slab")
+        return pcsum
 
     def tombstone(self, slot: int) -> None:
         """Zero a slot's header so a restart does not bring its block back (after flush)."""

@@ -43,11 +43,13 @@ def _csum(data) -> int:
 FUSE_PIECE = 256 << 10
 
 
-def copy_hashed(dst: np.ndarray, src: np.ndarray) -> int:
+def copy_hashed(dst: np.ndarray, src: np.ndarray, h=None) -> int:
     """dst[:] = src for (n,) uint8 arrays, and the checksum (`_csum`) of the bytes as they are
     in `dst`, each piece hashed right after it is copied (a disk read verifies what it will
-    serve; a disk write records what it writes)."""
-    h = xxhash.xxh3_64()
+    serve; a disk write records what it writes). With `h` (an `xxhash.xxh3_64` state), the
+    bytes are added to it, for a block copied a part at a time, and its digest so far returned."""
+    if h is None:
+        h = xxhash.xxh3_64()
     for off in range(0, src.nbytes, FUSE_PIECE):
         b = dst[off:off + FUSE_PIECE]
         np.copyto(b, src[off:off + FUSE_PIECE])
