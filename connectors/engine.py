@@ -44,9 +44,10 @@ class EngineConnector:
         self.block_tokens = namespace.block_tokens
         self.ratio = namespace.block_tokens // engine_block_size
         self.engine_block_size = engine_block_size
-        # `prefault`: a daemon's arena pages are mapped here ahead of the first copy (unix:// only)
+        # `prefault`: a daemon's arena pages are mapped here ahead of the first copy (unix:// only);
+        # the daemon's shared index is mapped for pipelined leases (`acquire_for`), lookups asked
         self.link = StoreLink(store, max_pending_blocks=max_pending_blocks, retry_after_s=retry_after_s,
-                              prefault=prefault)
+                              prefault=prefault, read_index=True)
         self.stats = self.link.stats
         # copies between the caches and tier slots: gather/scatter kernels and their own streams
         # on a GPU (loads also from HBM-tier copies on this device), the references on CPU

@@ -194,7 +194,7 @@ class TierdStorage(HiCacheStorage):
                                      name="tierd-sglang-lookup", use_index=bool(extra.get("lookup_index", False)))
         prefault = bool(extra.get("prefault", True))    # map the arena's pages before the first copy
         self.load_link = StoreLink(store, timeout_s=timeout_s, retries=0, background_connect=True,
-                                   name="tierd-sglang-load", prefault=prefault)
+                                   name="tierd-sglang-load", prefault=prefault, read_index=True)  # pipelined leases
         self.save_link = StoreLink(store, timeout_s=timeout_s, retries=0, background_connect=True,
                                    name="tierd-sglang-save", prefault=prefault)
         self._extra = extra

@@ -1,6 +1,7 @@
 """The engine loads cached prefixes from tierd instead of recomputing: embedded and through the
 daemon, from host and from disk, across restarts; and never fails because of tierd."""
 
+import json
 import subprocess
 import sys
 
@@ -83,6 +84,56 @@ def test_embedded_hits_from_host_and_from_disk_match_the_cold_run(model_dir, col
         assert_same(graphs, cold)
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("through", ["embedded", "daemon"])
+def test_a_cpu_host_hit_is_one_lease_and_one_copy_per_plane(model_dir, cold, tmp_path, monkeypatch, through):
+    """The work of a host hit's load on the CPU, counted: one lease (through the daemon, a
+    pipelined one, answered at its release), one C copy call per plane for every layer at once
+    (no per-layer or per-block Python loop), and the outputs equal the cold run's."""
+    from tierd.client import Client
+    from tierd.kernels import native
+    if not native.available():
+        pytest.skip(f"no C copy here: {native.why_not()}")
+    d = DaemonProc(tmp_path).start() if through == "daemon" else None
+    store = TieredStore(host_bytes="64MiB") if d is None else d.url
+    copies, c_calls = [], []
+    plan_copy = native.CopyPlan.copy
+
+    def counted_copy(self, block_ids, slots, *, to_slots, **kw):
+        if not to_slots:
+            copies.append(tuple(block_ids.shape))
+            fn = self._fn
+            self._fn = lambda *a: c_calls.append(a[0]) or fn(*a)    # (layers per call)
+            try:
+                return plan_copy(self, block_ids, slots, to_slots=to_slots, **kw)
+            finally:
+                self._fn = fn
+        return plan_copy(self, block_ids, slots, to_slots=to_slots, **kw)
+    leases = []
+    acquire = (TieredStore if d is None else Client).acquire
+
+    def counted_acquire(self, ns, keys, **kw):
+        lease = acquire(self, ns, keys, **kw)
+        leases.append((len(lease), getattr(lease, "_pending", None) is not None))
+        return lease
+    try:
+        run(model_dir, store)                                    # fills the store
+        monkeypatch.setattr(native.CopyPlan, "copy", counted_copy)
+        monkeypatch.setattr(TieredStore if d is None else Client, "acquire", counted_acquire)
+        hit, st = run(model_dir, store)
+        assert hit.num_cached_tokens == 192 and hit.metrics["tier_sources"] == ["host"]
+        assert_same(hit, cold)
+        assert leases == [(3, d is not None)]                  # one lease of the 3 tier blocks
+        assert copies == [(3, 4)]                               # one copy: 3 tier blocks of 4 engine blocks
+        layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+        assert c_calls == [layers, layers]                      # K, then V: every layer in one call
+        assert st["lost_leases"] == 0 and st["load_failures"] == 0
+    finally:
+        if d is None:
+            store.close()
+        elif d.alive():
+            assert d.stop() == 0
 
 
 def test_hbm_tier_hits_on_the_engines_device_load_device_to_device_and_match(model_dir, cold):

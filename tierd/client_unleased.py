@@ -147,12 +147,17 @@ class UnleasedReads:
             n, _, ways, seqs, offsets = run
             if self._hits:
                 self._report_hits()   # counted before what this request may show, as `_call` does
-            link = self._pin()
             bb = nsobj.block_bytes
-            lease = ClientLease(0, nsobj, keys[:n], [self._view(o, bb, False) for o in offsets], ["host"] * n,
-                                self, self._generation, link)
+            views = [self._view(o, bb, False) for o in offsets]
+            link = self._pin()
+            lease = ClientLease(0, nsobj, keys[:n], views, ["host"] * n, self, self._generation, link)
             grant = lease._pending = PendingGrant(idx, ways, seqs, offsets)
-            if not self._send_deferred({"op": "acquire", "ns": nsobj.name, "keys": keys[:n]}, grant.answered):
+            try:
+                sent = self._send_deferred({"op": "acquire", "ns": nsobj.name, "keys": keys[:n]}, grant.answered)
+            except BaseException:
+                self._unpin(link)
+                raise
+            if not sent:
                 self._unpin(link)
                 return None   # the connection is gone: lease as usual (it connects again)
             self.pipelined_leases += 1
