@@ -226,11 +226,16 @@ class DaemonModel(RuleBasedStateMachine):
                         self.flushed.discard(k)
 
     @precondition(lambda self: len(self.leases) < 2)
-    @rule(c=st.integers(0, 3))
-    def hold_a_lease(self, c):
+    @rule(c=st.integers(0, 3), pipelined=st.booleans())
+    def hold_a_lease(self, c, pipelined):
+        """A lease held over the next steps; or a pipelined one (the connectors' loads), its
+        answer read by the next request on the shared client (so that the daemon has pinned
+        its blocks before the model's other clients act), and then checked at its release."""
         lease = None      # the model's count of holds must not depend on timing
         try:
-            lease = self.shared.acquire(NS, CHAINS[c])
+            lease = self.shared.acquire(NS, CHAINS[c], pipelined=pipelined)
+            if lease._pending is not None:
+                self.shared.ping()
         except TRANSIENT_OR_TIMEOUT as e:
             if not is_transient(e):
                 raise
@@ -502,8 +507,8 @@ class DaemonModel(RuleBasedStateMachine):
 
     @precondition(lambda self: self.restarts_left > 0)
     @rule(how=st.sampled_from(["term", "kill", "arena"]), c=st.integers(0, 3), staged=st.booleans(),
-          n=st.integers(1, 3))
-    def restart_while_holding(self, how, c, staged, n):
+          n=st.integers(1, 3), pipelined=st.booleans())
+    def restart_while_holding(self, how, c, staged, n, pipelined):
         """A lease held in a `with` and a reservation half copied into, across a restart
         (SIGTERM, kill -9, or the arena file removed): leaving the `with` raises LeaseError (a
         lease that outlives its daemon ends with an error, never quietly). Another client then
@@ -516,7 +521,7 @@ class DaemonModel(RuleBasedStateMachine):
         with transient():
             res = self._reserve(fresh, staged)
         with transient():
-            lease = sh.acquire(NS, CHAINS[c])
+            lease = sh.acquire(NS, CHAINS[c], pipelined=pipelined)   # (pipelined: answered or not)
         if res is not None:
             self._write(res, half=True)
         lost, got = False, []

@@ -9,12 +9,15 @@ connection is this client's live one.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from . import errors as E
 from . import protocol as P
 from .client_handles import ClientReservation, _with_checksums
 from .namespace import Namespace
+
+log = logging.getLogger("tierd.client")
 
 # Staged slots held per namespace, in writes of the size being written (where `stage_bytes`
 # allows; at least two): a write must not wait for the replies of the ones before it, which
@@ -131,6 +134,8 @@ class Staging:
 
         def done(r: dict) -> None:
             landed()
+            if "error" in r:
+                log.warning("deferred put failed: %s", r["error"].get("message"))
             if "slots" in r:
                 self._stage_pool.setdefault(name, []).extend(r["slots"])
 

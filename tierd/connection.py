@@ -279,14 +279,15 @@ class DaemonConnection:
 
     def _drain_deferred(self, deadline: float, enough=None) -> None:
         """Read the replies of the requests sent deferred (they come first, in order), each
-        handed to its callback; all of them, or until `enough()` says so."""
+        handed to its callback (which reports an error reply its own way), or an error logged
+        where there is none; all of them, or until `enough()` says so."""
         while self._deferred and not (enough is not None and enough()):
             sent, on_reply = self._deferred.pop(0)
             r = self._read_reply(deadline)
-            if "error" in r and sent["op"] != "acquire":   # (a pipelined lease's: said at its release)
-                log.warning("deferred %s failed: %s", sent["op"], r["error"].get("message"))
             if on_reply is not None:
                 on_reply(r)
+            elif "error" in r:
+                log.warning("deferred %s failed: %s", sent["op"], r["error"].get("message"))
         if not self._deferred:
             self._deferred_commits = 0
 

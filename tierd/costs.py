@@ -44,7 +44,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-
 from .errors import ConfigError
 
 TIERS = ("gpu", "host", "disk", "remote")
