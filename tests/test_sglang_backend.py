@@ -255,11 +255,18 @@ def test_a_stopped_daemon_means_misses_within_the_timeout_then_recovery(tmp_path
         assert time.monotonic() - t < 3.0
         d.start()
         deadline = time.monotonic() + 40
+        # each of the three links (store, lookup, load) reconnects on its own, in the background,
+        # and answers a miss until it is up: wait until all three are back
         while b.batch_set_v1(ks, pages(0, 16)) != [True, True]:
-            assert time.monotonic() < deadline, "the backend never came back to the restarted daemon"
+            assert time.monotonic() < deadline, "the store link never came back to the restarted daemon"
             time.sleep(0.2)
-        assert b.batch_exists(ks) == 2 and b.batch_get_v1(ks, pages(64, 80)) == [True, True]
-        assert torch.equal(pool.page(64), pool.page(0))
+        while b.batch_exists(ks) != 2:
+            assert time.monotonic() < deadline, "the lookup link never came back to the restarted daemon"
+            time.sleep(0.2)
+        while b.batch_get_v1(ks, pages(64, 80)) != [True, True]:
+            assert time.monotonic() < deadline, "the load link never came back to the restarted daemon"
+            time.sleep(0.2)
+        assert torch.equal(pool.page(64), pool.page(0)) and torch.equal(pool.page(80), pool.page(16))
     finally:
         if d.alive():
             d.stop()
