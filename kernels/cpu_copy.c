@@ -9,6 +9,7 @@
  * ((n * H) + h) * D + d. The cache block's element (n, h, d) is at n * sn + h * sh + d * sd
  * (strides in elements). Every address is checked by the caller: this file trusts them.
  */
+#include <stdatomic.h>
 #include <stdint.h>
 #include <math.h>
 #include <pthread.h>
@@ -18,7 +19,7 @@
 #include <immintrin.h>
 #endif
 
-#define TIERD_CPU_COPY_ABI 5
+#define TIERD_CPU_COPY_ABI 6
 
 int tierd_cpu_copy_abi(void) { return TIERD_CPU_COPY_ABI; }
 
@@ -438,6 +439,56 @@ int tierd_copy_amx(int64_t layers, const int64_t *cache_base, int64_t block_stri
     }
     if (stream) STREAM_FENCE();
     return 0;
+}
+
+/* ---- one copy split into items, taken in turn by a team of threads ------------------------
+ * An item is the arguments of one tierd_copy_blocks (kind 0) or tierd_copy_amx (kind 1) call,
+ * TIERD_ITEM_WORDS int64 words: kind, layers, cache_base, block_stride, num_blocks, tiers, ratio,
+ * ids, slot_base, slot_offset, layer_step, to_cache, stream, then the layout's seven (amx: its
+ * five). Each thread of the team takes the next item not yet taken, so a thread that joins late
+ * takes fewer. The team is OpenMP's (`parallel`: the address of the runtime's GOMP_parallel,
+ * the runtime torch computes with, whose threads are still spinning after a forward and take
+ * their items at once), or the caller alone (`parallel` 0). */
+#define TIERD_ITEM_WORDS 20
+
+typedef void (*tierd_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+
+struct tierd_split {
+    const int64_t *items;
+    int64_t count;
+    atomic_llong next;
+    atomic_int bad;
+};
+
+static int run_item(const int64_t *w) {
+    const int64_t *base = (const int64_t *)(intptr_t)w[2];
+    const int64_t *ids = (const int64_t *)(intptr_t)w[7];
+    const int64_t *slots = (const int64_t *)(intptr_t)w[8];
+    if (w[0] == 0)
+        return tierd_copy_blocks(w[1], base, w[3], w[4], w[5], w[6], ids, slots, w[9], w[10], (int)w[11],
+                                 (int)w[12], (int)w[13], w[14], w[15], w[16], w[17], w[18], w[19]);
+    return tierd_copy_amx(w[1], base, w[3], w[4], w[5], w[6], ids, slots, w[9], w[10], (int)w[11], (int)w[12],
+                          (int)w[13], w[14], w[15], w[16], w[17]);
+}
+
+static void split_body(void *p) {
+    struct tierd_split *s = p;
+    int64_t i;
+    while ((i = atomic_fetch_add(&s->next, 1)) < s->count)
+        if (run_item(s->items + i * TIERD_ITEM_WORDS) != 0) atomic_store(&s->bad, 1);
+}
+
+int tierd_copy_split(const int64_t *items, int64_t count, void *parallel, int threads) {
+    struct tierd_split s;
+    s.items = items;
+    s.count = count;
+    atomic_init(&s.next, 0);
+    atomic_init(&s.bad, 0);
+    if (parallel != NULL && threads > 1 && count > 1)
+        ((tierd_parallel_fn)parallel)(split_body, &s, (unsigned)(threads < count ? threads : count), 0);
+    else
+        split_body(&s);
+    return atomic_load(&s.bad) ? -1 : 0;
 }
 
 /* ---- decode attention over a paged cache, read in place ------------------------------------

@@ -19,10 +19,11 @@ its destination through streaming stores, 16 KiB at a time as four interleaved p
 and fences them before it returns: its destination's lines are not read first, which makes a
 load out of DRAM about as fast as memcpy's own large copy (1.4x a plain-store copy at 128 MiB).
 A copy of 4 MiB or more (`SPLIT_MIN_BYTES`) is also split by plane and layer into items of about
-a MiB, which its caller and helper threads (`copy_threads()`: torch's intra-op threads, which an
-engine waiting for a load or a save does not use meanwhile) take in turn, since one core does not
-reach the memory's bandwidth; a helper that wakes late takes fewer, and the caller never waits
-for a share it could have copied itself.
+a MiB, which a team of `copy_threads()` threads takes in turn (one C call), since one core does
+not reach the memory's bandwidth: on the main thread, the OpenMP team torch computes with
+(`omp_team()`: its threads are still spinning after a forward, and a thread of our own would wait
+for a core behind them); elsewhere the caller and helper threads of our own. A thread that joins
+late takes fewer, and the caller never waits for a share it could have copied itself.
 
 The source is compiled at first use, once per process, by the system C compiler (`$CC`, else
 `cc`) for this machine (`-march=native`), in a private temporary directory that is removed once
@@ -47,7 +48,7 @@ import torch
 log = logging.getLogger("tierd.kernels")
 
 SOURCE = Path(__file__).resolve().parent / "cpu_copy.c"
-ABI = 5
+ABI = 6
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _why: str | None = None        # why there is no library, once a build failed
@@ -85,6 +86,8 @@ def _build(flags: tuple[tuple[str, ...], ...] = (("-march=native",), ())) -> cty
     lib.tierd_copy_blocks.restype = ctypes.c_int
     lib.tierd_copy_amx.argtypes = (*head, ctypes.c_int, i64, i64, i64, i64)
     lib.tierd_copy_amx.restype = ctypes.c_int
+    lib.tierd_copy_split.argtypes = (vp, i64, vp, ctypes.c_int)
+    lib.tierd_copy_split.restype = ctypes.c_int
     lib.tierd_decode_attention.argtypes = (vp, vp, vp, ctypes.c_int, vp, i64, vp, i64, i64, i64, i64, i64, i64,
                                            ctypes.c_float, vp, vp, vp)
     lib.tierd_decode_attention.restype = ctypes.c_int
@@ -191,12 +194,13 @@ class CopyPlan:
             raise ValueError("negative strides")
         if len(planes) == 2 and len(planes[1]) != len(planes[0]):
             raise ValueError(f"{len(planes[0])} K caches and {len(planes[1])} V caches")
+        self._lib = lib
         if k0.dim() == 8:
             n, h, d, sh = _amx_geometry(k0, strides, es)
-            self._fn, tails = lib.tierd_copy_amx, [(kv, n, h, d, sh) for kv in range(2)]
+            self._fn, self._kind, tails = lib.tierd_copy_amx, 1, [(kv, n, h, d, sh) for kv in range(2)]
         elif k0.dim() == 4:
             _, n, h, d = k0.shape
-            self._fn, tails = lib.tierd_copy_blocks, [(es, n, h, d, *st[1:]) for st in strides]
+            self._fn, self._kind, tails = lib.tierd_copy_blocks, 0, [(es, n, h, d, *st[1:]) for st in strides]
         else:
             raise ValueError("CPU caches of (blocks, block_size, heads, head_dim), or AMX tiles, expected")
         self.layers, self.planes, self.num_blocks = len(k_caches), len(planes), k0.shape[0]
@@ -270,6 +274,18 @@ class CopyPlan:
                  for lo in range(first, first + count, per_item)]
         ids_at = [x.data_ptr() for x in by_group]
         fn, num_blocks, plane_args = self._fn, self.num_blocks, self._plane_args
+        team = omp_team() if threads > 1 and len(calls) > 1 else None
+        if team is not None:
+            # one C call: the items taken in turn by the OpenMP team torch computes with
+            items = np.zeros((len(calls), ITEM_WORDS), dtype=np.int64)
+            for i, (kv, lo, n, g) in enumerate(calls):
+                bases, stride, tail = plane_args[kv]
+                items[i, :13 + len(tail)] = (self._kind, n, ctypes.addressof(bases) + 8 * lo, stride, num_blocks,
+                                             tiers, ratio, ids_at[g], slots_at, kv * part + lo * step, step,
+                                             to_cache, int(stream), *tail)
+            if self._lib.tierd_copy_split(items.ctypes.data, len(calls), team, threads) != 0:
+                raise ValueError(f"engine block id out of range 0..{num_blocks - 1}")
+            return
 
         def run(item) -> int:
             kv, lo, n, g = item
@@ -293,6 +309,60 @@ def copy_threads() -> int:
     """Threads for one large copy: the caller's and torch's other intra-op threads (what an
     engine computes with, idle while it waits for a load or a save), at most 4."""
     return max(1, min(torch.get_num_threads(), 4))
+
+
+# int64 words of one item of `tierd_copy_split` (cpu_copy.c): a kind, then the call's arguments
+ITEM_WORDS = 20
+
+_team: tuple[int, int | None] | None = None     # (pid, GOMP_parallel's address or None)
+
+
+def omp_team() -> int | None:
+    """The address of `GOMP_parallel` in the OpenMP runtime torch computes with, where a split
+    copy runs on torch's own team: on the process's main thread (the one engines compute on).
+    None on other threads, in a forked child of a process that used it (the parent's team is
+    not there), and where torch's runtime exports no such entry; the copy's items then go to
+    `_workers()`.
+
+    Why: after a forward, the team's threads spin for a while waiting for more work (OpenMP's
+    default). On a machine with as many cores as threads, a helper of our own waits until the
+    scheduler takes a core from a spinning thread. Measured here (2 vCPUs, 8 MiB in 1 MiB items,
+    right after a matmul): helpers of our own 0.90-1.0 ms, one thread alone 0.76-1.0 ms, the
+    team 0.52-0.7 ms. After an idle spell of 100 ms or more, the team's threads are asleep, and
+    on this VM about half the copies then waited 4-8 ms at the region's end for a thread to
+    wake; the forward that follows the load would wait for the same threads at its own first
+    region, so the wait moves, it is not added (copy and a matmul after it: the same totals
+    either way, side by side). A background thread does not use it: that would give the thread
+    a team of its own, whose threads then spin beside the engine's compute."""
+    global _team
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    pid = os.getpid()
+    if _team is None or _team[0] != pid:
+        _team = (pid, _find_omp_parallel() if _team is None else None)
+    return _team[1]
+
+
+def _find_omp_parallel() -> int | None:
+    """GOMP_parallel's address in an OpenMP runtime torch loaded (GNU's libgomp, or a runtime
+    that exports GNU's entry points, as Intel's and LLVM's do), or None."""
+    if not getattr(torch._C, "has_openmp", False):
+        return None
+    torch_dir = os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__)))
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {fields[5].strip() for fields in (line.split(None, 5) for line in f) if len(fields) == 6}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        name = os.path.basename(path)
+        if path.startswith(torch_dir) and name.startswith(("libgomp", "libiomp5", "libomp")) and ".so" in name:
+            try:
+                runtime = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)   # the one already loaded
+                return ctypes.cast(runtime.GOMP_parallel, ctypes.c_void_p).value
+            except (OSError, AttributeError):
+                continue
+    return None
 
 
 # One item of a split copy: small enough that a helper woken late (about 0.15 ms here) finds

@@ -517,6 +517,59 @@ def test_a_copy_plan_takes_the_stores_buffers_as_they_are_and_copies_runs_and_ga
         assert all(torch.equal(a, b) for a, b in zip(k3 + v3, kw + vw))
 
 
+@needs_cc
+def test_a_split_copy_runs_on_torchs_openmp_team_on_the_main_thread_and_on_helpers_elsewhere():
+    """A large copy's items go to the OpenMP team torch computes with where the caller is the
+    main thread (whose team's threads still spin after a forward), else to helper threads of
+    our own (a background thread's team would spin beside the engine's compute). Both give the
+    reference's bytes, both ways; an id out of range copies nothing on either."""
+    import threading
+
+    from tierd.kernels import native
+    if torch._C.has_openmp:
+        assert native.omp_team() is not None        # this torch's runtime is found
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(native.omp_team()))
+    t.start()
+    t.join()
+    assert seen == [None]
+    layers, ratio, bs, h, d, nb = 4, 4, 16, 4, 64, 32
+    g = torch.Generator().manual_seed(7)
+    ks = [torch.randn(nb, bs, h, d, generator=g) for _ in range(layers)]
+    vs = [torch.randn(nb, bs, h, d, generator=g) for _ in range(layers)]
+    ids = torch.tensor([[3, 4, 5, 6], [9, -1, 10, 11], [31, 14, 13, 0]])
+    bb = layers * 2 * ratio * bs * h * d * 4
+    want = [torch.zeros(bb, dtype=torch.uint8) for _ in range(3)]
+    reference.gather_blocks(ks, vs, ids, want)
+
+    def both_ways(out: list) -> None:
+        slots = [np.zeros(bb, np.uint8) for _ in range(3)]
+        native.CopyPlan(ks, vs).copy(ids, slots, to_slots=True, threads=3, stream=True)
+        k2, v2 = [torch.zeros_like(k) for k in ks], [torch.zeros_like(v) for v in vs]
+        plan = native.CopyPlan(k2, v2)
+        plan.copy(ids, slots, to_slots=False, threads=2)
+        bad = [torch.zeros_like(k) for k in ks]
+        try:
+            native.CopyPlan(bad, [torch.zeros_like(v) for v in vs]).copy(
+                torch.tensor([[0, 1, 2, nb]]), slots[:1], to_slots=False, threads=2)
+        except ValueError:
+            out.append(not any(b.any() for b in bad))   # nothing copied, not even a part
+        out.append((slots, k2, v2))
+
+    main: list = []
+    both_ways(main)
+    other: list = []
+    t = threading.Thread(target=both_ways, args=(other,))
+    t.start()
+    t.join()
+    kw, vw = [torch.zeros_like(k) for k in ks], [torch.zeros_like(v) for v in vs]
+    reference.scatter_blocks(kw, vw, ids, want)
+    for refused, (slots, k2, v2) in (main, other):
+        assert refused is True
+        assert all(np.array_equal(s, w.numpy()) for s, w in zip(slots, want))
+        assert all(torch.equal(a, b) for a, b in zip(k2 + v2, kw + vw))
+
+
 # -- on a GPU -------------------------------------------------------------------------------------
 needs_gpu = pytest.mark.skipif(not K.available(), reason="needs CUDA and CuPy")
 

@@ -355,7 +355,11 @@ class CostModel:
         if n <= 0:
             return
         with self._lock:
-            self.recompute.setdefault(engine, RecomputeFit()).add(n, q, seconds)
+            fit = self.recompute.setdefault(engine, RecomputeFit())
+            fit.add(n, q, seconds)
+            # refitted now, after the forward it measures, not by the next load's plan: a host
+            # hit's load is the path whose every 10 µs shows, a forward's is not
+            fit.coef()
             self._outbox["forwards"].append([engine, n, q, float(seconds)])
 
     def count(self, tier: str, **deltas: int) -> None:

@@ -2,7 +2,7 @@
 
 Invariants (each kept by the method beside it):
 - a block is in `free` iff its ref_count is 0; freed blocks keep their key and stay hit-able
-  until `_take` reuses them (LRU: the front of `free` goes first);
+  until `allocate` reuses them (LRU: the front of `free` goes first);
 - a sequence frees its blocks tail first, so a chain's tail is evicted before its head;
 - `cached` maps a key to the one block holding it; only full blocks have keys, from
   `tierd.keys` (the same function that names tier blocks).
@@ -42,16 +42,6 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _take(self) -> int:
-        bid, _ = self.free.popitem(last=False)
-        b = self.blocks[bid]
-        if b.key is not None:                 # evict it from the prefix cache
-            if self.cached.get(b.key) == bid:
-                del self.cached[b.key]
-            b.key = None
-        b.ref_count = 1
-        return bid
-
     def _keys(self, seq: Sequence, upto_blocks: int) -> list[bytes]:
         """seq.block_keys extended to the first `upto_blocks` full blocks."""
         return extend_keys(seq.block_keys, self.root_key, seq.token_ids, self.block_size, upto_blocks)
@@ -84,8 +74,19 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         need = self.blocks_needed(seq.num_computed + num_new_tokens) - len(seq.block_table)
+        if need <= 0:
+            return
+        # one loop over the free list (a host hit allocates its blocks at once: 32 for 512 tokens)
+        free, blocks, cached, table = self.free, self.blocks, self.cached, seq.block_table
         for _ in range(need):
-            seq.block_table.append(self._take())
+            bid, _ = free.popitem(last=False)
+            b = blocks[bid]
+            if b.key is not None:                 # evict it from the prefix cache
+                if cached.get(b.key) == bid:
+                    del cached[b.key]
+                b.key = None
+            b.ref_count = 1
+            table.append(bid)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Key the blocks that the last step filled, so later requests can hit them."""

@@ -233,16 +233,16 @@ class TieredStore:
         demotion asks for it (`Demotion.wake`), a look at the disk's health, then a demotion
         pass; what the pass wrote is made durable."""
         cfg = self.config
+        wanted = self._demotion.wanted_event
         while True:
+            # a pass when asked for (`Demotion.wake`) or once per interval: not on every
+            # `notify_all` of the store's condition (each lease, commit, release, write settled)
+            wanted.wait(cfg.demotion_interval_s)
             with self._cond:
-                # a pass when asked for (`Demotion.wake`) or once per interval: not on every
-                # `notify_all` of the store's condition (each commit, release, write settled)
-                until = time.monotonic() + cfg.demotion_interval_s
-                while not self._cond.closed and not self._demotion.wanted and (left := until - time.monotonic()) > 0:
-                    self._cond.wait(left)
                 if self._cond.closed:
                     return
                 self._demotion.wanted = False
+                wanted.clear()
             wrote = 0
             try:
                 self._health.check()            # takes the lock itself, does its I/O without it
@@ -818,6 +818,7 @@ class TieredStore:
                 return
             self._cond.closed = True
             self._cond.notify_all()
+            self._demotion.wanted_event.set()     # the maintainer ends
         deadline = time.monotonic() + self.CLOSE_WAIT_S
         self._maintainer.join(max(0.1, deadline - time.monotonic()))
         self._remote.close()

@@ -5,6 +5,7 @@ blocks; one write batch at a time keeps each batch one sequential run."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from ..config import format_size
@@ -80,6 +81,10 @@ class Demotion:
         self.flushes_begun = 0
         self.syncing: list[set[Block]] = []
         self.wanted = False
+        # set with `wanted` (and when the store closes): what the maintainer waits on, not the
+        # store's condition, whose `notify_all` on every lease, release and commit would
+        # otherwise wake it each time (and it would queue for the lock the notifier holds)
+        self.wanted_event = threading.Event()
 
     @property
     def host(self):
@@ -397,7 +402,7 @@ class Demotion:
         if self.host.alloc.used_bytes > self.config.host_high_watermark * cap and (
                 not self._cleaning() or self.index.dirty_bytes > self.config.host_dirty_ratio * cap):
             self.wanted = True
-            self.cond.notify_all()
+            self.wanted_event.set()
 
     def host_room_inline(self, st: NsState, n: int) -> bool:
         """(Lock held; the event loop's thread.) At least `n` free host slots of `st`'s size,

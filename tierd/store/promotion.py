@@ -140,101 +140,115 @@ class Promotion:
             except BaseException:
                 self._settle_failed(st, plan)
                 raise
-        sums: dict[int, int] = {}
-        try:
-            errors = self._load_from_disk([(b, e) for b, e in plan if e is not None and e is not REMOTE], sums)
-            errors.update(self.remote.load([b for b, e in plan if e is REMOTE]))
-        except BaseException:
+            quick = all(e is None for _, e in plan)
+            if quick:
+                # every block READY in host RAM (a host hit): nothing to read, settled at once
+                lease, fills, discard, disk = self._settle(st, keys, plan, {}, {}, owner, gpu)
+        if not quick:
+            sums: dict[int, int] = {}
+            try:
+                errors = self._load_from_disk([(b, e) for b, e in plan if e is not None and e is not REMOTE], sums)
+                errors.update(self.remote.load([b for b, e in plan if e is REMOTE]))
+            except BaseException:
+                with self.cond:
+                    self._settle_failed(st, plan)
+                raise
             with self.cond:
-                self._settle_failed(st, plan)
-            raise
-        discard: list[int] = []
-        with self.cond:
-            disk = self.disk
-            cut = len(plan)
-            for i, (b, e) in enumerate(plan):
-                if e is None:
-                    continue
-                if e is REMOTE:
-                    err = errors.get(id(b))
-                    if err is None and b.doomed & DOOM_HOST:
-                        err = KeyError("flushed while it was fetched")
-                    if self.remote.settle(b, err):
-                        continue
-                    cut = min(cut, i)
-                    continue
-                b.disk_pins -= 1
-                err = errors.get(id(b))
-                if b.doomed & DOOM_HOST:          # flushed while it was read: not served
-                    cut = min(cut, i)
-                    b.host_pins -= 1
-                    b.doomed &= ~DOOM_HOST
-                    self.index.drop_host(b, evicted=False)
-                    self.index.reap(b)
-                    continue
-                if err is None:
-                    # the checksum the disk read verified over the bytes now in the slot (a raw
-                    # payload): the block is recorded for restarts at once, not hashed again
-                    b.host_state, b.csum = READY, sums.get(id(b), -1)
-                    b.decoded = e.codec in _codec.LOSSY
-                    self.index.host.policy.insert(b.ikey)
-                    self.index.enter(b, "host")
-                    c = self.index.disk.counters
-                    c["promotions"] += 1
-                    c["bytes_out"] += st.block_bytes
-                else:
-                    cut = min(cut, i)
-                    b.host_pins -= 1
-                    self.index.drop_host(b, evicted=False)
-                    if isinstance(err, CorruptBlockError):
-                        log.warning("disk tier: dropped a damaged block of %s (%s)", st.name, err)
-                        self.index.disk.counters["corrupt_dropped"] += 1
-                        if b.disk is not None:
-                            discard.append(self.index.unindex_disk(b))
-                    else:
-                        self.health.error("read", err)   # a miss; the copy may read later
-            for i, (b, _) in enumerate(plan[:cut]):
-                if b.doomed & DOOM_HOST:          # flushed since it was planned: not served
-                    cut = i
-                    break
-            for b, _ in plan[cut:]:
-                if b.host_state == READY:
-                    b.host_pins -= 1
-                    self.index.reap(b)
-                elif b.disk is not None:
-                    self.index.reap(b)
-            leased = [b for b, _ in plan[:cut]]
-            for b in reversed(leased):  # ancestors touched last: they stay the most recent
-                b.hits += 1
-                self.index.host.policy.hit(b.ikey)
-            st.counters["hits"] += len(leased)
-            st.counters["hit_bytes"] += len(leased) * st.block_bytes
-            st.counters["misses"] += len(keys) - len(leased)
-            self.index.host.counters["bytes_out"] += len(leased) * st.block_bytes
-            lid = next(self.ids) if leased else 0   # nothing leased: nothing to release
-            tiers = ["host" if e is None else "remote" if e is REMOTE else "disk" for _, e in plan[:cut]]
-            lease = Lease(lid, st.ns, keys[:cut], leased, tiers, owner, self.store,
-                          [self.host.offset(b.host_slot) for b in leased])
-            fills = []
-            hbm = gpu and self.gpu is not None
-            if hbm:
-                lease.gpu_offsets = []
-                for i, b in enumerate(leased):
-                    off, fill = self._gpu_lease(b)
-                    lease.gpu_offsets.append(off)
-                    if fill:
-                        fills.append(i)
-            if lid and not fills:
-                self.held.open_lease(lease)
-            self.cond.notify_all()
+                lease, fills, discard, disk = self._settle(st, keys, plan, errors, sums, owner, gpu)
         if discard:
             self._tombstone(disk, discard)   # erase damaged copies on disk (no lock)
         if fills:
             self._gpu_fill(lease, fills)
-        if hbm:
+        if gpu and self.gpu is not None:
             lease.gpu_buffers = [self.gpu.buffer[o:o + st.block_bytes] if o >= 0 else None
                                  for o in lease.gpu_offsets]
         return lease
+
+    def _settle(self, st: NsState, keys: list[bytes], plan: list, errors: dict, sums: dict, owner,
+                gpu: bool) -> tuple[Lease, list[int], list[int], object]:
+        """(Lock held.) `acquire`'s settle: every planned block back to a stable state (READY and
+        leased, or its slot given back), the lease made. Returns (lease, its blocks to copy into
+        HBM, damaged disk entries to erase, the disk tier they are on)."""
+        discard: list[int] = []
+        disk = self.disk
+        cut = len(plan)
+        for i, (b, e) in enumerate(plan):
+            if e is None:
+                continue
+            if e is REMOTE:
+                err = errors.get(id(b))
+                if err is None and b.doomed & DOOM_HOST:
+                    err = KeyError("flushed while it was fetched")
+                if self.remote.settle(b, err):
+                    continue
+                cut = min(cut, i)
+                continue
+            b.disk_pins -= 1
+            err = errors.get(id(b))
+            if b.doomed & DOOM_HOST:          # flushed while it was read: not served
+                cut = min(cut, i)
+                b.host_pins -= 1
+                b.doomed &= ~DOOM_HOST
+                self.index.drop_host(b, evicted=False)
+                self.index.reap(b)
+                continue
+            if err is None:
+                # the checksum the disk read verified over the bytes now in the slot (a raw
+                # payload): the block is recorded for restarts at once, not hashed again
+                b.host_state, b.csum = READY, sums.get(id(b), -1)
+                b.decoded = e.codec in _codec.LOSSY
+                self.index.host.policy.insert(b.ikey)
+                self.index.enter(b, "host")
+                c = self.index.disk.counters
+                c["promotions"] += 1
+                c["bytes_out"] += st.block_bytes
+            else:
+                cut = min(cut, i)
+                b.host_pins -= 1
+                self.index.drop_host(b, evicted=False)
+                if isinstance(err, CorruptBlockError):
+                    log.warning("disk tier: dropped a damaged block of %s (%s)", st.name, err)
+                    self.index.disk.counters["corrupt_dropped"] += 1
+                    if b.disk is not None:
+                        discard.append(self.index.unindex_disk(b))
+                else:
+                    self.health.error("read", err)   # a miss; the copy may read later
+        for i, (b, _) in enumerate(plan[:cut]):
+            if b.doomed & DOOM_HOST:          # flushed since it was planned: not served
+                cut = i
+                break
+        for b, _ in plan[cut:]:
+            if b.host_state == READY:
+                b.host_pins -= 1
+                self.index.reap(b)
+            elif b.disk is not None:
+                self.index.reap(b)
+        leased = [b for b, _ in plan[:cut]]
+        for b in reversed(leased):  # ancestors touched last: they stay the most recent
+            b.hits += 1
+            self.index.host.policy.hit(b.ikey)
+        st.counters["hits"] += len(leased)
+        st.counters["hit_bytes"] += len(leased) * st.block_bytes
+        st.counters["misses"] += len(keys) - len(leased)
+        self.index.host.counters["bytes_out"] += len(leased) * st.block_bytes
+        lid = next(self.ids) if leased else 0   # nothing leased: nothing to release
+        tiers = ["host" if e is None else "remote" if e is REMOTE else "disk" for _, e in plan[:cut]]
+        lease = Lease(lid, st.ns, keys[:cut], leased, tiers, owner, self.store,
+                      [self.host.offset(b.host_slot) for b in leased])
+        fills = []
+        hbm = gpu and self.gpu is not None
+        if hbm:
+            lease.gpu_offsets = []
+            for i, b in enumerate(leased):
+                off, fill = self._gpu_lease(b)
+                lease.gpu_offsets.append(off)
+                if fill:
+                    fills.append(i)
+        if lid and not fills:
+            self.held.open_lease(lease)
+        if cut < len(plan) or any(e is not None for _, e in plan):
+            self.cond.notify_all()   # a promotion settled or pins dropped: what waiters wait for
+        return lease, fills, discard, disk
 
     def note_hits(self, ns: Namespace, keys: Sequence[bytes], asked: int) -> int:
         """Account for a read served without a lease: a client copied the blocks of `keys` (the
