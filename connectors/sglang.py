@@ -86,6 +86,7 @@ from tierd.costs import primary_tier
 from tierd.costs import load_policy as costs_load_policy
 from tierd.errors import LeaseError
 from tierd.namespace import Namespace, read_model_config
+from tierd.transfer import address
 
 from . import identity
 from .link import DEFAULT_URL, STORE_ERRORS, StoreLink, holding, open_store
@@ -395,7 +396,7 @@ class TierdStorage(HiCacheStorage):
             return [False] * n
 
         def copy(i, buf):
-            base, off = buf.ctypes.data, 0
+            base, off = address(buf), 0
             for addr, size in runs[i]:
                 ctypes.memmove(addr, base + off, size)
                 off += size
@@ -420,7 +421,7 @@ class TierdStorage(HiCacheStorage):
                 for status, buf, page in zip(res.status, res.buffers, runs):
                     if status != "reserved":
                         continue
-                    base, off = buf.ctypes.data, 0
+                    base, off = address(buf), 0
                     for addr, size in page:
                         ctypes.memmove(base + off, addr, size)
                         off += size

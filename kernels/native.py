@@ -220,9 +220,13 @@ class CopyPlan:
         self.groups = max(groups) + 1
         self.unit = n * h * d * es                          # one engine block of one plane, bytes
         self._caches = planes
-        # per plane: its layers' start addresses (C array) and block stride, its layout's arguments
-        self._plane_args = [((ctypes.c_int64 * self.layers)(*(c.data_ptr() for c in caches)), st[0] * es, tail)
-                            for caches, st, tail in zip(planes, strides, tails)]
+        # per plane: its layers' start addresses as a C array, its block stride, its layout's
+        # arguments, that array's address, and those arguments padded to an item's seven
+        self._plane_args = []
+        for caches, st, tail in zip(planes, strides, tails):
+            bases = (ctypes.c_int64 * self.layers)(*(c.data_ptr() for c in caches))
+            self._plane_args.append((bases, st[0] * es, tail, ctypes.addressof(bases),
+                                     (*tail, 0, 0)[:ITEM_WORDS - 13]))
 
     def copy(self, block_ids: torch.Tensor, slots, *, to_slots: bool, stream: bool | None = None,
              threads: int | None = None) -> None:
@@ -249,12 +253,12 @@ class CopyPlan:
         by_group = [ids[:, g].contiguous() for g in range(self.groups)] if grouped else [ids]
         part = ratio * self.unit                            # one (layer, plane) of a slot, bytes
         need = self.layers * self.planes * part
-        base = (ctypes.c_int64 * tiers)()
+        base = np.empty(tiers, dtype=np.int64)             # per tier block, its slot's address
         for t, s in enumerate(slots):
             if isinstance(s, np.ndarray):     # a slot or lease view as the store hands it out
                 if not s.flags.c_contiguous or s.nbytes < need or (to_slots and not s.flags.writeable):
                     raise ValueError("slots must be contiguous memory of a whole tier block (writable to save)")
-                base[t] = s.ctypes.data
+                base[t] = s.__array_interface__["data"][0]   # (not `.ctypes`: see tierd.transfer.address)
             elif isinstance(s, torch.Tensor) and s.device.type == "cpu" and s.is_contiguous() \
                     and s.numel() * s.element_size() >= need:
                 base[t] = s.data_ptr()
@@ -265,7 +269,7 @@ class CopyPlan:
             stream = need * tiers >= STREAM_MIN_BYTES
         if threads is None:
             threads = copy_threads() if need * tiers >= SPLIT_MIN_BYTES else 1
-        slots_at, step = ctypes.addressof(base), self.planes * part
+        slots_at, step = base.__array_interface__["data"][0], self.planes * part
         # the work as (plane, first layer, layers, group) items of about ITEM_BYTES each, every
         # (plane, layer) once, taken in turn by the caller and the helpers (`_shared`)
         per_item = max(1, ITEM_BYTES // max(1, tiers * part)) if threads > 1 else self.layers
@@ -277,19 +281,17 @@ class CopyPlan:
         team = omp_team() if threads > 1 and len(calls) > 1 else None
         if team is not None:
             # one C call: the items taken in turn by the OpenMP team torch computes with
-            items = np.zeros((len(calls), ITEM_WORDS), dtype=np.int64)
-            for i, (kv, lo, n, g) in enumerate(calls):
-                bases, stride, tail = plane_args[kv]
-                items[i, :13 + len(tail)] = (self._kind, n, ctypes.addressof(bases) + 8 * lo, stride, num_blocks,
-                                             tiers, ratio, ids_at[g], slots_at, kv * part + lo * step, step,
-                                             to_cache, int(stream), *tail)
-            if self._lib.tierd_copy_split(items.ctypes.data, len(calls), team, threads) != 0:
+            kind, stream = self._kind, int(stream)
+            items = np.array([(kind, n, plane_args[kv][3] + 8 * lo, plane_args[kv][1], num_blocks, tiers, ratio,
+                               ids_at[g], slots_at, kv * part + lo * step, step, to_cache, stream, *plane_args[kv][4])
+                              for kv, lo, n, g in calls], dtype=np.int64)
+            if self._lib.tierd_copy_split(items.__array_interface__["data"][0], len(calls), team, threads) != 0:
                 raise ValueError(f"engine block id out of range 0..{num_blocks - 1}")
             return
 
         def run(item) -> int:
             kv, lo, n, g = item
-            bases, stride, tail = plane_args[kv]
+            bases, stride, tail, _, _ = plane_args[kv]
             return fn(n, ctypes.addressof(bases) + 8 * lo, stride, num_blocks, tiers, ratio, ids_at[g],
                       slots_at, kv * part + lo * step, step, to_cache, int(stream), *tail)
         # every call checks every id before it copies: one that refuses them all refuse, nothing copied
@@ -314,7 +316,7 @@ def copy_threads() -> int:
 # int64 words of one item of `tierd_copy_split` (cpu_copy.c): a kind, then the call's arguments
 ITEM_WORDS = 20
 
-_team: tuple[int, int | None] | None = None     # (pid, GOMP_parallel's address or None)
+_team: tuple[int | None] | None = None     # (GOMP_parallel's address or None,) once looked up
 
 
 def omp_team() -> int | None:
@@ -335,12 +337,23 @@ def omp_team() -> int | None:
     either way, side by side). A background thread does not use it: that would give the thread
     a team of its own, whose threads then spin beside the engine's compute."""
     global _team
-    if threading.current_thread() is not threading.main_thread():
+    if threading.get_ident() != _MAIN_THREAD:
         return None
-    pid = os.getpid()
-    if _team is None or _team[0] != pid:
-        _team = (pid, _find_omp_parallel() if _team is None else None)
-    return _team[1]
+    if _team is None:
+        _team = (_find_omp_parallel(),)
+    return _team[0]
+
+
+_MAIN_THREAD = threading.main_thread().ident
+
+
+def _forget_team() -> None:
+    global _team
+    if _team is not None:
+        _team = (None,)   # the parent used it: its team's threads are not in this child
+
+
+os.register_at_fork(after_in_child=_forget_team)
 
 
 def _find_omp_parallel() -> int | None:

@@ -150,3 +150,23 @@ def test_a_daemon_model_is_what_its_clients_measured(tmp_path):
             assert a.stats()["costs"]["ledger"]["disk"]["slow_hits"] == 1
     finally:
         assert d.stop() == 0
+
+
+def test_only_a_replica_keeps_what_it_measured_for_the_daemon():
+    """A client's replica keeps its measurements until they are sent; a store's own model (an
+    embedded engine's, the daemon's) has no one to send them to and keeps none: a long-running
+    engine measures every forward and load, and nothing may pile up for that."""
+    from tierd import TieredStore
+    store = TieredStore(host_bytes=16 << 20)
+    try:
+        for m, kept in ((store.costs, 0), (CostModel(replica=True), 1000)):
+            for i in range(1000):
+                m.observe_forward("e", [(16 + i % 7, 0)], 1e-3)
+                m.observe_transfer("host", "load", 1 << 20, 1e-4)
+            m.count("host", loads=3)
+            out = m.take_outbox()
+            assert len(out["forwards"]) == len(out["transfers"]) == kept
+            assert out["ledger"] == ({"host": {"loads": 3}} if kept else {})
+            assert m.has_recompute("e") and m.ledger["host"]["loads"] == 3   # measured either way
+    finally:
+        store.close()

@@ -406,9 +406,11 @@ def test_c_block_copy_of_amx_tiles_matches_the_reference(bs, d, heads):
                   kv_heads=heads, seed=bs + d)
         want = cases.block_copy_case(torch.device("cpu"), reference.scatter_blocks if scatter else
                                      reference.gather_blocks, **kw)
-        for stream in (False, True):
+        # on the caller alone, and split into items (the OpenMP team's on this, the main thread)
+        for stream, threads in ((False, 1), (True, 1), (True, 3)):
             got = cases.block_copy_case(torch.device("cpu"),
-                                        lambda *a: native._copy_blocks(*a, to_slots=not scatter, stream=stream),
+                                        lambda *a: native._copy_blocks(*a, to_slots=not scatter, stream=stream,
+                                                                       threads=threads),
                                         **kw)
             assert all(same_bytes(w, g) for w, g in zip(want, got, strict=True))
     # views that are not the tiles' (K and V swapped) are refused, not copied wrong

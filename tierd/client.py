@@ -103,7 +103,7 @@ class Client(Staging, UnleasedReads, DaemonConnection):
         self.limits: dict = {}       # the daemon's, from its hello (until then, the protocol's defaults)
         self.events = False          # the daemon publishes KV events with token ids (its hello says)
         self.reconnects = 0
-        self._costs = CostModel()    # a replica of the daemon's cost model (see `cost_model`)
+        self._costs = CostModel(replica=True)    # a replica of the daemon's cost model (see `cost_model`)
         self._costs_ok = True        # False against a daemon without the `costs` op
         with self._lock:
             self._connect()

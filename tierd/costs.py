@@ -330,14 +330,16 @@ class CostModel:
     """The node's (or a client's replica of the node's) transfer and recompute estimates, the
     decision, and the ledger. Thread-safe."""
 
-    def __init__(self):
+    def __init__(self, *, replica: bool = False):
+        """`replica`: a client's copy of the daemon's model, which keeps what it measures for the
+        daemon (`take_outbox`); the node's own model (a store's) keeps nothing to send."""
         self._lock = threading.Lock()
         self.transfers = {(t, d): TransferFit(SEED[t]) for t in TIERS for d in DIRECTIONS}
         self.recompute: dict[str, RecomputeFit] = {}
         self.ledger = {t: dict.fromkeys(LEDGER_KEYS, 0) for t in TIERS}
         self._probed: dict[str, float] = {}
         # a replica's measurements and ledger counts not yet sent to the daemon's model
-        self._outbox: dict = {"transfers": [], "forwards": [], "ledger": {}}
+        self._outbox: dict | None = {"transfers": [], "forwards": [], "ledger": {}} if replica else None
         self.synced_at = 0.0
 
     # -- measurements --------------------------------------------------------------------------
@@ -346,7 +348,8 @@ class CostModel:
             return
         with self._lock:
             self.transfers[(tier, direction)].add(nbytes, seconds)
-            self._outbox["transfers"].append([tier, direction, int(nbytes), float(seconds)])
+            if self._outbox is not None:
+                self._outbox["transfers"].append([tier, direction, int(nbytes), float(seconds)])
 
     def observe_forward(self, engine: str, batch, seconds: float) -> None:
         """One forward pass of `engine` (a namespace name): `batch` is (new tokens, cached
@@ -360,7 +363,8 @@ class CostModel:
             # refitted now, after the forward it measures, not by the next load's plan: a host
             # hit's load is the path whose every 10 µs shows, a forward's is not
             fit.coef()
-            self._outbox["forwards"].append([engine, n, q, float(seconds)])
+            if self._outbox is not None:
+                self._outbox["forwards"].append([engine, n, q, float(seconds)])
 
     def count(self, tier: str, **deltas: int) -> None:
         """Add to `tier`'s ledger: loads, loaded_tokens, declined_tokens, abandoned_tokens,
@@ -368,11 +372,13 @@ class CostModel:
         if tier not in self.ledger:
             return
         with self._lock:
-            row, out = self.ledger[tier], self._outbox["ledger"].setdefault(tier, {})
+            row = self.ledger[tier]
+            out = self._outbox["ledger"].setdefault(tier, {}) if self._outbox is not None else None
             for k, v in deltas.items():
                 if k in row and v:
                     row[k] += int(v)
-                    out[k] = out.get(k, 0) + int(v)
+                    if out is not None:
+                        out[k] = out.get(k, 0) + int(v)
 
     def record_load(self, engine: str, tiers, nbytes: int, tokens: int, seconds: float, *,
                     first_tokens: int = 0, ledger: bool = True) -> bool:
@@ -439,7 +445,10 @@ class CostModel:
     # -- exchange with the daemon's model --------------------------------------------------------
     def take_outbox(self) -> dict:
         with self._lock:
-            out, self._outbox = self._outbox, {"transfers": [], "forwards": [], "ledger": {}}
+            empty = {"transfers": [], "forwards": [], "ledger": {}}
+            if self._outbox is None:
+                return empty    # the node's own model: nothing is kept to send
+            out, self._outbox = self._outbox, empty
             return out
 
     def merge_report(self, report: dict) -> None:
