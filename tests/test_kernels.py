@@ -474,18 +474,25 @@ def test_cpu_ops_use_the_c_copy_after_its_check_and_fall_back_for_what_it_does_n
     assert K.scatter_blocks.status(cpu) == "kernel"   # bad input never unpins it
 
 
+def random_caches(layers: int, ratio: int, num_blocks: int, *, heads: int, head_dim: int, seed: int,
+                  block_size: int = 16):
+    """K and V caches of `layers` layers (float32, random), and the bytes of one tier block of
+    `ratio` engine blocks of them."""
+    g = torch.Generator().manual_seed(seed)
+    ks = [torch.randn(num_blocks, block_size, heads, head_dim, generator=g) for _ in range(layers)]
+    vs = [torch.randn(num_blocks, block_size, heads, head_dim, generator=g) for _ in range(layers)]
+    return ks, vs, layers * 2 * ratio * block_size * heads * head_dim * 4
+
+
 @needs_cc
 def test_a_copy_plan_takes_the_stores_buffers_as_they_are_and_copies_runs_and_gaps_exactly():
     """What a BlockTransfer on CPU caches copies through: the caches' geometry checked once, the
     store's numpy buffers (a lease's read-only views too) used in place. Runs of consecutive
     blocks, a reversed run, a skipped part and a part at block 0 give the reference's bytes."""
     from tierd.kernels import native
-    layers, ratio, bs, h, d, nb = 3, 4, 16, 2, 32, 16
-    g = torch.Generator().manual_seed(5)
-    ks = [torch.randn(nb, bs, h, d, generator=g) for _ in range(layers)]
-    vs = [torch.randn(nb, bs, h, d, generator=g) for _ in range(layers)]
+    layers, ratio, nb = 3, 4, 16
+    ks, vs, bb = random_caches(layers, ratio, nb, heads=2, head_dim=32, seed=5)
     ids = torch.tensor([[3, 4, 5, 6], [9, -1, 10, 11], [15, 14, 13, 0]])
-    bb = layers * 2 * ratio * bs * h * d * 4
     slots = [np.zeros(bb, np.uint8) for _ in range(3)]
     native.CopyPlan(ks, vs).copy(ids, slots, to_slots=True)
     want = [torch.zeros(bb, dtype=torch.uint8) for _ in range(3)]
@@ -535,12 +542,9 @@ def test_a_split_copy_runs_on_torchs_openmp_team_on_the_main_thread_and_on_helpe
     t.start()
     t.join()
     assert seen == [None]
-    layers, ratio, bs, h, d, nb = 4, 4, 16, 4, 64, 32
-    g = torch.Generator().manual_seed(7)
-    ks = [torch.randn(nb, bs, h, d, generator=g) for _ in range(layers)]
-    vs = [torch.randn(nb, bs, h, d, generator=g) for _ in range(layers)]
+    nb = 32
+    ks, vs, bb = random_caches(4, 4, nb, heads=4, head_dim=64, seed=7)
     ids = torch.tensor([[3, 4, 5, 6], [9, -1, 10, 11], [31, 14, 13, 0]])
-    bb = layers * 2 * ratio * bs * h * d * 4
     want = [torch.zeros(bb, dtype=torch.uint8) for _ in range(3)]
     reference.gather_blocks(ks, vs, ids, want)
 
