@@ -23,7 +23,7 @@ import tierd
 from tierd.client import Client
 from tierd.errors import LeaseError
 
-from .helpers import block_for, chain, make_ns
+from .helpers import block_for, chain, first_wrong, make_ns
 
 FLIP_NS = make_ns(model="flip", block_tokens=256)   # 256 KiB blocks
 FLIP_CHAINS = 4                                      # chains of 4 blocks per set: 4 MiB a set
@@ -89,11 +89,11 @@ def main() -> int:
         ns = FLIP_NS
         for i in range(n):
             keys = flip_chain(int(rng.integers(0, 2)), int(rng.integers(0, FLIP_CHAINS)))
-            for k, b in zip(keys, c.get(ns, keys)):
-                if not np.array_equal(b, block_for(ns, k)):
-                    print(f"MISMATCH {k.hex()} in get {i}", flush=True)
-                    return 1
-                verified += 1
+            got = c.get(ns, keys)
+            if (wrong := first_wrong(ns, keys, got)) is not None:
+                print(f"MISMATCH {wrong.hex()} in get {i}", flush=True)
+                return 1
+            verified += len(got)
         print(f"OK {n} {verified} {c.unleased_reads} {c.unleased_discarded}", flush=True)
         c.close()
         return 0
@@ -109,11 +109,10 @@ def main() -> int:
             except LeaseError:
                 lost += 1
                 continue
-            for k, b in zip(lease.keys, copies):
-                if not np.array_equal(b, block_for(ns, k)):
-                    print(f"MISMATCH {k.hex()} in lease {i}", flush=True)
-                    return 1
-                verified += 1
+            if (wrong := first_wrong(ns, lease.keys, copies)) is not None:
+                print(f"MISMATCH {wrong.hex()} in lease {i}", flush=True)
+                return 1
+            verified += len(copies)
         print(f"OK {n} {verified} {c.pipelined_leases} {lost}", flush=True)
         c.close()
         return 0

@@ -38,10 +38,21 @@ def put_chain(store, ns: Namespace, keys, **kw) -> int:
 
 def assert_exact(store, ns: Namespace, keys) -> None:
     """Every key is served, bit-exact."""
-    got = store.get(ns, keys)
-    assert len(got) == len(keys), f"{len(got)} of {len(keys)} blocks served"
-    for k, g in zip(keys, got):
-        assert np.array_equal(g, block_for(ns, k))
+    assert_blocks(ns, keys, store.get(ns, keys))
+
+
+def first_wrong(ns: Namespace, keys, blocks) -> bytes | None:
+    """The first key whose block in `blocks` (paired with `keys` in order) is not its
+    `block_for` content, or None."""
+    return next((k for k, b in zip(keys, blocks) if not np.array_equal(b, block_for(ns, k))), None)
+
+
+def assert_blocks(ns: Namespace, keys, blocks) -> None:
+    """`blocks` are the blocks of `keys`, one each, bit-exact."""
+    blocks = list(blocks)
+    assert len(blocks) == len(keys), f"{len(blocks)} blocks for {len(keys)} keys"
+    wrong = first_wrong(ns, keys, blocks)
+    assert wrong is None, f"block {wrong.hex()} is not its bytes"
 
 
 def chain(ns: Namespace, seed: int, n_blocks: int) -> list[bytes]:

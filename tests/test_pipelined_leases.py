@@ -20,7 +20,7 @@ from tierd.errors import LeaseError
 from tierd.index import LEASE_FREE_READS
 
 from .daemon import DaemonProc
-from .helpers import block_for, chain, make_ns, put_chain
+from .helpers import assert_blocks, chain, make_ns, put_chain
 
 pytestmark = pytest.mark.skipif(not LEASE_FREE_READS, reason="pipelined leases need x86-64's memory order")
 
@@ -42,12 +42,12 @@ def test_a_pipelined_lease_serves_exact_bytes_and_ends_on_the_daemon(daemon):
         got = [np.array(b) for b in lease.buffers]
         c.release(lease, confirm=True)
         assert lease.id > 0                                      # the daemon's answer, read at release
-        assert [g.tobytes() for g in got] == [block_for(ns, k).tobytes() for k in keys]
+        assert_blocks(ns, keys, got)
         assert (c.pipelined_leases, c.pipelined_lost) == (1, 0)
         # a prefix and a miss after it: the lease covers the prefix the index shows
         with c.acquire(ns, keys[:3] + chain(ns, 2, 2), pipelined=True) as lease:
             assert len(lease) == 3 and lease._pending is not None
-            assert [bytes(b) for b in lease.buffers] == [block_for(ns, k).tobytes() for k in keys[:3]]
+            assert_blocks(ns, keys[:3], lease.buffers)
         # released without confirming: the daemon's lease still ends
         lease = c.acquire(ns, keys, pipelined=True)
         c.release(lease)
@@ -69,12 +69,12 @@ def test_where_the_index_cannot_tell_the_lease_is_taken_as_usual(tmp_path):
             ready(c, ns, keys)
             with blind.acquire(ns, keys, pipelined=True) as lease:   # no shared index here
                 assert lease._pending is None and lease.id > 0
-                assert [bytes(b) for b in lease.buffers] == [block_for(ns, k).tobytes() for k in keys]
+                assert_blocks(ns, keys, lease.buffers)
             c.sync()
             c.flush(tier="host")                                 # on disk only: the lease promotes
             with c.acquire(ns, keys, pipelined=True) as lease:
                 assert lease._pending is None and len(lease) == 4
-                assert [bytes(b) for b in lease.buffers] == [block_for(ns, k).tobytes() for k in keys]
+                assert_blocks(ns, keys, lease.buffers)
             assert blind.pipelined_leases == 0 and c.pipelined_leases == 0
             assert c.stats()["leases"] == 0
     finally:
@@ -137,7 +137,7 @@ def test_a_block_replaced_before_the_daemon_answers_is_not_confirmed(tmp_path):
             except LeaseError:
                 assert reader.pipelined_lost == 1
             else:   # (only if the daemon leased them before the flush, and nothing moved since)
-                assert [c.tobytes() for c in copies] == [block_for(ns, k).tobytes() for k in keys]
+                assert_blocks(ns, keys, copies)
             with Client(d.socket) as c:
                 assert c.stats()["leases"] == 0
     finally:
@@ -169,7 +169,7 @@ def test_an_embedded_store_takes_the_same_call(tmp_path):
     with TieredStore(host_bytes="16MiB") as s:
         put_chain(s, ns, keys)
         with s.acquire(ns, keys, pipelined=True) as lease:
-            assert [bytes(b) for b in lease.buffers] == [block_for(ns, k).tobytes() for k in keys]
+            assert_blocks(ns, keys, lease.buffers)
 
 
 @pytest.mark.slow
