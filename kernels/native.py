@@ -76,16 +76,9 @@ def _build(flags: tuple[tuple[str, ...], ...] = (("-march=native",), ())) -> cty
         shutil.rmtree(work, ignore_errors=True)    # the loaded library stays mapped
     if lib.tierd_cpu_copy_abi() != ABI:
         raise RuntimeError("cpu_copy.c does not match this module")
-    p64 = ctypes.POINTER(ctypes.c_int64)
     i64 = ctypes.c_int64
     vp = ctypes.c_void_p
-    # (layers, cache bases, block stride, num_blocks, tiers, ratio, ids, slot bases, slot offset,
-    #  layer step, to_cache, stream, then the layout's own)
-    head = (i64, vp, i64, i64, i64, i64, vp, vp, i64, i64, ctypes.c_int, ctypes.c_int)
-    lib.tierd_copy_blocks.argtypes = (*head, ctypes.c_int, i64, i64, i64, i64, i64, i64)
-    lib.tierd_copy_blocks.restype = ctypes.c_int
-    lib.tierd_copy_amx.argtypes = (*head, ctypes.c_int, i64, i64, i64, i64)
-    lib.tierd_copy_amx.restype = ctypes.c_int
+    # (items, how many, the OpenMP runtime's GOMP_parallel or NULL, threads): `CopyPlan.copy`
     lib.tierd_copy_split.argtypes = (vp, i64, vp, ctypes.c_int)
     lib.tierd_copy_split.restype = ctypes.c_int
     lib.tierd_decode_attention.argtypes = (vp, vp, vp, ctypes.c_int, vp, i64, vp, i64, i64, i64, i64, i64, i64,
@@ -195,12 +188,13 @@ class CopyPlan:
         if len(planes) == 2 and len(planes[1]) != len(planes[0]):
             raise ValueError(f"{len(planes[0])} K caches and {len(planes[1])} V caches")
         self._lib = lib
+        # the item's kind (cpu_copy.c: 0 tierd_copy_blocks, 1 tierd_copy_amx) and its layout's arguments
         if k0.dim() == 8:
             n, h, d, sh = _amx_geometry(k0, strides, es)
-            self._fn, self._kind, tails = lib.tierd_copy_amx, 1, [(kv, n, h, d, sh) for kv in range(2)]
+            self._kind, tails = 1, [(kv, n, h, d, sh) for kv in range(2)]
         elif k0.dim() == 4:
             _, n, h, d = k0.shape
-            self._fn, self._kind, tails = lib.tierd_copy_blocks, 0, [(es, n, h, d, *st[1:]) for st in strides]
+            self._kind, tails = 0, [(es, n, h, d, *st[1:]) for st in strides]
         else:
             raise ValueError("CPU caches of (blocks, block_size, heads, head_dim), or AMX tiles, expected")
         self.layers, self.planes, self.num_blocks = len(k_caches), len(planes), k0.shape[0]
@@ -220,13 +214,12 @@ class CopyPlan:
         self.groups = max(groups) + 1
         self.unit = n * h * d * es                          # one engine block of one plane, bytes
         self._caches = planes
-        # per plane: its layers' start addresses as a C array, its block stride, its layout's
-        # arguments, that array's address, and those arguments padded to an item's seven
+        # per plane: its layers' start addresses (a C array, kept alive here), that array's
+        # address, its block stride, and its layout's arguments padded to an item's seven
         self._plane_args = []
         for caches, st, tail in zip(planes, strides, tails):
             bases = (ctypes.c_int64 * self.layers)(*(c.data_ptr() for c in caches))
-            self._plane_args.append((bases, st[0] * es, tail, ctypes.addressof(bases),
-                                     (*tail, 0, 0)[:ITEM_WORDS - 13]))
+            self._plane_args.append((bases, ctypes.addressof(bases), st[0] * es, (*tail, 0, 0)[:ITEM_WORDS - 13]))
 
     def copy(self, block_ids: torch.Tensor, slots, *, to_slots: bool, stream: bool | None = None,
              threads: int | None = None) -> None:
@@ -271,32 +264,32 @@ class CopyPlan:
             threads = copy_threads() if need * tiers >= SPLIT_MIN_BYTES else 1
         slots_at, step = base.__array_interface__["data"][0], self.planes * part
         # the work as (plane, first layer, layers, group) items of about ITEM_BYTES each, every
-        # (plane, layer) once, taken in turn by the caller and the helpers (`_shared`)
+        # (plane, layer) once, taken in turn by the threads copying
         per_item = max(1, ITEM_BYTES // max(1, tiers * part)) if threads > 1 else self.layers
         calls = [(kv, lo, min(per_item, first + count - lo), g)
                  for kv in range(self.planes) for first, count, g in self._runs
                  for lo in range(first, first + count, per_item)]
         ids_at = [x.data_ptr() for x in by_group]
-        fn, num_blocks, plane_args = self._fn, self.num_blocks, self._plane_args
+        items = self._items(calls, tiers, ratio, ids_at, slots_at, part, step, to_cache, stream)
+        at, split = items.__array_interface__["data"][0], self._lib.tierd_copy_split
         team = omp_team() if threads > 1 and len(calls) > 1 else None
-        if team is not None:
-            # one C call: the items taken in turn by the OpenMP team torch computes with
-            kind, stream = self._kind, int(stream)
-            items = np.array([(kind, n, plane_args[kv][3] + 8 * lo, plane_args[kv][1], num_blocks, tiers, ratio,
-                               ids_at[g], slots_at, kv * part + lo * step, step, to_cache, stream, *plane_args[kv][4])
-                              for kv, lo, n, g in calls], dtype=np.int64)
-            if self._lib.tierd_copy_split(items.__array_interface__["data"][0], len(calls), team, threads) != 0:
-                raise ValueError(f"engine block id out of range 0..{num_blocks - 1}")
-            return
+        if team is not None or threads <= 1:
+            bad = split(at, len(calls), team, threads)     # on torch's OpenMP team, or the caller alone
+        else:
+            row = 8 * ITEM_WORDS
+            bad = _shared(lambda i: split(at + i * row, 1, None, 1), range(len(calls)), threads)
+        # every item checks every id before it copies: one that refuses them all refuse, nothing copied
+        if bad != 0:
+            raise ValueError(f"engine block id out of range 0..{self.num_blocks - 1}")  # the reference raises
 
-        def run(item) -> int:
-            kv, lo, n, g = item
-            bases, stride, tail, _, _ = plane_args[kv]
-            return fn(n, ctypes.addressof(bases) + 8 * lo, stride, num_blocks, tiers, ratio, ids_at[g],
-                      slots_at, kv * part + lo * step, step, to_cache, int(stream), *tail)
-        # every call checks every id before it copies: one that refuses them all refuse, nothing copied
-        if _shared(run, calls, threads) != 0:
-            raise ValueError(f"engine block id out of range 0..{num_blocks - 1}")  # the reference raises
+    def _items(self, calls: list, tiers: int, ratio: int, ids_at: list[int], slots_at: int, part: int, step: int,
+               to_cache: int, stream: bool) -> np.ndarray:
+        """The items of `tierd_copy_split` (cpu_copy.c), a row of ITEM_WORDS per (plane, first
+        layer, layers, group) of `calls`: the arguments of one copy call over those layers."""
+        args, kind, stream = self._plane_args, self._kind, int(stream)
+        return np.array([(kind, n, args[kv][1] + 8 * lo, args[kv][2], self.num_blocks, tiers, ratio, ids_at[g],
+                          slots_at, kv * part + lo * step, step, to_cache, stream, *args[kv][3])
+                         for kv, lo, n, g in calls], dtype=np.int64)
 
 
 # Copies of at least this many bytes are split across the caller and helper threads (by plane and

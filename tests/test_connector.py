@@ -103,12 +103,17 @@ def test_a_cpu_host_hit_is_one_lease_and_one_copy_per_plane(model_dir, cold, tmp
     def counted_copy(self, block_ids, slots, *, to_slots, **kw):
         if not to_slots:
             copies.append(tuple(block_ids.shape))
-            fn = self._fn
-            self._fn = lambda *a: c_calls.append(a[0]) or fn(*a)    # (layers per call)
+            items = self._items
+
+            def counted_items(*a):
+                rows = items(*a)
+                c_calls.extend(rows[:, 1].tolist())                  # layers per C copy call
+                return rows
+            self._items = counted_items
             try:
                 return plan_copy(self, block_ids, slots, to_slots=to_slots, **kw)
             finally:
-                self._fn = fn
+                del self._items
         return plan_copy(self, block_ids, slots, to_slots=to_slots, **kw)
     leases = []
     acquire = (TieredStore if d is None else Client).acquire

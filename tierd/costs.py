@@ -150,9 +150,9 @@ class RecomputeFit:
     """One forward's seconds ≈ a + b·N + c·Q (N: new tokens, Q: Σ n·(k + n/2)), fitted by
     exponentially weighted least squares with every coefficient ≥ 0.
 
-    In plain Python floats: the systems are at most 3 x 3, and a load asks for the fit right
-    after a forward changed it, so the fit is on a hit's path (numpy's per-call overhead made it
-    a third of a 512-token host hit's load)."""
+    In plain Python floats: the systems are at most 3 x 3, and an engine refits after every
+    forward it measures (`CostModel.observe_forward`; numpy's per-call overhead made the fit a
+    third of a 512-token host hit's load when the next load's plan refitted)."""
 
     __slots__ = ("xtx", "xty", "yty", "n", "updated", "_coef")
 

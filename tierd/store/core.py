@@ -233,7 +233,7 @@ class TieredStore:
         demotion asks for it (`Demotion.wake`), a look at the disk's health, then a demotion
         pass; what the pass wrote is made durable."""
         cfg = self.config
-        wanted = self._demotion.wanted_event
+        wanted = self._demotion.wanted
         while True:
             # a pass when asked for (`Demotion.wake`) or once per interval: not on every
             # `notify_all` of the store's condition (each lease, commit, release, write settled)
@@ -241,7 +241,6 @@ class TieredStore:
             with self._cond:
                 if self._cond.closed:
                     return
-                self._demotion.wanted = False
                 wanted.clear()
             wrote = 0
             try:
@@ -818,7 +817,7 @@ class TieredStore:
                 return
             self._cond.closed = True
             self._cond.notify_all()
-            self._demotion.wanted_event.set()     # the maintainer ends
+            self._demotion.wanted.set()     # the maintainer ends
         deadline = time.monotonic() + self.CLOSE_WAIT_S
         self._maintainer.join(max(0.1, deadline - time.monotonic()))
         self._remote.close()

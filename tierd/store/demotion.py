@@ -48,8 +48,9 @@ class Demotion:
     they were chosen), `disk_epoch` (changes when the disk tier's copies are forgotten:
     `forget_writes`), `flushing` (the flushes under way: `FlushWalk`), `flushes_begun` (fenced
     flushes begun so far: a sync re-plans after one), `syncing` (one set per sync under way:
-    the blocks whose disk copy or write a flush dropped meanwhile) and `wanted` (host RAM is
-    past its high watermark: the demoter is woken for a pass). All guarded by the store's lock.
+    the blocks whose disk copy or write a flush dropped meanwhile), all guarded by the store's
+    lock; and `wanted`, an event set when host RAM is past its high watermark (the demoter is
+    woken for a pass).
     Collaborators: the store's lock (`cond`: `StoreLock`), the block index (the blocks, their
     residency records and tiers), the disk's health, the store's config, and `walk(fn)`, the
     store's chunked walk over its blocks.
@@ -80,11 +81,10 @@ class Demotion:
         self.flushing: list[FlushWalk] = []
         self.flushes_begun = 0
         self.syncing: list[set[Block]] = []
-        self.wanted = False
-        # set with `wanted` (and when the store closes): what the maintainer waits on, not the
-        # store's condition, whose `notify_all` on every lease, release and commit would
+        # set when a pass is wanted (and when the store closes): what the maintainer waits on, not
+        # the store's condition, whose `notify_all` on every lease, release and commit would
         # otherwise wake it each time (and it would queue for the lock the notifier holds)
-        self.wanted_event = threading.Event()
+        self.wanted = threading.Event()
 
     @property
     def host(self):
@@ -401,8 +401,7 @@ class Demotion:
         cap = self.host.capacity_bytes
         if self.host.alloc.used_bytes > self.config.host_high_watermark * cap and (
                 not self._cleaning() or self.index.dirty_bytes > self.config.host_dirty_ratio * cap):
-            self.wanted = True
-            self.wanted_event.set()
+            self.wanted.set()
 
     def host_room_inline(self, st: NsState, n: int) -> bool:
         """(Lock held; the event loop's thread.) At least `n` free host slots of `st`'s size,
