@@ -20,7 +20,7 @@ from tierd.errors import LeaseError
 from tierd.index import LEASE_FREE_READS
 
 from .daemon import DaemonProc
-from .helpers import assert_blocks, chain, make_ns, put_chain
+from .helpers import assert_blocks, chain, make_ns, put_chain, wait_for
 
 pytestmark = pytest.mark.skipif(not LEASE_FREE_READS, reason="pipelined leases need x86-64's memory order")
 
@@ -41,7 +41,7 @@ def test_a_pipelined_lease_serves_exact_bytes_and_ends_on_the_daemon(daemon):
         assert len(lease) == 5 and lease.tiers == ["host"] * 5
         got = [np.array(b) for b in lease.buffers]
         c.release(lease, confirm=True)
-        assert lease.id > 0                                      # the daemon's answer, read at release
+        assert lease.id == 0 and lease._pending.request > 0     # a quiet lease: never answered
         assert_blocks(ns, keys, got)
         assert (c.pipelined_leases, c.pipelined_lost) == (1, 0)
         # a prefix and a miss after it: the lease covers the prefix the index shows
@@ -57,6 +57,38 @@ def test_a_pipelined_lease_serves_exact_bytes_and_ends_on_the_daemon(daemon):
         st = c.stats()["namespaces"][ns.name]
         assert st["hits"] >= 13                                  # every lease counted as a hit
         assert c.pipelined_leases == 3
+
+
+def test_a_quiet_lease_pins_until_its_release_goes_with_a_request_or_its_hold_ends(daemon):
+    """A pipelined lease is quiet (never answered): the daemon pins its blocks when it reads
+    the request. The release does not wake the daemon on its own: it goes with the client's
+    next request, and any request of that client finds it served first. With no request after
+    it, the daemon ends the pin itself after its hold (hello's `quiet_hold_s`)."""
+    ns = make_ns()
+    keys = chain(ns, 9, 3)
+    with Client(daemon.socket) as c, Client(daemon.socket) as other:
+        put_chain(c, ns, keys)
+        ready(c, ns, keys)
+        lease = c.acquire(ns, keys, pipelined=True)
+        assert lease._pending.request > 0
+        wait_for(lambda: other.stats()["leases"] == 1, what="the daemon's pin")
+        assert_blocks(ns, keys, lease.buffers)
+        c.release(lease, confirm=True)
+        assert len(c._outbox) == 1 and other.stats()["leases"] == 1   # held back ...
+        assert c.stats()["leases"] == 0                          # ... and served before c's next request
+        assert not c._outbox
+
+        hold = c.quiet_hold_s                                    # (what the daemon's hello said)
+        assert 0 < hold <= 10
+        lease = c.acquire(ns, keys, pipelined=True)
+        assert_blocks(ns, keys, lease.buffers)
+        c.release(lease, confirm=True)                            # no request after it
+        t0 = time.monotonic()
+        wait_for(lambda: other.stats()["leases"] == 0, timeout_s=hold + 5, what="the hold's end")
+        assert time.monotonic() - t0 > hold / 2
+        assert other.stats()["daemon"]["quiet_leases_expired"] == 1
+        assert c.stats()["leases"] == 0                          # (its release: nothing left to end)
+        assert c.lookup(ns, keys) == 3 and c.pipelined_lost == 0
 
 
 def test_where_the_index_cannot_tell_the_lease_is_taken_as_usual(tmp_path):
@@ -95,7 +127,7 @@ def test_a_block_flushed_under_a_pipelined_lease_is_not_confirmed(daemon):
         assert c.flush(tier="host", namespace=ns) == 3
         with pytest.raises(LeaseError, match="changed"):
             c.release(lease, confirm=True)
-        assert c.pipelined_lost == 1 and lease.id > 0
+        assert c.pipelined_lost == 1 and lease._pending.request > 0
         assert c.stats()["leases"] == 0                          # ended all the same
         assert c.lookup(ns, keys) == 0
 
@@ -138,8 +170,7 @@ def test_a_block_replaced_before_the_daemon_answers_is_not_confirmed(tmp_path):
                 assert reader.pipelined_lost == 1
             else:   # (only if the daemon leased them before the flush, and nothing moved since)
                 assert_blocks(ns, keys, copies)
-            with Client(d.socket) as c:
-                assert c.stats()["leases"] == 0
+            assert reader.stats()["leases"] == 0                 # (the release went with this request)
     finally:
         d.stop()
 

@@ -61,7 +61,7 @@ class Client(Staging, UnleasedReads, DaemonConnection):
         self._ids = itertools.count(1)
         self._sock: socket.socket | None = None
         self._namespaces: dict[str, Namespace] = {}
-        self._arena = None
+        self._arena = self._arena_ro = None   # the daemon's host arena as mapped here; read-only
         self._arena_mmap = None
         self.prefault = prefault     # map the arena's pages ahead of use, in the background
         self.prefaulted_bytes = 0    # how far that has come
@@ -86,6 +86,10 @@ class Client(Staging, UnleasedReads, DaemonConnection):
         self._hbm = hbm              # reads HBM copies: None = when it maps the daemon's HBM tier
         self._hold_lock = threading.Lock()
         self._noreply = False        # the daemon serves releases without a reply (its hello says)
+        self._quiet = False          # ... and acquires: quiet leases, for pipelined ones (its hello says)
+        self.quiet_hold_s: float | None = None   # how long the daemon pins a quiet lease at most
+        self._outbox: list[bytes] = []   # unanswered frames that go with the next request (releases
+                                     # of quiet leases: the daemon ends those pins itself if none comes)
         self._checksums = False      # the daemon records blocks for restarts: puts send checksums
         # Reads without a lease (see `get`): possible where the daemon's hello and shared index
         # allow them; the keys read are reported to the daemon later, in one message.
@@ -133,11 +137,7 @@ class Client(Staging, UnleasedReads, DaemonConnection):
         return self._namespaces[self._ns_name(ns)]
 
     def _view(self, offset: int, nbytes: int, writable: bool) -> np.ndarray:
-        v = self._arena[offset:offset + nbytes]
-        if not writable:
-            v = v.view()
-            v.flags.writeable = False
-        return v
+        return (self._arena if writable else self._arena_ro)[offset:offset + nbytes]
 
 
     def host_array(self) -> np.ndarray:
@@ -387,8 +387,14 @@ class Client(Staging, UnleasedReads, DaemonConnection):
                 why = self._settle_grant(lease, link)
                 if why is None and confirm and (link is None or not link.intact()):
                     why = "its connection to the daemon was lost (it restarted or ended the connection)"
-                if lease.id and link is not None and link is self._link and not link.dead:
-                    self._send_deferred({"op": "release", "lease": lease.id}, answered=not self._noreply)
+                if link is not None and link is self._link and not link.dead:
+                    if lease._pending.request:
+                        # a quiet lease's release goes with the next request (no wake-up of
+                        # the daemon of its own); the daemon ends the pin itself if none comes
+                        self._outbox.append(P.encode({"op": "release", "of": lease._pending.request,
+                                                      "id": next(self._ids), "noreply": True}))
+                    elif lease.id:
+                        self._send_deferred({"op": "release", "lease": lease.id}, answered=not self._noreply)
             if why is not None:
                 self.pipelined_lost += 1
                 if confirm:

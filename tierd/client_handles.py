@@ -48,7 +48,8 @@ class ClientLease:
         self._client, self._generation, self._open = client, generation, True
         self._link = link   # the held connection (None: nothing leased, nothing held)
         # A pipelined lease (`Client.acquire(..., pipelined=True)`): its request's answer, read
-        # at release; until then `id` is 0 and the slots are what the shared index showed.
+        # at release; until then `id` is 0 and the slots are what the shared index showed (a
+        # quiet lease's `id` stays 0: the daemon never answers it).
         self._pending: PendingGrant | None = None
 
     def __len__(self) -> int:
@@ -72,13 +73,15 @@ class ClientLease:
 
 class PendingGrant:
     """What a pipelined lease was handed before the daemon answered: the shared index's ways,
-    sequence numbers and slots for its blocks, and (once read) the daemon's reply."""
+    sequence numbers and slots for its blocks, and (once read) the daemon's reply — or, for a
+    quiet lease, which is never answered, the id of its request (0 otherwise)."""
 
-    __slots__ = ("index", "ways", "seqs", "offsets", "reply")
+    __slots__ = ("index", "ways", "seqs", "offsets", "reply", "request")
 
     def __init__(self, index, ways: list[int], seqs: list[int], offsets: list[int]):
         self.index, self.ways, self.seqs, self.offsets = index, ways, seqs, offsets
         self.reply: dict | None = None
+        self.request = 0
 
     def answered(self, reply: dict) -> None:
         self.reply = reply

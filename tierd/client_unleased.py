@@ -99,7 +99,7 @@ class UnleasedReads:
 
     def _read_unleased(self, nsobj: Namespace, keys: list[bytes], copy) -> int | None:
         with self._lock:
-            idx, arena = self._index, self._arena
+            idx, arena = self._index, self._arena_ro
             run = self._index_run(nsobj, keys)
             if run is None:
                 return None
@@ -110,10 +110,7 @@ class UnleasedReads:
             link = self._pin()
         try:
             bb = nsobj.block_bytes
-            views = [arena[o:o + bb] for o in offsets]
-            for v in views:
-                v.flags.writeable = False
-            copy(views)
+            copy([arena[o:o + bb] for o in offsets])
             with self._lock:
                 if (idx is not self._index or link is not self._link or self._hup.poll(0)
                         or not idx.unchanged(ways, seqs)):
@@ -134,10 +131,12 @@ class UnleasedReads:
 
     def _acquire_pipelined(self, nsobj: Namespace, keys: list[bytes]) -> ClientLease | None:
         """`acquire(..., pipelined=True)`: where the shared index shows the blocks ready in host
-        RAM, a lease of them whose request is sent and not waited for — its answer is read at
-        release, where the bytes count only if the daemon leased the very slots the index showed
-        and the index shows no change to them from before the first read until after that answer
-        (so the slots held the blocks before the daemon pinned them, and it pinned them since).
+        RAM, a lease of them whose request is sent and not waited for. The bytes count only if
+        the index shows no change to those slots from before the first read until after the copy
+        (as a read without a lease). With a daemon that takes quiet leases the request is never
+        answered: the daemon pins the blocks when it reads it (or, where they moved meanwhile,
+        does nothing), and the release goes with this client's next request; with an older one
+        the answer is read at release, and must name the very slots the index showed.
         None where the index cannot tell, or a lease might get more blocks: lease as usual."""
         with self._lock:
             idx = self._index
@@ -152,8 +151,13 @@ class UnleasedReads:
             link = self._pin()
             lease = ClientLease(0, nsobj, keys[:n], views, ["host"] * n, self, self._generation, link)
             grant = lease._pending = PendingGrant(idx, ways, seqs, offsets)
+            msg = {"op": "acquire", "ns": nsobj.name, "keys": keys[:n]}
             try:
-                sent = self._send_deferred({"op": "acquire", "ns": nsobj.name, "keys": keys[:n]}, grant.answered)
+                if self._quiet:
+                    sent = self._send_deferred(msg, answered=False)
+                    grant.request = msg["id"]
+                else:
+                    sent = self._send_deferred(msg, grant.answered)
             except BaseException:
                 self._unpin(link)
                 raise
@@ -168,6 +172,12 @@ class UnleasedReads:
         during the caller's copy, or comes now); set the lease's id where it was granted.
         Returns why the bytes read under it may not be the blocks', or None."""
         grant = lease._pending
+        if grant.request:   # a quiet lease: no answer to wait for
+            if link is None or link is not self._link or link.dead:
+                return "the connection to the daemon was lost"
+            if grant.index is not self._index or not grant.index.unchanged(grant.ways, grant.seqs):
+                return "a block changed while it was read"
+            return None
         lost = "the connection to the daemon was lost before it answered"
         if grant.reply is None:
             if link is None or link is not self._link or link.dead:

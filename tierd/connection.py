@@ -149,6 +149,9 @@ class DaemonConnection:
             self.server_version = reply.get("server")
             self.events = bool(reply.get("events"))   # the daemon publishes KV events: send token ids
             self._noreply = reply.get("noreply") is True   # releases may go unanswered
+            hold = reply.get("quiet_hold_s")    # ... and acquires: quiet leases, pinned this long at most
+            self.quiet_hold_s = float(hold) if isinstance(hold, (int, float)) and hold > 0 else None
+            self._quiet = self.quiet_hold_s is not None
             self._checksums = reply.get("checksums") is True   # it records blocks: put hashes as it copies
             self.limits = reply.get("limits", {})
             if not self.data_plane:
@@ -208,13 +211,15 @@ class DaemonConnection:
             self._arena_mmap = mm
             self._prefault_stop = threading.Event()
         self._arena = np.frombuffer(mm, dtype=np.uint8)
+        self._arena_ro = self._arena.view()    # (its slices are read-only: leased views)
+        self._arena_ro.flags.writeable = False
         if self.prefault:
             threads.start(self._prefault, self._prefault_stop, self._arena.ctypes.data, len(self._arena),
                           name="tierd-prefault")
 
     def _close_arena(self) -> None:
         """Unmap the arena (lock held), once no prefault call runs on it."""
-        self._arena = None
+        self._arena = self._arena_ro = None
         self._prefault_stop.set()    # a prefault stops at its next chunk (the lock is not fair)
         with self._prefault_lock:
             mm, self._arena_mmap = self._arena_mmap, None
@@ -296,6 +301,7 @@ class DaemonConnection:
         when threads still hold its slots — when the last of them lets go."""
         self._deferred = []
         self._deferred_commits = 0
+        self._outbox = []            # (what it would end, the connection's close ends)
         self._hits, self._hits_keys = [], 0   # reads under this connection: its daemon may be gone
         self._unleased_ok = False
         self._stage_pool = {}        # staged slots belong to the connection
@@ -400,6 +406,11 @@ class DaemonConnection:
             raise TimeoutError("timed out")
 
     def _send(self, data: bytes, deadline: float) -> None:
+        """Send a frame, after whatever waits in the outbox (lock held): one system call, and
+        one wake-up of the daemon, for both."""
+        if self._outbox:
+            self._outbox.append(data)
+            data, self._outbox = b"".join(self._outbox), []
         view = memoryview(data)
         while view:
             try:

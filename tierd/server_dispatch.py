@@ -55,7 +55,8 @@ class Dispatch:
             # reserve and acquire (unless it may copy into HBM) refuse inline, changing nothing,
             # whatever would need I/O or a wait (WouldBlock): tried inline at once, without
             # asking the store first
-            quick = op == "reserve" or (op == "acquire" and msg.get("gpu") is not True) or self._quick(op, msg)
+            quick = (op == "reserve" or (op == "acquire" and (msg.get("gpu") is not True or msg.get("noreply") is True))
+                     or self._quick(op, msg))
         if (op in _INLINE_OPS and not (op in _REMOTE_OPS and self.store.remote is not None)) or quick:
             t0 = time.perf_counter()
             if quick:
@@ -64,6 +65,10 @@ class Dispatch:
                 return self._reply(req_id, op, handler, conn, msg)
             except WouldBlock:
                 del msg["_inline"]      # it needs I/O or a wait: run it on the pool
+                if op == "acquire" and msg.get("noreply") is True:
+                    # ... but a quiet lease is taken at once or not at all: its client is
+                    # already copying what the shared index showed, and checks it afterwards
+                    return {"id": req_id, "ok": True, "lease": 0}
             finally:
                 self._observe(op, time.perf_counter() - t0)
         self._inflight += 1
