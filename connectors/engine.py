@@ -65,7 +65,7 @@ class EngineConnector:
                 self.link.failed(e, "page-locking the arena")
         self.stats.setdefault("hbm_hit_blocks", 0)
         self.stats.setdefault("load_device_s", 0.0)    # loads' copies on the device (CUDA: timed by events)
-        self._loading: list = []     # (seq, lease, job, hold) of loads whose copies may still run
+        self._loading: list = []     # (seq, lease, job, hold or None) of loads whose copies may still run
         self.stats.setdefault("lost_leases", 0)
         for k in ("declined_tokens", "abandoned_tokens", "slow_hits", "probes"):
             self.stats.setdefault(k, 0)   # the cost model's decisions (tierd/costs.py)
@@ -176,8 +176,8 @@ class EngineConnector:
             self.stats["load_failures"] += 1
             self.link.failed(e, "load")
             return 0, []
-        handed = False
-        hold = contextlib.ExitStack()
+        handed = ended = False
+        hold = None
         try:
             n = len(lease)
             while n and not block_manager.can_allocate(seq, (first + n) * self.block_tokens - seq.num_computed):
@@ -185,14 +185,17 @@ class EngineConnector:
             if n == 0:
                 return 0, []
             # the bytes count only if the lease holds from before the copy until its end: a
-            # daemon connection lost meanwhile may have handed the slots to another writer
-            hold.enter_context(holding(store, lease))
+            # daemon connection lost meanwhile may have handed the slots to another writer (an
+            # embedded store's slots cannot be lost: nothing to hold)
+            if hasattr(store, "hold"):
+                hold = contextlib.ExitStack()
+                hold.enter_context(holding(store, lease))
             have = len(seq.block_table)                        # engine blocks already in place
             block_manager.allocate(seq, (first + n) * self.block_tokens - seq.num_computed)
             r, lo = self.ratio, first * self.ratio
             ids = np.array(seq.block_table[lo:lo + n * r], dtype=np.int64)
             ids[:max(0, have - lo)] = -1                        # -1: parts the engine already holds
-            ids = torch.from_numpy(ids.reshape(n, r))
+            ids = ids.reshape(n, r)       # (numpy: a CPU load's C copy takes it as it is)
             self.xfer.attach(store)
             gpu = list(getattr(lease, "gpu_buffers", None) or ())[:n] or None
             job = self.xfer.load_layers(ids, lease.buffers[:n], gpu, layered=True)
@@ -202,6 +205,7 @@ class EngineConnector:
                 handed = True
             else:                     # copied: confirm the lease held throughout
                 self._confirm(store, lease)
+                ended = True
             upto = min((first + n) * self.block_tokens, seq.num_tokens - 1)
             loaded = upto - seq.num_computed
             seq.num_computed = upto
@@ -219,8 +223,10 @@ class EngineConnector:
             return 0, []
         finally:
             if not handed:
-                hold.close()
-                self._end_lease(lease)
+                if hold is not None:
+                    hold.close()
+                if not ended:
+                    self._end_lease(lease)
 
     def observe_forward(self, batch, seconds: float) -> None:
         """A forward of the engine: (new tokens, cached tokens before them) per sequence, and
@@ -272,7 +278,8 @@ class EngineConnector:
                 self.stats["load_failures"] += 1
                 lost.append(seq)
             finally:
-                hold.close()
+                if hold is not None:
+                    hold.close()
                 self._end_lease(lease)
         return lost
 

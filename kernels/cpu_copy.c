@@ -19,7 +19,7 @@
 #include <immintrin.h>
 #endif
 
-#define TIERD_CPU_COPY_ABI 6
+#define TIERD_CPU_COPY_ABI 7
 
 int tierd_cpu_copy_abi(void) { return TIERD_CPU_COPY_ABI; }
 
@@ -444,8 +444,9 @@ int tierd_copy_amx(int64_t layers, const int64_t *cache_base, int64_t block_stri
 /* ---- one copy split into items, taken in turn by a team of threads ------------------------
  * An item is the arguments of one tierd_copy_blocks (kind 0) or tierd_copy_amx (kind 1) call,
  * TIERD_ITEM_WORDS int64 words: kind, layers, cache_base, block_stride, num_blocks, tiers, ratio,
- * ids, slot_base, slot_offset, layer_step, to_cache, stream, then the layout's seven (amx: its
- * five). Each thread of the team takes the next item not yet taken, so a thread that joins late
+ * group, (unused), slot_offset, layer_step, to_cache, stream, then the layout's seven (amx: its
+ * five). The ids come from `ids[group]` and the slots' addresses from `slots`, arguments of the
+ * call: the items of one shape of copy are made once and serve every copy of that shape. Each thread of the team takes the next item not yet taken, so a thread that joins late
  * takes fewer. The team is OpenMP's (`parallel`: the address of the runtime's GOMP_parallel,
  * the runtime torch computes with, whose threads are still spinning after a forward and take
  * their items at once), or the caller alone (`parallel` 0). */
@@ -456,14 +457,15 @@ typedef void (*tierd_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
 struct tierd_split {
     const int64_t *items;
     int64_t count;
+    const int64_t *const *ids;
+    const int64_t *slots;
     atomic_llong next;
     atomic_int bad;
 };
 
-static int run_item(const int64_t *w) {
+static int run_item(const int64_t *w, const int64_t *const *ids_by_group, const int64_t *slots) {
     const int64_t *base = (const int64_t *)(intptr_t)w[2];
-    const int64_t *ids = (const int64_t *)(intptr_t)w[7];
-    const int64_t *slots = (const int64_t *)(intptr_t)w[8];
+    const int64_t *ids = ids_by_group[w[7]];
     if (w[0] == 0)
         return tierd_copy_blocks(w[1], base, w[3], w[4], w[5], w[6], ids, slots, w[9], w[10], (int)w[11],
                                  (int)w[12], (int)w[13], w[14], w[15], w[16], w[17], w[18], w[19]);
@@ -475,13 +477,16 @@ static void split_body(void *p) {
     struct tierd_split *s = p;
     int64_t i;
     while ((i = atomic_fetch_add(&s->next, 1)) < s->count)
-        if (run_item(s->items + i * TIERD_ITEM_WORDS) != 0) atomic_store(&s->bad, 1);
+        if (run_item(s->items + i * TIERD_ITEM_WORDS, s->ids, s->slots) != 0) atomic_store(&s->bad, 1);
 }
 
-int tierd_copy_split(const int64_t *items, int64_t count, void *parallel, int threads) {
+int tierd_copy_split(const int64_t *items, int64_t count, void *parallel, int threads,
+                     const int64_t *const *ids, const int64_t *slots) {
     struct tierd_split s;
     s.items = items;
     s.count = count;
+    s.ids = ids;
+    s.slots = slots;
     atomic_init(&s.next, 0);
     atomic_init(&s.bad, 0);
     if (parallel != NULL && threads > 1 && count > 1)

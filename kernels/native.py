@@ -48,7 +48,7 @@ import torch
 log = logging.getLogger("tierd.kernels")
 
 SOURCE = Path(__file__).resolve().parent / "cpu_copy.c"
-ABI = 6
+ABI = 7
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _why: str | None = None        # why there is no library, once a build failed
@@ -79,7 +79,7 @@ def _build(flags: tuple[tuple[str, ...], ...] = (("-march=native",), ())) -> cty
     i64 = ctypes.c_int64
     vp = ctypes.c_void_p
     # (items, how many, the OpenMP runtime's GOMP_parallel or NULL, threads): `CopyPlan.copy`
-    lib.tierd_copy_split.argtypes = (vp, i64, vp, ctypes.c_int)
+    lib.tierd_copy_split.argtypes = (vp, i64, vp, ctypes.c_int, vp, vp)
     lib.tierd_copy_split.restype = ctypes.c_int
     lib.tierd_decode_attention.argtypes = (vp, vp, vp, ctypes.c_int, vp, i64, vp, i64, i64, i64, i64, i64, i64,
                                            ctypes.c_float, vp, vp, vp)
@@ -212,6 +212,8 @@ class CopyPlan:
                 lo = i
         self._runs = runs
         self.groups = max(groups) + 1
+        self._calls: dict[int, list] = {}        # layers per item -> the copy's (plane, first layer, layers, group)
+        self._templates: dict[tuple, np.ndarray] = {}   # a shape of copy -> its items, addresses left out
         self.unit = n * h * d * es                          # one engine block of one plane, bytes
         self._caches = planes
         # per plane: its layers' start addresses (a C array, kept alive here), that array's
@@ -221,32 +223,40 @@ class CopyPlan:
             bases = (ctypes.c_int64 * self.layers)(*(c.data_ptr() for c in caches))
             self._plane_args.append((bases, ctypes.addressof(bases), st[0] * es, (*tail, 0, 0)[:ITEM_WORDS - 13]))
 
-    def copy(self, block_ids: torch.Tensor, slots, *, to_slots: bool, stream: bool | None = None,
+    def copy(self, block_ids, slots, *, to_slots: bool, stream: bool | None = None,
              threads: int | None = None) -> None:
         """Tier block t's part r <-> engine block block_ids[t, r] (negative: not copied), every
-        layer and plane; `slots[t]` a contiguous CPU tensor or numpy array of a whole tier block
+        layer and plane; `block_ids` a CPU tensor or a numpy array of integers; `slots[t]` a
+        contiguous CPU tensor or numpy array of a whole tier block
         (not a copy of one: the copy goes through its memory). ValueError
         (nothing copied) for anything else, or an engine block id out of range. `stream`:
         whether the destination is written with streaming stores; by default from
         STREAM_MIN_BYTES copied. `threads`: how many threads copy (the caller and helpers, each
-        its planes and layers); by default `copy_threads()` from SPLIT_MIN_BYTES copied, else 1."""
+        its planes and layers); by default `copy_threads()` from SPLIT_MIN_BYTES copied, else 1.
+
+        In plain numpy and integer work before the C call: on a load it runs with the CPU's
+        caches cold after a forward pass, where every torch call costs several microseconds."""
         grouped = self.layer_groups is not None
-        if block_ids.dim() != (3 if grouped else 2) or grouped and block_ids.shape[1] < self.groups:
-            raise ValueError(f"block ids of shape {tuple(block_ids.shape)}: (tier blocks, "
+        if isinstance(block_ids, torch.Tensor):
+            if block_ids.device.type != "cpu":
+                block_ids = block_ids.cpu()
+            block_ids = block_ids.numpy()
+        ids = np.ascontiguousarray(block_ids, dtype=np.int64)   # (no copy when it is already)
+        if ids.ndim != (3 if grouped else 2) or grouped and ids.shape[1] < self.groups:
+            raise ValueError(f"block ids of shape {tuple(ids.shape)}: (tier blocks, "
                              f"{f'{self.groups} groups, ' if grouped else ''}ratio) expected")
-        tiers, ratio = block_ids.shape[0], block_ids.shape[-1]
+        tiers, ratio = ids.shape[0], ids.shape[-1]
         if len(slots) != tiers:
             raise ValueError(f"{len(slots)} slots for {tiers} tier blocks")
         if tiers == 0 or ratio == 0:
             return
-        ids = block_ids
-        if ids.dtype != torch.int64 or ids.device.type != "cpu" or not ids.is_contiguous():
-            ids = ids.to("cpu", torch.int64).contiguous()
         # per group, its (tiers, ratio) ids as one C array (kept alive until the copy is over)
-        by_group = [ids[:, g].contiguous() for g in range(self.groups)] if grouped else [ids]
+        by_group = [np.ascontiguousarray(ids[:, g]) for g in range(self.groups)] if grouped else [ids]
         part = ratio * self.unit                            # one (layer, plane) of a slot, bytes
         need = self.layers * self.planes * part
-        base = np.empty(tiers, dtype=np.int64)             # per tier block, its slot's address
+        # per tier block, its slot's address; then per group, its ids' address (the C call's
+        # two tables, in one array)
+        base = np.empty(tiers + len(by_group), dtype=np.int64)
         for t, s in enumerate(slots):
             if isinstance(s, np.ndarray):     # a slot or lease view as the store hands it out
                 if not s.flags.c_contiguous or s.nbytes < need or (to_slots and not s.flags.writeable):
@@ -266,30 +276,44 @@ class CopyPlan:
         # the work as (plane, first layer, layers, group) items of about ITEM_BYTES each, every
         # (plane, layer) once, taken in turn by the threads copying
         per_item = max(1, ITEM_BYTES // max(1, tiers * part)) if threads > 1 else self.layers
-        calls = [(kv, lo, min(per_item, first + count - lo), g)
-                 for kv in range(self.planes) for first, count, g in self._runs
-                 for lo in range(first, first + count, per_item)]
-        ids_at = [x.data_ptr() for x in by_group]
-        items = self._items(calls, tiers, ratio, ids_at, slots_at, part, step, to_cache, stream)
+        calls = self._calls.get(per_item)
+        if calls is None:
+            calls = self._calls[per_item] = [(kv, lo, min(per_item, first + count - lo), g)
+                                             for kv in range(self.planes) for first, count, g in self._runs
+                                             for lo in range(first, first + count, per_item)]
+        for g, x in enumerate(by_group):
+            base[tiers + g] = x.__array_interface__["data"][0]
+        ids_tab_at = slots_at + 8 * tiers
+        items = self._items(calls, tiers, ratio, part, step, to_cache, stream)
         at, split = items.__array_interface__["data"][0], self._lib.tierd_copy_split
         team = omp_team() if threads > 1 and len(calls) > 1 else None
         if team is not None or threads <= 1:
-            bad = split(at, len(calls), team, threads)     # on torch's OpenMP team, or the caller alone
+            # on torch's OpenMP team, or the caller alone
+            bad = split(at, len(calls), team, threads, ids_tab_at, slots_at)
         else:
             row = 8 * ITEM_WORDS
-            bad = _shared(lambda i: split(at + i * row, 1, None, 1), range(len(calls)), threads)
+            bad = _shared(lambda i: split(at + i * row, 1, None, 1, ids_tab_at, slots_at), range(len(calls)), threads)
         # every item checks every id before it copies: one that refuses them all refuse, nothing copied
         if bad != 0:
             raise ValueError(f"engine block id out of range 0..{self.num_blocks - 1}")  # the reference raises
 
-    def _items(self, calls: list, tiers: int, ratio: int, ids_at: list[int], slots_at: int, part: int, step: int,
-               to_cache: int, stream: bool) -> np.ndarray:
+    def _items(self, calls: list, tiers: int, ratio: int, part: int, step: int, to_cache: int,
+               stream: bool) -> np.ndarray:
         """The items of `tierd_copy_split` (cpu_copy.c), a row of ITEM_WORDS per (plane, first
-        layer, layers, group) of `calls`: the arguments of one copy call over those layers."""
-        args, kind, stream = self._plane_args, self._kind, int(stream)
-        return np.array([(kind, n, args[kv][1] + 8 * lo, args[kv][2], self.num_blocks, tiers, ratio, ids_at[g],
-                          slots_at, kv * part + lo * step, step, to_cache, stream, *args[kv][3])
-                         for kv, lo, n, g in calls], dtype=np.int64)
+        layer, layers, group) of `calls`: the arguments of one copy call over those layers, less
+        the ids' and the slots' addresses (arguments of the C call). Made once per shape of copy
+        (a few, for an engine's loads and saves) and kept."""
+        key = (id(calls), tiers, ratio, to_cache, bool(stream))
+        rows = self._templates.get(key)
+        if rows is None:
+            args, kind, s = self._plane_args, self._kind, int(stream)
+            rows = np.array([(kind, n, args[kv][1] + 8 * lo, args[kv][2], self.num_blocks, tiers, ratio, g,
+                              0, kv * part + lo * step, step, to_cache, s, *args[kv][3])
+                             for kv, lo, n, g in calls], dtype=np.int64)
+            if len(self._templates) >= 64:
+                self._templates.clear()
+            self._templates[key] = rows
+        return rows
 
 
 # Copies of at least this many bytes are split across the caller and helper threads (by plane and

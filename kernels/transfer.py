@@ -264,12 +264,14 @@ class BlockTransfer:
             worker.join()            # it unregisters the chunk it was registering, if any
 
     # -- block ids per layer group ----------------------------------------------------------------
-    def _flat_ids(self, block_ids: torch.Tensor) -> torch.Tensor:
-        if block_ids.dim() == 3 and self.layer_groups is None:
+    def _flat_ids(self, block_ids):
+        """`block_ids` (a tensor, or on the CPU a numpy array: see `load_layers`) as the copies
+        take them: (n, ratio) where the layers form one group."""
+        if block_ids.ndim == 3 and self.layer_groups is None:
             if block_ids.shape[1] != 1:
                 raise ValueError(f"block ids for {block_ids.shape[1]} groups, and the layers form one")
             return block_ids[:, 0]
-        if self.layer_groups is not None and (block_ids.dim() != 3 or block_ids.shape[1] <= max(self.layer_groups)):
+        if self.layer_groups is not None and (block_ids.ndim != 3 or block_ids.shape[1] <= max(self.layer_groups)):
             raise ValueError(f"block ids of shape {tuple(block_ids.shape)} for layers in "
                              f"{max(self.layer_groups) + 1} groups: (n, groups, ratio) expected")
         return block_ids
@@ -361,16 +363,19 @@ class BlockTransfer:
         if done is not None:
             self.streams.synchronize(done)
 
-    def load_layers(self, block_ids: torch.Tensor, buffers: Sequence, device_buffers: Sequence | None = None,
+    def load_layers(self, block_ids, buffers: Sequence, device_buffers: Sequence | None = None,
                     *, layered: bool = True) -> LoadJob:
         """Start copying tier blocks into engine blocks: `buffers[t]` a host buffer, or
         `device_buffers[t]` (when given and not None) a copy on the engine's device, copied
         device-to-device. With `layered`, one event per layer. The compute stream waits for
-        nothing yet: `job.wait_layer(i)` / `job.wait_all()`."""
+        nothing yet: `job.wait_layer(i)` / `job.wait_all()`. `block_ids` a tensor, or an int64
+        numpy array (a CPU load: the C copy takes it as it is)."""
         n = len(buffers)
         block_ids = self._flat_ids(block_ids)
         if self.streams is None and not device_buffers and self._planned(scatter_blocks, block_ids, buffers):
             return LoadJob(device_blocks=0)
+        if isinstance(block_ids, np.ndarray):
+            block_ids = torch.from_numpy(block_ids)
         srcs: list = []
         up = []                                       # host tier blocks (to copy up, or read there)
         for t in range(n):

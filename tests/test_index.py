@@ -98,7 +98,12 @@ def test_index_answers_are_the_daemons_answers(tmp_path):
                     want = ask.lookup_all([(ns, q)], host=True)[0]
                     assert c.lookup_all([(ns, q)], host=True)[0] == want, step
                     assert c.lookup(ns, q) == want[0], step
+                    assert c.where(ns, q) == ask.where(ns, q), step
             assert c.stats()["tiers"]["disk"]["demotions"] > 0           # both tiers were exercised
+            asked = c.stats()["daemon"]["requests"]
+            for q in chains[:5]:
+                c.where(ns, q)                                           # from the table: no request
+            assert c.stats()["daemon"]["requests"] == asked + 1          # (this stats call)
     finally:
         assert d.stop() == 0
 
@@ -133,8 +138,8 @@ def test_a_stopped_or_restarted_daemons_table_is_not_used(tmp_path):
 
 
 def test_few_key_reads_answer_as_the_vectorised_ones(tmp_path, monkeypatch):
-    """Lookups and reads without a lease of up to SMALL_KEYS keys read the table with plain
-    integer reads; on the same table they answer exactly what the numpy path does: states,
+    """Lookups, `where` and reads without a lease of up to SMALL_KEYS keys read the table with
+    plain integer reads; on the same table they answer exactly what the numpy path does: states,
     overflowed buckets, a stalled disk, ways being rewritten, no remote tier or one."""
     import tierd.index as ix
     w = SharedIndex.create(str(tmp_path / "idx"), 1 << 16, instance=2)     # few buckets: overflows
@@ -157,9 +162,9 @@ def test_few_key_reads_answer_as_the_vectorised_ones(tmp_path, monkeypatch):
             w.set_misses_final(final)
             for keys in chains:
                 n = rng.randint(1, 12)
-                small = (r.leading(ns.id, keys[:n]), r.host_run(ns.id, keys[:n]))
+                small = (r.leading(ns.id, keys[:n]), r.host_run(ns.id, keys[:n]), r.where(ns.id, keys[:n]))
                 monkeypatch.setattr(ix, "SMALL_KEYS", 0)
-                big = (r.leading(ns.id, keys[:n]), r.host_run(ns.id, keys[:n]))
+                big = (r.leading(ns.id, keys[:n]), r.host_run(ns.id, keys[:n]), r.where(ns.id, keys[:n]))
                 monkeypatch.setattr(ix, "SMALL_KEYS", 16)
                 assert small == big, keys[:n]
                 if big[1] is not None:

@@ -175,8 +175,18 @@ class Client(Staging, UnleasedReads, DaemonConnection):
         return list(self._call("lookup_all", queries=q)["n"])
 
     def where(self, ns, keys: Sequence[bytes]) -> list[str]:
+        """Per key "host", "disk", "host+disk" or "" (`TieredStore.where`). From the shared
+        index where this client reads through it (lookups from it, or reads without a lease:
+        a loading connector asks `where` right before its load, which reads through the index
+        anyway), else one round trip."""
         keys = check_keys(keys)
-        return self._call("where", ns=self._ns_name(ns), keys=keys)["tiers"]
+        name = self._ns_name(ns)
+        with self._lock:
+            if (self.index_lookups or self._unleased_ok) and not self._putting and self._index_usable():
+                tiers = self._index.where(self._namespaces[name].id, keys)
+                if tiers is not None:
+                    return tiers
+            return self._call("where", ns=name, keys=keys)["tiers"]
 
     def reserve(self, ns, keys: Sequence[bytes], *, parent: bytes | None = None,
                 token_ids: Sequence[int] | None = None) -> ClientReservation:

@@ -70,6 +70,7 @@ _ZERO_TAG = bytes(16)
 LEASE_FREE_READS = platform.machine().lower() in ("x86_64", "amd64")
 _fence = threading.Lock()    # acquiring it is a locked instruction: a full memory fence
 _QQ = struct.Struct("<QQ")
+_WHERE = ("", "host", "disk", "host+disk")     # `where`'s answer for the state bits HOST | DISK
 # Lookups of at most this many keys read the table with plain integer reads: numpy's fixed cost
 # per call (a dozen calls, each slow when cold after an engine's forward pass) is most of a
 # few-key lookup (~400 us cold against ~40 us).
@@ -308,6 +309,24 @@ class SharedIndex:
         if len(keys) <= SMALL_KEYS:
             return np.array([m[4] for m in self._match_small(ns_id, keys)], dtype=np.uint8)
         return self._lookup(ns_id, keys)[0]
+
+    def where(self, ns_id: bytes, keys: list[bytes]) -> list[str] | None:
+        """Per key, what the daemon's `where` answers ("host", "disk", "host+disk" or "": the
+        copies a new reader would be served, this node's tiers only), from the state bits it
+        publishes; None where the table cannot tell (a key not in it whose bucket overflowed)."""
+        if not keys:
+            return []
+        if len(keys) <= SMALL_KEYS:
+            out = []
+            for _, _, b, first, state in self._match_small(ns_id, keys):
+                if first < 0 and self._over_mv[b]:
+                    return None
+                out.append(_WHERE[state & (HOST | DISK)])
+            return out
+        state, buckets = self._lookup(ns_id, keys)
+        if (self.overflow[buckets[state == 0]] != 0).any():
+            return None   # (a free way holds no tag: state 0 is a key not in the table)
+        return [_WHERE[s] for s in (state & (HOST | DISK)).tolist()]
 
     def host_run(self, ns_id: bytes, keys: list[bytes]):
         """A read without a lease, step 1 (see the module's docstring): for non-empty `keys`,
