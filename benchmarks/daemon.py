@@ -246,7 +246,9 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     quick = args.quick
     total = (32 if quick else 256) * MiB
-    repeats = 3 if quick else 5
+    # runs per transfer case (each a ratio beside its own embedded run, the median reported):
+    # a quick run's 32 MiB is 4 batches at 1 MiB blocks, a few milliseconds, so more of them
+    repeats = 7 if quick else 5
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="tierd-bench-daemon-") as tmp:
         # room for every block of each size (three 16 MiB blocks fill a 64 MiB slab) and staged slots

@@ -259,9 +259,13 @@ class CopyPlan:
         base = np.empty(tiers + len(by_group), dtype=np.int64)
         for t, s in enumerate(slots):
             if isinstance(s, np.ndarray):     # a slot or lease view as the store hands it out
-                if not s.flags.c_contiguous or s.nbytes < need or (to_slots and not s.flags.writeable):
+                # (one `__array_interface__`: the address, whether read-only, and strides None
+                # for C-contiguous memory; not `.ctypes`: see tierd.transfer.address)
+                ai = s.__array_interface__
+                addr, readonly = ai["data"]
+                if ai["strides"] is not None or s.nbytes < need or (to_slots and readonly):
                     raise ValueError("slots must be contiguous memory of a whole tier block (writable to save)")
-                base[t] = s.__array_interface__["data"][0]   # (not `.ctypes`: see tierd.transfer.address)
+                base[t] = addr
             elif isinstance(s, torch.Tensor) and s.device.type == "cpu" and s.is_contiguous() \
                     and s.numel() * s.element_size() >= need:
                 base[t] = s.data_ptr()

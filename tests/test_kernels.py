@@ -512,6 +512,20 @@ def test_a_copy_plan_takes_the_stores_buffers_as_they_are_and_copies_runs_and_ga
         plan.copy(ids, ro, to_slots=True)                     # a lease's view is never written
     with pytest.raises(ValueError):
         plan.copy(ids, [s[:-1] for s in slots], to_slots=False)   # a slot too small
+    with pytest.raises(ValueError):
+        plan.copy(ids, [np.zeros(2 * bb, np.uint8)[::2] for _ in slots], to_slots=False)   # not contiguous
+    # block ids as a numpy array (a CPU load's), then a second copy of the same shape with other
+    # ids and other slots: the items kept from the first take the new addresses
+    k4, v4 = [torch.zeros_like(k) for k in ks], [torch.zeros_like(v) for v in vs]
+    p4 = native.CopyPlan(k4, v4)
+    p4.copy(ids.numpy(), ro, to_slots=False)
+    assert all(torch.equal(a, b) for a, b in zip(k4 + v4, kw + vw))
+    ids2 = torch.tensor([[1, 2, 7, 8], [12, 13, -1, 0], [6, 5, 4, 3]])
+    other = [np.random.default_rng(i).integers(0, 256, bb, dtype=np.uint8) for i in range(3)]
+    p4.copy(ids2.numpy(), other, to_slots=False)
+    kx, vx = [k.clone() for k in kw], [v.clone() for v in vw]
+    reference.scatter_blocks(kx, vx, ids2, [torch.from_numpy(o) for o in other])
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(k4 + v4, kx + vx))   # (bytes: NaNs)
     before = [c.clone() for c in ks2 + vs2]
     for threads in (1, 2, 5):      # split across helper threads too: no part copied by any of them
         with pytest.raises(ValueError, match="out of range"):

@@ -222,6 +222,8 @@ class SharedArena:
         except (AttributeError, OSError):
             pass
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)  # (capacity_bytes,)
+        self.readonly = self.array.view()      # the same, read-only: its slices are leased views
+        self.readonly.flags.writeable = False
 
     def _reserve(self, setting: str) -> None:
         """Allocate every page of the file now. A sparse shared-memory file is filled page by
@@ -270,7 +272,7 @@ class SharedArena:
         blocks for the next daemon)."""
         if self.fd < 0:
             return
-        self.array = None
+        self.array = self.readonly = None
         try:
             self._mmap.close()
         except BufferError:

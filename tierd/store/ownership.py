@@ -111,13 +111,8 @@ class Lease:
         `release`. Made on first use (the daemon hands out offsets and never needs them)."""
         if self._buffers is None:
             n = self.namespace.block_bytes
-            arena = self._store.host.arena
-            views = []
-            for o in self.offsets:
-                v = arena.view(o, n).view()
-                v.flags.writeable = False
-                views.append(v)
-            self._buffers = views
+            ro = self._store.host.arena.readonly
+            self._buffers = [ro[o:o + n] for o in self.offsets]
         return self._buffers
 
     def __len__(self) -> int:
