@@ -87,9 +87,6 @@ class Client(Staging, UnleasedReads, DaemonConnection):
         self._hold_lock = threading.Lock()
         self._noreply = False        # the daemon serves releases without a reply (its hello says)
         self._quiet = False          # ... and acquires: quiet leases, for pipelined ones (its hello says)
-        self.quiet_hold_s: float | None = None   # how long the daemon pins a quiet lease at most
-        self._outbox: list[bytes] = []   # unanswered frames that go with the next request (releases
-                                     # of quiet leases: the daemon ends those pins itself if none comes)
         self._checksums = False      # the daemon records blocks for restarts: puts send checksums
         # Reads without a lease (see `get`): possible where the daemon's hello and shared index
         # allow them; the keys read are reported to the daemon later, in one message.
@@ -398,11 +395,8 @@ class Client(Staging, UnleasedReads, DaemonConnection):
                 if why is None and confirm and (link is None or not link.intact()):
                     why = "its connection to the daemon was lost (it restarted or ended the connection)"
                 if link is not None and link is self._link and not link.dead:
-                    if lease._pending.request:
-                        # a quiet lease's release goes with the next request (no wake-up of
-                        # the daemon of its own); the daemon ends the pin itself if none comes
-                        self._outbox.append(P.encode({"op": "release", "of": lease._pending.request,
-                                                      "id": next(self._ids), "noreply": True}))
+                    if lease._pending.request:     # a quiet lease: named by its request
+                        self._send_deferred({"op": "release", "of": lease._pending.request}, answered=False)
                     elif lease.id:
                         self._send_deferred({"op": "release", "lease": lease.id}, answered=not self._noreply)
             if why is not None:

@@ -149,9 +149,7 @@ class DaemonConnection:
             self.server_version = reply.get("server")
             self.events = bool(reply.get("events"))   # the daemon publishes KV events: send token ids
             self._noreply = reply.get("noreply") is True   # releases may go unanswered
-            hold = reply.get("quiet_hold_s")    # ... and acquires: quiet leases, pinned this long at most
-            self.quiet_hold_s = float(hold) if isinstance(hold, (int, float)) and hold > 0 else None
-            self._quiet = self.quiet_hold_s is not None
+            self._quiet = reply.get("quiet") is True        # ... and acquires: quiet leases
             self._checksums = reply.get("checksums") is True   # it records blocks: put hashes as it copies
             self.limits = reply.get("limits", {})
             if not self.data_plane:
@@ -301,7 +299,6 @@ class DaemonConnection:
         when threads still hold its slots — when the last of them lets go."""
         self._deferred = []
         self._deferred_commits = 0
-        self._outbox = []            # (what it would end, the connection's close ends)
         self._hits, self._hits_keys = [], 0   # reads under this connection: its daemon may be gone
         self._unleased_ok = False
         self._stage_pool = {}        # staged slots belong to the connection
@@ -406,11 +403,6 @@ class DaemonConnection:
             raise TimeoutError("timed out")
 
     def _send(self, data: bytes, deadline: float) -> None:
-        """Send a frame, after whatever waits in the outbox (lock held): one system call, and
-        one wake-up of the daemon, for both."""
-        if self._outbox:
-            self._outbox.append(data)
-            data, self._outbox = b"".join(self._outbox), []
         view = memoryview(data)
         while view:
             try:

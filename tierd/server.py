@@ -177,8 +177,7 @@ class Daemon(Dispatch, Ops):
         self._stop = None
         self.started = time.time()
         self.counters = {"connections_total": 0, "reclaimed_leases": 0, "reclaimed_reservations": 0,
-                         "refused_peers": 0, "bad_requests": 0, "requests": 0, "reloads": 0,
-                         "quiet_leases_expired": 0}
+                         "refused_peers": 0, "bad_requests": 0, "requests": 0, "reloads": 0}
 
     # -- stats --------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -25,10 +25,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("tierd.server")
 
 # ops a client may send unanswered ("noreply": true): a failure is logged, never written back
-# (an acquire so sent is a quiet lease: see `_Conn.hold_quiet`)
+# (an acquire so sent is a quiet lease: see `_Conn.quiet`)
 _NOREPLY_OPS = {"release", "hits", "acquire"}
-
-QUIET_HOLD_S = 2.0   # the longest a quiet lease pins its blocks without a release
 
 
 class _Conn(asyncio.Protocol):
@@ -57,8 +55,10 @@ class _Conn(asyncio.Protocol):
         self.name = ""
         self.namespaces: set[str] = set()
         self.held: set[tuple[str, int]] = set()   # open ("res"|"lease", id): never idle-closed
-        self.quiet: dict[int, tuple[int, float]] = {}   # quiet leases: request id -> (lease id, ends at)
-        self._quiet_timer = None
+        # Quiet leases: an `acquire` sent with `noreply` (a client's pipelined lease), served on
+        # the event loop or not at all, never answered; named by its request's id, which a
+        # `release` gives as `of`. Request id -> lease id, for those that leased something.
+        self.quiet: dict[int, int] = {}
         self.ops = 0
         self.transport: asyncio.Transport | None = None
         self._buf = bytearray()
@@ -127,8 +127,6 @@ class _Conn(asyncio.Protocol):
         self._closed = True
         if self._timer is not None:
             self._timer.cancel()
-        if self._quiet_timer is not None:
-            self._quiet_timer.cancel()
         if self.d.conns.pop(self.id, None) is None:
             return
         if self._ending:
@@ -374,39 +372,6 @@ class _Conn(asyncio.Protocol):
         if not self._closed and self.transport is not None:
             self._closed = True
             self.transport.close()
-
-    # -- quiet leases -------------------------------------------------------------------------
-    # A quiet lease is an `acquire` sent with `noreply` (a client's pipelined lease): served on
-    # the event loop or not at all, never answered, named by its request's id. It ends at a
-    # `release` naming that id (`of`), which the client sends with its next request rather than
-    # on its own, or after QUIET_HOLD_S, whichever comes first, or with the connection. The
-    # client never trusts it for its bytes (it checks the shared index's sequence numbers after
-    # its copy): the pin only keeps the blocks from being evicted under the copy.
-    def hold_quiet(self, req_id: int, lease_id: int) -> None:
-        loop = asyncio.get_running_loop()
-        self.quiet[req_id] = (lease_id, loop.time() + QUIET_HOLD_S)
-        if self._quiet_timer is None:
-            self._quiet_timer = loop.call_later(QUIET_HOLD_S, self._end_quiet_due)
-
-    def end_quiet(self, req_id: int) -> int:
-        """The lease of quiet acquire `req_id`, taken off this connection: 0 where there is
-        none (nothing was leased, or its hold ended)."""
-        return self.quiet.pop(req_id, (0, 0.0))[0]
-
-    def _end_quiet_due(self) -> None:
-        self._quiet_timer = None
-        if self._closed:
-            return
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        while self.quiet:
-            req_id, (lid, ends) = next(iter(self.quiet.items()))   # (in the order they began)
-            if ends > now:
-                self._quiet_timer = loop.call_later(ends - now, self._end_quiet_due)
-                return
-            del self.quiet[req_id]
-            self.d.end_lease(self, lid)
-            self.d.counters["quiet_leases_expired"] += 1
 
     # -- time limits --------------------------------------------------------------------------
     def _arm_timer(self) -> None:

@@ -13,7 +13,6 @@ from . import __version__
 from . import protocol as P
 from .errors import ForbiddenError, NamespaceLimitError, TierdError
 from .namespace import Namespace
-from .server_conn import QUIET_HOLD_S
 
 log = logging.getLogger("tierd.server")
 NAMESPACES_PER_REQUEST = 64   # in one hello or register
@@ -80,7 +79,7 @@ class Ops:
                 # clients send the blocks' token ids only where events carry them (opt-in)
                 "events": self.events is not None and self.cfg.events_token_ids,
                 "noreply": True,   # a release may ask to go unanswered
-                "quiet_hold_s": QUIET_HOLD_S,   # ... and an acquire: a quiet lease, held this long at most
+                "quiet": True,     # ... and an acquire: a quiet lease, released by its request's id
                 "hits": True,      # reads without a lease are reported (op hits)
                 # a writer's checksums of what it copied (put, commit) spare the keeper a read
                 "checksums": self.store.host.records is not None,
@@ -205,7 +204,7 @@ class Ops:
     def _op_acquire(self, conn, msg: dict) -> dict:
         ns = self._ns(conn, msg)
         gpu = P.field(msg, "gpu", bool, default=False)     # the client reads HBM copies
-        quiet = msg.get("noreply") is True                  # a quiet lease (`_Conn.hold_quiet`)
+        quiet = msg.get("noreply") is True                  # a quiet lease (`_Conn.quiet`)
         if quiet and gpu:
             raise P.ProtocolError("acquire: a lease sent with noreply reads host RAM only (no gpu)")
         lease = self.store.acquire(ns, P.keys_field(msg, self.cfg.max_keys_per_request), owner=conn.id, gpu=gpu,
@@ -213,15 +212,15 @@ class Ops:
         if lease.id:
             conn.held.add(("lease", lease.id))
             if quiet:
-                conn.hold_quiet(msg["id"], lease.id)
+                conn.quiet[msg["id"]] = lease.id
         reply = {"lease": lease.id, "offsets": lease.offsets, "tiers": lease.tiers, "_obj": lease}
         if any(o >= 0 for o in lease.gpu_offsets):
             reply["gpu_offsets"] = lease.gpu_offsets
         return reply
 
     def _op_release(self, conn, msg: dict) -> dict:
-        if "of" in msg:   # a quiet lease, by its acquire's id: gone already where its hold ended
-            self.end_lease(conn, conn.end_quiet(P.field(msg, "of", int)))
+        if "of" in msg:   # a quiet lease, by its acquire's id (none where nothing was leased)
+            self.end_lease(conn, conn.quiet.pop(P.field(msg, "of", int), 0))
             return {}
         self.end_lease(conn, P.field(msg, "lease", int))
         return {}
