@@ -446,10 +446,11 @@ int tierd_copy_amx(int64_t layers, const int64_t *cache_base, int64_t block_stri
  * TIERD_ITEM_WORDS int64 words: kind, layers, cache_base, block_stride, num_blocks, tiers, ratio,
  * group, (unused), slot_offset, layer_step, to_cache, stream, then the layout's seven (amx: its
  * five). The ids come from `ids[group]` and the slots' addresses from `slots`, arguments of the
- * call: the items of one shape of copy are made once and serve every copy of that shape. Each thread of the team takes the next item not yet taken, so a thread that joins late
- * takes fewer. The team is OpenMP's (`parallel`: the address of the runtime's GOMP_parallel,
- * the runtime torch computes with, whose threads are still spinning after a forward and take
- * their items at once), or the caller alone (`parallel` 0). */
+ * call: the items of one shape of copy are made once and serve every copy of that shape. Each
+ * thread of the team takes the next item not yet taken, so a thread that joins late takes fewer.
+ * The team is OpenMP's (`parallel`: the address of the runtime's GOMP_parallel, the runtime
+ * torch computes with, whose threads are still spinning after a forward and take their items at
+ * once), or the caller alone (`parallel` 0). */
 #define TIERD_ITEM_WORDS 20
 
 typedef void (*tierd_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);

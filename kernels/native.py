@@ -78,7 +78,8 @@ def _build(flags: tuple[tuple[str, ...], ...] = (("-march=native",), ())) -> cty
         raise RuntimeError("cpu_copy.c does not match this module")
     i64 = ctypes.c_int64
     vp = ctypes.c_void_p
-    # (items, how many, the OpenMP runtime's GOMP_parallel or NULL, threads): `CopyPlan.copy`
+    # (items, how many, the OpenMP runtime's GOMP_parallel or NULL, threads, the ids' addresses
+    # per group, the slots' addresses): `CopyPlan.copy`
     lib.tierd_copy_split.argtypes = (vp, i64, vp, ctypes.c_int, vp, vp)
     lib.tierd_copy_split.restype = ctypes.c_int
     lib.tierd_decode_attention.argtypes = (vp, vp, vp, ctypes.c_int, vp, i64, vp, i64, i64, i64, i64, i64, i64,

@@ -135,8 +135,8 @@ class UnleasedReads:
         the index shows no change to those slots from before the first read until after the copy
         (as a read without a lease). With a daemon that takes quiet leases the request is never
         answered: the daemon pins the blocks when it reads it (or, where they moved meanwhile,
-        does nothing), and the release goes with this client's next request; with an older one
-        the answer is read at release, and must name the very slots the index showed.
+        does nothing), and the release names it by its request's id; with an older one the
+        answer is read at release, and must name the very slots the index showed.
         None where the index cannot tell, or a lease might get more blocks: lease as usual."""
         with self._lock:
             idx = self._index
