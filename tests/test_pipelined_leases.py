@@ -82,6 +82,50 @@ def test_a_quiet_lease_pins_from_when_the_daemon_reads_it_until_its_release(daem
         assert c.lookup(ns, keys) == 3 and c.pipelined_lost == 0
 
 
+def test_quiet_leases_from_hostile_or_duplicate_requests_are_never_answered_and_leave_no_pin(daemon):
+    """Quiet acquires and releases sent by hand: none is answered, a malformed one neither (the
+    next reply on the connection is the next request's); a quiet acquire of a block on disk only
+    pins nothing and promotes nothing (it would need I/O); one with `gpu` is refused; a release
+    ends only its own connection's quiet lease, once; nothing stays pinned."""
+    from .test_daemon import raw_conn, read_reply, send
+    ns = make_ns()
+    keys, (on_disk,) = chain(ns, 11, 2), chain(ns, 12, 1)
+    with Client(daemon.socket) as c:
+        put_chain(c, ns, [on_disk])
+        c.sync()
+        c.flush(tier="host")
+        put_chain(c, ns, keys)
+        assert c.where(ns, keys + [on_disk]) == ["host", "host", "disk"]
+        a, b = raw_conn(daemon.socket), raw_conn(daemon.socket)
+        for i, s in enumerate((a, b)):
+            send(s, {"id": 1, "op": "hello", "version": 1, "namespaces": [ns.to_dict()]})
+            assert read_reply(s)["ok"], i
+
+        def served(s, rid: int) -> None:      # every earlier request of `s` served, none answered
+            send(s, {"id": rid, "op": "ping"})
+            assert read_reply(s)["id"] == rid
+        send(a, {"id": 2, "op": "acquire", "ns": ns.name, "keys": keys, "noreply": True})
+        send(a, {"id": 3, "op": "acquire", "ns": ns.name, "keys": [on_disk], "noreply": True})
+        send(a, {"id": 4, "op": "acquire", "ns": ns.name, "keys": keys, "noreply": True, "gpu": True})
+        served(a, 5)
+        assert c.stats()["leases"] == 1                              # only request 2 pinned
+        assert c.where(ns, [on_disk]) == ["disk"]                    # not promoted
+        send(b, {"id": 2, "op": "release", "of": 2, "noreply": True})   # b's own id 2: no lease of b's
+        served(b, 3)
+        assert c.stats()["leases"] == 1
+        for bad in ("2", None, 3):                                   # not an id; no id; a request that pinned nothing
+            send(a, {"id": 6, "op": "release", "of": bad, "noreply": True})
+        served(a, 7)
+        assert c.stats()["leases"] == 1
+        send(a, {"id": 8, "op": "release", "of": 2, "noreply": True})
+        send(a, {"id": 9, "op": "release", "of": 2, "noreply": True})   # twice: ends nothing more
+        served(a, 10)
+        assert c.stats()["leases"] == 0
+        a.close()
+        b.close()
+        assert_blocks(ns, keys, c.get(ns, keys))
+
+
 def test_where_the_index_cannot_tell_the_lease_is_taken_as_usual(tmp_path):
     ns = make_ns()
     keys = chain(ns, 3, 4)

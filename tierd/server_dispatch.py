@@ -65,10 +65,6 @@ class Dispatch:
                 return self._reply(req_id, op, handler, conn, msg)
             except WouldBlock:
                 del msg["_inline"]      # it needs I/O or a wait: run it on the pool
-                if op == "acquire" and msg.get("noreply") is True:
-                    # ... but a quiet lease is taken at once or not at all: its client is
-                    # already copying what the shared index showed, and checks it afterwards
-                    return {"id": req_id, "ok": True, "lease": 0}
             finally:
                 self._observe(op, time.perf_counter() - t0)
         self._inflight += 1
