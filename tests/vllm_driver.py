@@ -20,8 +20,11 @@ LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_TOKENS, NUM_BLOCKS = 4, 2, 8, 16, 
 def extra_config(url: str, model: str = "vllm-driver-model") -> dict:
     # saves wait up to 5 s for their slots: the scenarios count exact stores, and a loaded machine
     # can take longer than the 50 ms default for a save thread's first reservation (that drop is
-    # tested on its own, with save_wait_ms set)
-    return {"url": url, "block_tokens": BLOCK_TOKENS, "save_wait_ms": 5000,
+    # tested on its own, with save_wait_ms set). Lookups likewise wait up to 2 s: a first lookup
+    # registers its namespaces, which on a loaded 2-core machine can outlast the 50 ms default,
+    # and a (correctly) missed deadline makes the request recompute and store nothing (the bound
+    # is tested on its own: test_lookups_keep_their_deadline_on_a_stalled_daemon_and_recover)
+    return {"url": url, "block_tokens": BLOCK_TOKENS, "save_wait_ms": 5000, "lookup_deadline_ms": 2000,
             "namespace": {"model": model, "num_layers": LAYERS, "num_kv_heads": KV_HEADS,
                           "head_dim": HEAD_DIM, "kv_dtype": "float16"}}
 
