@@ -5,9 +5,11 @@ same run:
 
   lookup latency p50/p99      from the daemon's shared index, and asked over the socket
                               (goal: p50 <= 50 us)
-  store / fetch GB/s          64 KiB and 1 MiB blocks, alternated, medians of five runs
-                              (--quick: three) (goals: >= 0.9x at 1 MiB, >= 0.7x at 64 KiB);
-                              also with both sides recording blocks for restarts, and neither
+  store / fetch GB/s          64 KiB, 1 MiB and 16 MiB blocks, alternated, medians of five runs
+                              (--quick: seven) (goals: >= 0.9x from 1 MiB, >= 0.7x at 64 KiB);
+                              leased fetches also with every lease pinned (as while the host
+                              tier evicts; no goal); also with both sides recording blocks for
+                              restarts, and neither
   p99 with 32 clients         32 processes pacing 100 requests/s each, beside one such client
                               (goal: <= 5x)
   ops/s with 1, 4, 16 clients closed loop, beside 1 client
@@ -54,7 +56,7 @@ def lookup_latency(store, ns: Namespace, keys: list[bytes], n: int, raw: bool = 
 
 
 def transfer(ns: Namespace, embedded: TieredStore, client: Client, n_blocks: int, repeats: int,
-             keep: bool = False, daemon_keeps: bool = True):
+             keep: bool = False, daemon_keeps: bool = True, pinning: Client | None = None):
     bb = ns.block_bytes
     keys = [k for i in range(n_blocks) for k in ns.block_keys(np.full(ns.block_tokens, i))]
     src = [kv_like(bb, seed=i) for i in range(4)]
@@ -82,13 +84,14 @@ def transfer(ns: Namespace, embedded: TieredStore, client: Client, n_blocks: int
 
     for s in (embedded, client):
         put_all(s)  # fault the arenas in
-    t = {f"{side}_{op}": [] for side in "ed" for op in ("put", "get", "lease")}
+    t = {f"{side}_{op}": [] for side in "edp" for op in ("put", "get", "lease")}
     for _ in range(repeats):   # each run measures both sides, alternately: one ratio per run
         for name, s in (("e", embedded), ("d", client)):
             s.flush(tier="host")
             t[f"{name}_put"].append(timed(lambda: put_all(s)))
         for op, fn in (("get", get_all), ("lease", lease_all)):
-            for name, s in (("e", embedded), ("d", client)):
+            sides = (("e", embedded), ("d", client)) + ((("p", pinning),) if op == "lease" and pinning else ())
+            for name, s in sides:
                 dst[:] = 1
                 t[f"{name}_{op}"].append(timed(lambda: fn(s)))
                 for j in (0, n_blocks - 1):
@@ -111,6 +114,17 @@ def transfer(ns: Namespace, embedded: TieredStore, client: Client, n_blocks: int
         out.append(Result(f"daemon {what}", params, g(statistics.median(t[f"d_{op}"])), "GB/s",
                           f"embedded {what}{', recorded' if keep else ''} GB/s",
                           g(statistics.median(t[f"e_{op}"])), note=note))
+    if pinning is not None:
+        # The leases above send the daemon nothing: its host tier never evicts here. Where it
+        # evicts, each lease pins its blocks (a quiet acquire, then a release): that case, beside
+        # the same embedded runs.
+        ratios = sorted(e / p for e, p in zip(t["e_lease"], t["p_lease"]))
+        out.append(Result("daemon fetch, leased, pinned", {**params, "pin": "every lease (as while evicting)"},
+                          g(statistics.median(t["p_lease"])), "GB/s", "embedded fetch, leased GB/s",
+                          g(statistics.median(t["e_lease"])),
+                          note=f"per-run ratios {', '.join(f'{r:.2f}' for r in ratios)} "
+                               f"(median {statistics.median(ratios):.2f}); no goal: what a lease costs "
+                               "while the host tier evicts"))
     return out
 
 
@@ -118,10 +132,10 @@ def transfer(ns: Namespace, embedded: TieredStore, client: Client, n_blocks: int
 HOST_TOML = '[host]\nslab_bytes = "64MiB"\nhigh_watermark = 1.0\nlow_watermark = 1.0\n'
 
 
-def prefaulted_client(sock: str) -> Client:
+def prefaulted_client(sock: str, **kw) -> Client:
     """A client that has mapped the daemon's arena ahead of use, as the engines' connectors do
     (prefault): a copy into a slot this process has not touched yet is not timed."""
-    client = Client(sock, prefault=True)
+    client = Client(sock, prefault=True, **kw)
     client.ping()
     deadline = time.monotonic() + 60
     while client.prefaulted_bytes < len(client._arena) and time.monotonic() < deadline:
@@ -283,7 +297,9 @@ def main() -> None:
                                pct(lat["n"], 50), "us", "embedded p50 us", e50, higher_is_better=False)]
             asked.close()
             nospin.close()
-            results += transfers((64 * KiB, MiB, 16 * MiB), embedded, client, total, repeats)
+            pinning = prefaulted_client(d.socket, pin_after_eviction_s=float("inf"))
+            results += transfers((64 * KiB, MiB, 16 * MiB), embedded, client, total, repeats, pinning=pinning)
+            pinning.close()
             embedded.close()
             # The daemon records every block for restarts (host.keep, its default); the embedded
             # store above does not. Beside an embedded store that does the same work (an arena

@@ -9,7 +9,9 @@
          discarded>` or exits 1
   lease  as read, through pipelined leases (`acquire(..., pipelined=True)`, each copied out,
          then released with confirm): every block of a confirmed lease checked bit-exact;
-         prints `OK <leases> <blocks verified> <pipelined leases> <leases lost>` or exits 1
+         prints `OK <leases> <blocks verified> <pipelined leases> <leases lost> <leases that
+         sent nothing>` or exits 1. Reader 0 pins every lease (`pin_after_eviction_s=inf`);
+         reader 1 pins only after the host tier evicted (the default: nearly never here)
   hold   put a chain, take a lease on it and a reservation of N more keys, print HOLDING,
          then wait to be killed
 """
@@ -72,7 +74,8 @@ def run_flips(tmp_path, mode: str, n: int) -> tuple[int, list[list[int]]]:
 def main() -> int:
     sock, mode, seed, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     # hold: a reservation the daemon keeps (the reserve path; staged slots have a test of their own)
-    c = Client(sock, stage_bytes=0) if mode == "hold" else tierd.connect(f"unix://{sock}")
+    c = (Client(sock, stage_bytes=0) if mode == "hold"
+         else tierd.connect(f"unix://{sock}" + ("?pin_after_eviction_s=inf" if mode == "lease" and seed == 0 else "")))
     spaces = [make_ns(), make_ns(model="second", kv_dtype="bfloat16")]
     if mode == "hold":
         ns = spaces[0]
@@ -113,7 +116,7 @@ def main() -> int:
                 print(f"MISMATCH {wrong.hex()} in lease {i}", flush=True)
                 return 1
             verified += len(copies)
-        print(f"OK {n} {verified} {c.pipelined_leases} {lost}", flush=True)
+        print(f"OK {n} {verified} {c.pipelined_leases} {lost} {c.unpinned_leases}", flush=True)
         c.close()
         return 0
     for _ in range(n):

@@ -44,7 +44,10 @@ def connect(url: str = "embedded://"):
     by default when it maps the daemon's HBM tier: only readers make blocks move into HBM;
     `prefault=1` maps every page of the daemon's host arena into this process ahead of use, in
     a background thread at the lowest priority, so that no copy through a slot stops on page
-    faults: what engines' connectors ask for). Both have the same interface.
+    faults: what engines' connectors ask for); `pin_after_eviction_s` how long after the host
+    tier's last eviction a pipelined lease (a connector's load) still pins its blocks, 1 s (`inf`
+    always, 0 never; without an eviction that recent a load sends the daemon nothing, and its
+    copy is checked after all the same). Both have the same interface.
     """
     parts = urlsplit(url)
     if parts.scheme == "embedded":
@@ -66,7 +69,7 @@ def connect(url: str = "embedded://"):
             raise ConfigError(f"{url}: no socket path; use unix:///run/tierd/tierd.sock")
         kw: dict = {}
         known = {"timeout_s": float, "connect_timeout_s": float, "retries": int, "spin_us": float, "index": int,
-                 "index_lookups": int, "hbm": int, "prefault": int}
+                 "index_lookups": int, "hbm": int, "prefault": int, "pin_after_eviction_s": float}
         for k, v in parse_qsl(parts.query, keep_blank_values=True):
             if k not in known:
                 raise ConfigError(f"{url}: unknown parameter {k!r}; known: {', '.join(known)}")
@@ -74,7 +77,8 @@ def connect(url: str = "embedded://"):
                 kw[k] = known[k](v)
             except ValueError:
                 raise ConfigError(f"{url}: {k} must be a number") from None
-            if kw[k] < 0 or (k not in ("retries", "spin_us", "index", "index_lookups", "hbm", "prefault") and not kw[k] > 0):
+            if not kw[k] >= 0 or (k not in ("retries", "spin_us", "index", "index_lookups", "hbm", "prefault",
+                                             "pin_after_eviction_s") and not kw[k] > 0):
                 raise ConfigError(f"{url}: {k} must be positive")
         if "index" in kw:
             kw["use_index"] = bool(kw.pop("index"))

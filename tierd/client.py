@@ -47,7 +47,7 @@ class Client(Staging, UnleasedReads, DaemonConnection):
     def __init__(self, path: str, *, timeout_s: float = 60.0, name: str | None = None,
                  connect_timeout_s: float = 5.0, retries: int = 1, spin_us: float = 100.0,
                  use_index: bool = True, index_lookups: bool = True, hbm: bool | None = None, prefault: bool = False,
-                 stage_bytes: int = 64 << 20, data_plane: bool = True):
+                 stage_bytes: int = 64 << 20, data_plane: bool = True, pin_after_eviction_s: float = 1.0):
         self.path = path
         # False: a control client (ping, stats, sync, flush) that maps nothing of the daemon's
         self.data_plane = data_plane
@@ -87,6 +87,14 @@ class Client(Staging, UnleasedReads, DaemonConnection):
         self._hold_lock = threading.Lock()
         self._noreply = False        # the daemon serves releases without a reply (its hello says)
         self._quiet = False          # ... and acquires: quiet leases, for pipelined ones (its hello says)
+        self._evictions = False      # ... and its index dates the host tier's last eviction
+        # A pipelined lease pins its blocks (a quiet acquire, then a release: two messages that
+        # wake the daemon) only while the host tier evicted within this many seconds; otherwise
+        # nothing would take its slots but a flush, and the copy is checked afterwards either
+        # way (inf: always pin; 0: never)
+        if not pin_after_eviction_s >= 0:
+            raise E.TierdError(f"pin_after_eviction_s must be >= 0, not {pin_after_eviction_s}")
+        self.pin_after_eviction_s = pin_after_eviction_s
         self._checksums = False      # the daemon records blocks for restarts: puts send checksums
         # Reads without a lease (see `get`): possible where the daemon's hello and shared index
         # allow them; the keys read are reported to the daemon later, in one message.
@@ -100,6 +108,7 @@ class Client(Staging, UnleasedReads, DaemonConnection):
         self.unleased_discarded = 0  # copies made without a lease, then discarded (a block changed)
         self.pipelined_leases = 0    # leases handed out before the daemon's answer (`acquire(pipelined=)`)
         self.pipelined_lost = 0      # ... whose answer or the index then said the bytes may be wrong
+        self.unpinned_leases = 0     # ... which sent nothing: no eviction lately (`pin_after_eviction_s`)
         self._link: _Link | None = None
         self.limits: dict = {}       # the daemon's, from its hello (until then, the protocol's defaults)
         self.events = False          # the daemon publishes KV events with token ids (its hello says)
@@ -395,7 +404,10 @@ class Client(Staging, UnleasedReads, DaemonConnection):
                 if why is None and confirm and (link is None or not link.intact()):
                     why = "its connection to the daemon was lost (it restarted or ended the connection)"
                 if link is not None and link is self._link and not link.dead:
-                    if lease._pending.request:     # a quiet lease: named by its request
+                    if lease._pending.unpinned:    # nothing was sent: its hit is reported later
+                        if why is None:
+                            self._note_hits(lease.namespace, lease.keys, len(lease.keys))
+                    elif lease._pending.request:   # a quiet lease: named by its request
                         self._send_deferred({"op": "release", "of": lease._pending.request}, answered=False)
                     elif lease.id:
                         self._send_deferred({"op": "release", "lease": lease.id}, answered=not self._noreply)

@@ -74,14 +74,16 @@ class ClientLease:
 class PendingGrant:
     """What a pipelined lease was handed before the daemon answered: the shared index's ways,
     sequence numbers and slots for its blocks, and (once read) the daemon's reply — or, for a
-    quiet lease, which is never answered, the id of its request (0 otherwise)."""
+    quiet lease, which is never answered, the id of its request (0 otherwise); `unpinned` where
+    nothing was sent at all (no eviction lately: `Client.pin_after_eviction_s`)."""
 
-    __slots__ = ("index", "ways", "seqs", "offsets", "reply", "request")
+    __slots__ = ("index", "ways", "seqs", "offsets", "reply", "request", "unpinned")
 
     def __init__(self, index, ways: list[int], seqs: list[int], offsets: list[int]):
         self.index, self.ways, self.seqs, self.offsets = index, ways, seqs, offsets
         self.reply: dict | None = None
         self.request = 0
+        self.unpinned = False
 
     def answered(self, reply: dict) -> None:
         self.reply = reply

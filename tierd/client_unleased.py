@@ -117,17 +117,20 @@ class UnleasedReads:
                     self.unleased_discarded += 1
                     return None
                 self.unleased_reads += 1
-                if not self._hits:
-                    self._hits_since = time.monotonic()
-                    self._wake_hits_reporter()
-                self._hits.append({"ns": nsobj.name, "keys": keys[:n], "asked": len(keys)})
-                self._hits_keys += n
-                if (self._hits_keys >= self.HITS_BATCH
-                        or time.monotonic() - self._hits_since >= self.HITS_MAX_AGE_S):
-                    self._report_hits()
+                self._note_hits(nsobj, keys[:n], len(keys))
             return n
         finally:
             self._unpin(link)
+
+    def _note_hits(self, nsobj: Namespace, keys: list[bytes], asked: int) -> None:
+        """(Lock held.) Blocks read without a daemon lease, reported in the next `hits` message."""
+        if not self._hits:
+            self._hits_since = time.monotonic()
+            self._wake_hits_reporter()
+        self._hits.append({"ns": nsobj.name, "keys": keys, "asked": asked})
+        self._hits_keys += len(keys)
+        if self._hits_keys >= self.HITS_BATCH or time.monotonic() - self._hits_since >= self.HITS_MAX_AGE_S:
+            self._report_hits()
 
     def _acquire_pipelined(self, nsobj: Namespace, keys: list[bytes]) -> ClientLease | None:
         """`acquire(..., pipelined=True)`: where the shared index shows the blocks ready in host
@@ -136,7 +139,10 @@ class UnleasedReads:
         (as a read without a lease). With a daemon that takes quiet leases the request is never
         answered: the daemon pins the blocks when it reads it (or, where they moved meanwhile,
         does nothing), and the release names it by its request's id; with an older one the
-        answer is read at release, and must name the very slots the index showed.
+        answer is read at release, and must name the very slots the index showed. Where that
+        daemon's host tier evicted nothing within `pin_after_eviction_s`, nothing is sent at
+        all: nothing but a flush would take the slots, the copy is checked all the same, and the
+        hit is reported with the reads without a lease.
         None where the index cannot tell, or a lease might get more blocks: lease as usual."""
         with self._lock:
             idx = self._index
@@ -144,10 +150,18 @@ class UnleasedReads:
             if run is None:
                 return None
             n, _, ways, seqs, offsets = run
-            if self._hits:
-                self._report_hits()   # counted before what this request may show, as `_call` does
             bb = nsobj.block_bytes
             views = [self._view(o, bb, False) for o in offsets]
+            if self._quiet and self._evictions and not idx.evicted_within(self.pin_after_eviction_s):
+                link = self._pin()
+                lease = ClientLease(0, nsobj, keys[:n], views, ["host"] * n, self, self._generation, link)
+                lease._pending = PendingGrant(idx, ways, seqs, offsets)
+                lease._pending.unpinned = True
+                self.pipelined_leases += 1
+                self.unpinned_leases += 1
+                return lease
+            if self._hits:
+                self._report_hits()   # counted before what this request may show, as `_call` does
             link = self._pin()
             lease = ClientLease(0, nsobj, keys[:n], views, ["host"] * n, self, self._generation, link)
             grant = lease._pending = PendingGrant(idx, ways, seqs, offsets)
@@ -172,7 +186,7 @@ class UnleasedReads:
         during the caller's copy, or comes now); set the lease's id where it was granted.
         Returns why the bytes read under it may not be the blocks', or None."""
         grant = lease._pending
-        if grant.request:   # a quiet lease: no answer to wait for
+        if grant.request or grant.unpinned:   # a quiet lease or none: no answer to wait for
             if link is None or link is not self._link or link.dead:
                 return "the connection to the daemon was lost"
             if grant.index is not self._index or not grant.index.unchanged(grant.ways, grant.seqs):

@@ -150,6 +150,7 @@ class DaemonConnection:
             self.events = bool(reply.get("events"))   # the daemon publishes KV events: send token ids
             self._noreply = reply.get("noreply") is True   # releases may go unanswered
             self._quiet = reply.get("quiet") is True        # ... and acquires: quiet leases
+            self._evictions = reply.get("evictions") is True   # its index dates the last eviction
             self._checksums = reply.get("checksums") is True   # it records blocks: put hashes as it copies
             self.limits = reply.get("limits", {})
             if not self.data_plane:

@@ -14,7 +14,11 @@ Layout (one file beside the host arena, mode 0660, all little-endian):
                        misses_final u8 (0 with a remote tier: a miss here is asked of the daemon);
                        at byte 32, heartbeat u64: CLOCK_MONOTONIC ns, written by the daemon's event
                        loop every BEAT_S (a stopped or stuck daemon's table is not used: a lookup
-                       then goes to the daemon, and meets the caller's deadline there)
+                       then goes to the daemon, and meets the caller's deadline there);
+                       at byte 40, evicted u64: CLOCK_MONOTONIC ns of the host tier's last
+                       eviction of a block a reader could be copying (0: none yet), written under
+                       the store lock (where `hello` says `evictions`: a quiet lease pins its
+                       blocks only while evictions are recent, see docs/protocol.md)
   tags:   num_buckets x WAYS x 16 bytes   tag = key XOR namespace id (never all zero)
   states: num_buckets x WAYS bytes        bit 0: ready in host RAM, bit 1: on disk, bit 2: being
                                           loaded into host RAM; 0: the way is free
@@ -62,6 +66,7 @@ _HEADER = struct.Struct("<8sIIQB")
 _DISK_OK_AT = 8 + 4 + 4 + 8
 _MISSES_FINAL_AT = _DISK_OK_AT + 1   # 0: a miss here may be a hit elsewhere (a remote tier): ask
 _BEAT_AT = 32
+_EVICTED_AT = 40
 BEAT_S = 0.02          # the daemon's heartbeat period
 FRESH_S = 0.1          # a table whose heartbeat is older is not trusted
 _ZERO_TAG = bytes(16)
@@ -128,6 +133,7 @@ class SharedIndex:
         self._seqs_mv = self._raw_mv[1].cast("Q")
         self._hdr_mv = mv[:ALIGN]
         self._beat_mv = mv[_BEAT_AT:_BEAT_AT + 8].cast("Q")
+        self._evicted_mv = mv[_EVICTED_AT:_EVICTED_AT + 8].cast("Q")
         self._tags_q = self._tags_mv.cast("Q")          # way i's tag: [2i], [2i + 1]
         self._where: dict[int, int] = {}   # writer only: tag -> way index (bucket * WAYS + way)
 
@@ -205,6 +211,19 @@ class SharedIndex:
         """The daemon beat within FRESH_S: its table is current."""
         return time.monotonic_ns() - self._beat_mv[0] < FRESH_S * 1e9
 
+    def note_eviction(self) -> None:
+        """(Store lock held.) The host tier evicted a block that was published ready: readers
+        that copy without a daemon lease pin their blocks for a while (`evicted_within`)."""
+        self._evicted_mv[0] = time.monotonic_ns()
+
+    def evicted_within(self, seconds: float) -> bool:
+        """Whether the host tier evicted a published block within the last `seconds` (inf:
+        always true, 0: never)."""
+        if seconds == float("inf"):
+            return True
+        at = self._evicted_mv[0]
+        return at != 0 and time.monotonic_ns() - at < seconds * 1e9
+
     def set_misses_final(self, final: bool) -> None:
         self._hdr[_MISSES_FINAL_AT] = 1 if final else 0
 
@@ -214,7 +233,7 @@ class SharedIndex:
     def close(self) -> None:
         self.tags = self.states = self.overflow = self._hdr = self._beat = None
         self.offsets = self.seqs = None
-        for v in (self._beat_mv, self._tags_q, self._tags_mv, self._states_mv, self._over_mv, self._offs_mv,
+        for v in (self._beat_mv, self._evicted_mv, self._tags_q, self._tags_mv, self._states_mv, self._over_mv, self._offs_mv,
                   self._seqs_mv, self._hdr_mv, *self._raw_mv):
             v.release()
         try:

@@ -82,6 +82,9 @@ class Ops:
                 "noreply": True,   # a release may ask to go unanswered
                 "quiet": True,     # ... and an acquire: a quiet lease, released by its request's id
                 "hits": True,      # reads without a lease are reported (op hits)
+                # its index's header has the host tier's last eviction: a quiet lease pins its
+                # blocks (sends its acquire) only while evictions are recent
+                "evictions": True,
                 # a writer's checksums of what it copied (put, commit) spare the keeper a read
                 "checksums": self.store.host.records is not None,
                 "limits": {"max_frame_bytes": self.cfg.max_frame_bytes,

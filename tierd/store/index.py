@@ -251,6 +251,8 @@ class BlockIndex:
         if b.host_state == READY and not b.orphan:    # (an orphan left both when it became one)
             self.host.policy.remove(b.ikey, evicted=evicted)
             self.leave(b, "host")
+            if evicted and self.shared is not None:
+                self.shared.note_eviction()   # readers pin what they copy for a while (tierd/index.py)
         self.host.free(b.host_slot, evicted=evicted)
         b.host_slot, b.host_state = -1, ABSENT
         self.publish(b)
