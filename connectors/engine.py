@@ -63,6 +63,9 @@ class EngineConnector:
                     self.xfer.attach(store)
             except STORE_ERRORS as e:
                 self.link.failed(e, "page-locking the arena")
+        # a daemon's: connected, the namespace registered and the cost model exchanged off the
+        # engine's thread, not in the first hit's load (1-2 ms of round trips there)
+        self.link.warm(namespaces=[namespace])
         self.stats.setdefault("hbm_hit_blocks", 0)
         self.stats.setdefault("load_device_s", 0.0)    # loads' copies on the device (CUDA: timed by events)
         self._loading: list = []     # (seq, lease, job, hold or None) of loads whose copies may still run
@@ -102,7 +105,14 @@ class EngineConnector:
         self.stats["lookups"] += 1
         t0 = time.perf_counter()
         bt = self.block_tokens
-        model = self.link.cost_model()
+        try:
+            return self._load(store, seq, block_manager, keys, first, t0)
+        finally:
+            self.link.cost_model()   # its exchange with the daemon's, when due: after the load
+
+    def _load(self, store, seq, block_manager, keys: list[bytes], first: int, t0: float) -> int:
+        bt = self.block_tokens
+        model = self.link.cost_model(exchange=False)
         if self.load_policy == "always":
             # every block found, in one part (no question asked first: the lease says where
             # each block was)

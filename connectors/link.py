@@ -193,8 +193,10 @@ class StoreLink:
         self._worker: threading.Thread | None = None
         self._probing = False
         self._prober: threading.Thread | None = None
-        self._syncing = False
         self._prober_store = None
+        self._side_lock = threading.Lock()
+        self._exchanger: threading.Thread | None = None   # exchanges the cost model when due
+        self._costs_due = threading.Event()
 
     # -- availability ------------------------------------------------------------------------
     SOCKET_LOOK_S = 0.25   # while backing off, how often the daemon's socket is looked at
@@ -238,21 +240,29 @@ class StoreLink:
                         self.failed(e, "connect")
         return self.store if not self.backing_off else None
 
-    def warm(self, then=None) -> None:
+    def warm(self, then=None, namespaces: Sequence = ()) -> None:
         """Connect now, in a thread of its own, so that the first request finds the daemon's
-        arena mapped and its pages faulted in (with `prefault`) instead of paying for it; then,
-        in that thread, `then(store)` where a store was reached (page-locking its arena)."""
+        arena mapped and its pages faulted in (with `prefault`) instead of paying for it, the
+        daemon knowing `namespaces` (a first request in a namespace registers it: a round trip)
+        and the cost model exchanged; then, in that thread, `then(store)` where a store was
+        reached (page-locking its arena)."""
         if self._background:
             return
 
         def work():
             store = self.get()
-            if store is not None and then is not None:
-                try:
+            if store is None:
+                return
+            try:
+                if hasattr(store, "hold"):            # a daemon's client
+                    store.warm_up(namespaces)
+                    store.cost_model(via=self._probe_store())   # (its side connection, made now)
+                    self._start_exchanges()
+                if then is not None:
                     then(store)
-                except STORE_ERRORS as e:
-                    self.failed(e, "warm-up")
-        if self.store is None or then is not None:
+            except STORE_ERRORS as e:
+                self.failed(e, "warm-up")
+        if self.store is None or then is not None or namespaces:
             threads.start(work, name=f"{self._name}-warm")
 
     def _connect_in_background(self) -> tuple[threading.Event, bool]:
@@ -412,33 +422,51 @@ class StoreLink:
         use (a lookup link's deadline is tens of milliseconds); an embedded store itself."""
         if self._url is None:
             return self.store
-        if self._prober_store is None:
-            base = self._url.split("?", 1)[0]
-            self._prober_store = tierd.connect(f"{base}?timeout_s={self.PROBE_TIMEOUT_S:g}&index=0&retries=0")
-        return self._prober_store
+        with self._side_lock:           # (the prober and the cost model's exchange share it)
+            if self._prober_store is None:
+                base = self._url.split("?", 1)[0]
+                self._prober_store = tierd.connect(f"{base}?timeout_s={self.PROBE_TIMEOUT_S:g}&index=0&retries=0")
+            return self._prober_store
 
-    def cost_model(self):
+    def cost_model(self, *, exchange: bool = True):
         """The store's cost model (tierd/costs.py) without a request on the caller's thread: a
-        daemon client's replica is exchanged with the daemon's on a thread of its own when due.
-        None without a store."""
+        daemon client's replica is exchanged with the daemon's on a thread of its own when due
+        (not with `exchange=False`: a load that calls this again once it is done, so that the
+        thread's start and its Python work never run beside the load's). None without a store."""
         store = self.store
         if store is None or not hasattr(store, "cost_model"):
             return None
         model = store.cost_model(sync=False)
-        if hasattr(store, "hold") and time.monotonic() - model.synced_at >= COSTS_SYNC_S:
-            with self._lock:
-                start = not self._syncing and not self._stop
-                self._syncing = self._syncing or start
-            if start:
-                def run():
-                    try:
-                        store.cost_model()
-                    except Exception as e:  # noqa: BLE001 -- a measurement exchange: never an engine's error
-                        log.debug("tierd: exchanging the cost model failed (%s)", e)
-                    finally:
-                        self._syncing = False
-                threads.start(run, name=f"{self._name}-costs")
+        if exchange and hasattr(store, "hold") and time.monotonic() - model.synced_at >= COSTS_SYNC_S:
+            self._start_exchanges()
+            self._costs_due.set()
         return model
+
+    def _start_exchanges(self) -> None:
+        """The thread that exchanges the cost model (one per link, asleep until one is due):
+        a kick is an Event's set, where a thread started per exchange cost a load or a forward
+        next to it up to milliseconds of the GIL."""
+        with self._lock:
+            if self._stop or (self._exchanger is not None and self._exchanger.is_alive()):
+                return
+            self._exchanger = threads.start(self._exchange_costs, name=f"{self._name}-costs")
+
+    def _exchange_costs(self) -> None:
+        while True:
+            self._costs_due.wait()
+            self._costs_due.clear()
+            store = self.store
+            if self._stop:
+                return
+            if store is None:
+                continue
+            try:
+                # through the link's side connection: the exchange's round trip never holds the
+                # connection a load uses (it measured 0.3-1 ms of a 512-token host hit's load
+                # part through a daemon when it did)
+                store.cost_model(via=self._probe_store())
+            except Exception as e:  # noqa: BLE001 -- a measurement exchange: never an engine's error
+                log.debug("tierd: exchanging the cost model failed (%s)", e)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued block has been handed to the store. True if none is left."""
@@ -450,6 +478,9 @@ class StoreLink:
     def close(self) -> None:
         self.flush(5.0)
         self._stop = True
+        self._costs_due.set()              # (the exchanger sees the stop and ends)
+        if self._exchanger is not None:
+            self._exchanger.join(5)        # (it uses the side connection: done before it closes)
         if self._worker is not None:
             self._worker.join(5)
         if self._prober is not None:

@@ -90,7 +90,11 @@ def test_embedded_hits_from_host_and_from_disk_match_the_cold_run(model_dir, col
 def test_a_cpu_host_hit_is_one_lease_and_one_copy_per_plane(model_dir, cold, tmp_path, monkeypatch, through):
     """The work of a host hit's load on the CPU, counted: one lease (through the daemon, a
     pipelined one, answered at its release), one C copy call per plane for every layer at once
-    (no per-layer or per-block Python loop), and the outputs equal the cold run's."""
+    (no per-layer or per-block Python loop), and the outputs equal the cold run's. Through the
+    daemon, the engine's thread never exchanges the cost model (a round trip, and it held the
+    connection the load uses): a thread of the link's does, on a connection of its own, but
+    for the engine's last measurements at its close."""
+    import threading
     from tierd.client import Client
     from tierd.kernels import native
     if not native.available():
@@ -118,15 +122,30 @@ def test_a_cpu_host_hit_is_one_lease_and_one_copy_per_plane(model_dir, cold, tmp
     leases = []
     acquire = (TieredStore if d is None else Client).acquire
 
+    loaders = []
+
     def counted_acquire(self, ns, keys, **kw):
+        loaders.append(self)
         lease = acquire(self, ns, keys, **kw)
         leases.append((len(lease), getattr(lease, "_pending", None) is not None))
         return lease
+    ops = []
+    call = Client._call
+
+    def counted_call(self, op, **kw):
+        ops.append((op, threading.current_thread() is threading.main_thread(), self))
+        return call(self, op, **kw)
     try:
         run(model_dir, store)                                    # fills the store
         monkeypatch.setattr(native.CopyPlan, "copy", counted_copy)
         monkeypatch.setattr(TieredStore if d is None else Client, "acquire", counted_acquire)
+        monkeypatch.setattr(Client, "_call", counted_call)
         hit, st = run(model_dir, store)
+        mine = [op for op, main, _ in ops if main]
+        assert "costs" not in mine[:-1], mine                   # (the last: the engine's close)
+        if d is not None:                                        # exchanged off the engine's thread,
+            exchanges = [c for op, main, c in ops if op == "costs" and not main]
+            assert exchanges and not any(c is loaders[0] for c in exchanges)   # not on the load's connection
         assert hit.num_cached_tokens == 192 and hit.metrics["tier_sources"] == ["host"]
         assert_same(hit, cold)
         assert leases == [(3, d is not None)]                  # one lease of the 3 tier blocks

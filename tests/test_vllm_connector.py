@@ -86,13 +86,14 @@ def test_the_connectors_threads_keep_off_the_cores_of_vllms_cpu_compute_thread(d
     from tierd import threads
     everything = os.sched_getaffinity(0)
     compute = {min(everything)}
+    earlier = {t.ident for t in threading.enumerate()}   # (other tests' clients in this process)
     os.sched_setaffinity(0, compute)             # as vLLM's OpenMP binding leaves its thread
     try:
         sched, worker = pair(daemon.url, "CPU", load_async=False)
         with tierd.connect(daemon.url) as admin:
             drv.run_roundtrip(sched, worker, drv.Objects(), admin)
-        helpers = [t for t in threading.enumerate()
-                   if t.name.startswith(("tierd-vllm", "tierd-prefault", "tierd-hits"))]
+        helpers = [t for t in threading.enumerate() if t.ident not in earlier
+                   and t.name.startswith(("tierd-vllm", "tierd-prefault", "tierd-hits"))]
         names = sorted(t.name for t in helpers)
         assert "tierd-vllm-saver" in names and any(n.startswith("tierd-hits") for n in names), names
         for t in helpers:

@@ -155,6 +155,16 @@ class Client(Staging, UnleasedReads, DaemonConnection):
     def register(self, ns: Namespace) -> None:
         self._ns_name(ns)
 
+    def warm_up(self, namespaces=()) -> None:
+        """Register `namespaces` and start what a first read would start (the thread that
+        reports reads without a lease), so that the first load pays for neither: for a
+        connector's warm-up thread, before its engine serves."""
+        for ns in namespaces:
+            self.register(ns)
+        with self._lock:
+            if self._unleased_ok:
+                self._wake_hits_reporter()
+
     def lookup(self, ns, keys: Sequence[bytes]) -> int:
         keys = check_keys(keys)
         name = self._ns_name(ns)
@@ -472,18 +482,20 @@ class Client(Staging, UnleasedReads, DaemonConnection):
     def stats(self) -> dict:
         return self._call("stats")["stats"]
 
-    def cost_model(self, *, sync: bool = True, now: bool = False) -> CostModel:
+    def cost_model(self, *, sync: bool = True, now: bool = False, via: "Client | None" = None) -> CostModel:
         """This client's replica of the daemon's cost model (tierd/costs.py). What this process
         measures goes into it at once; at most every `costs.SYNC_S` (at once with `now`: a
         closing engine's last measurements) it is exchanged with the daemon's (one request;
         never with `sync=False`), which holds what every engine on the node measured. A daemon
-        that cannot be asked leaves the replica as it is: decisions go on from it."""
+        that cannot be asked leaves the replica as it is: decisions go on from it. `via`: another
+        client of the same daemon whose connection carries the exchange, so that it never holds
+        this one's (a load's) for its round trip."""
         m = self._costs
         if sync and self._costs_ok and (now or time.monotonic() - m.synced_at >= SYNC_S):
             report = m.take_outbox()
             m.synced_at = time.monotonic()   # (one try per period, whatever it meets)
             try:
-                m.adopt(self._call("costs", report=report)["state"])
+                m.adopt((via or self)._call("costs", report=report)["state"])
             except P.RemoteError as e:
                 if e.code == "unknown_op":
                     self._costs_ok = False   # an older daemon: this replica is the whole model
