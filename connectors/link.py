@@ -262,7 +262,7 @@ class StoreLink:
                     then(store)
             except STORE_ERRORS as e:
                 self.failed(e, "warm-up")
-        if self.store is None or then is not None or namespaces:
+        if self.store is None or then is not None or (namespaces and hasattr(self.store, "hold")):
             threads.start(work, name=f"{self._name}-warm")
 
     def _connect_in_background(self) -> tuple[threading.Event, bool]:

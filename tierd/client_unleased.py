@@ -152,21 +152,18 @@ class UnleasedReads:
             n, _, ways, seqs, offsets = run
             bb = nsobj.block_bytes
             views = [self._view(o, bb, False) for o in offsets]
-            if self._quiet and self._evictions and not idx.evicted_within(self.pin_after_eviction_s):
-                link = self._pin()
-                lease = ClientLease(0, nsobj, keys[:n], views, ["host"] * n, self, self._generation, link)
-                lease._pending = PendingGrant(idx, ways, seqs, offsets)
-                lease._pending.unpinned = True
-                self.pipelined_leases += 1
-                self.unpinned_leases += 1
-                return lease
-            if self._hits:
-                self._report_hits()   # counted before what this request may show, as `_call` does
             link = self._pin()
             lease = ClientLease(0, nsobj, keys[:n], views, ["host"] * n, self, self._generation, link)
             grant = lease._pending = PendingGrant(idx, ways, seqs, offsets)
+            if self._quiet and self._evictions and not idx.evicted_within(self.pin_after_eviction_s):
+                grant.unpinned = True    # nothing to send: the release checks it, the hit is noted
+                self.pipelined_leases += 1
+                self.unpinned_leases += 1
+                return lease
             msg = {"op": "acquire", "ns": nsobj.name, "keys": keys[:n]}
             try:
+                if self._hits:
+                    self._report_hits()   # counted before what this request may show, as `_call` does
                 if self._quiet:
                     sent = self._send_deferred(msg, answered=False)
                     grant.request = msg["id"]
