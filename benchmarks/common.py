@@ -109,20 +109,40 @@ def last_level_cache_bytes() -> int:
 def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
     """GB/s of one memcpy (numpy copyto) of `nbytes` from memory to memory: source and
     destination written beforehand (no page faults), the CPU caches flushed before each copy
-    (by writing a buffer four times the last-level cache), the best of `repeats`. What a load
-    of blocks stored earlier copies: its bytes come from DRAM, not from a cache that holds
-    them — a warm copy of a few MiB runs at cache speed and is not this floor."""
+    (by reading and writing back every byte of a buffer four times the last-level cache), the
+    best of `repeats`. What a load of blocks stored earlier copies: its bytes come from DRAM, not
+    from a cache that holds them — a warm copy of a few MiB runs at cache speed and is not this
+    floor.
+
+    The flush reads each line before it writes it: a sweep that only writes (a fill) may go
+    through streaming stores that leave the caches as they were, and then a copy of 8 MiB ran at
+    up to 29 GB/s here against 12-13 GB/s after a read-and-write sweep (docs/design-notes.md,
+    "Where a host hit's load part goes")."""
     import numpy as np
     src = np.ones(nbytes, dtype=np.uint8)
     dst = np.zeros(nbytes, dtype=np.uint8)
-    sweep = np.zeros(4 * last_level_cache_bytes(), dtype=np.uint8)
+    flush_caches(1)
     best = float("inf")
-    for i in range(repeats):
-        sweep[:] = i + 1
+    for _ in range(repeats):
+        flush_caches()
         t0 = time.perf_counter()
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
+
+
+_sweep = None
+
+
+def flush_caches(passes: int = 1) -> None:
+    """Push what the CPU caches hold out to memory: read and write back every byte of a buffer
+    four times the last-level cache (kept between calls, its pages touched once)."""
+    import numpy as np
+    global _sweep
+    if _sweep is None:
+        _sweep = np.ones(4 * last_level_cache_bytes(), dtype=np.uint8)
+    for _ in range(passes):
+        np.add(_sweep, 1, out=_sweep)
 
 
 def best_of(fn, repeats: int = 3) -> float:

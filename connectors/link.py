@@ -197,6 +197,8 @@ class StoreLink:
         self._side_lock = threading.Lock()
         self._exchanger: threading.Thread | None = None   # exchanges the cost model when due
         self._costs_due = threading.Event()
+        self._warm_namespaces: list = []   # a background link's: registered on each connection
+        self._warming: threading.Event | None = None   # set when the warm-up's connection attempt ends
 
     # -- availability ------------------------------------------------------------------------
     SOCKET_LOOK_S = 0.25   # while backing off, how often the daemon's socket is looked at
@@ -226,7 +228,9 @@ class StoreLink:
                 # the caller that starts an attempt waits for it at most one request timeout (its
                 # deadline); callers arriving while it runs do not wait at all
                 done, started = self._connect_in_background()
-                if not started or not done.wait(self._timeout_s):
+                # (and a caller arriving while the warm-up's attempt runs waits as its first caller
+                # would have: that attempt stands for the one a first request would start)
+                if not (started or done is self._warming) or not done.wait(self._timeout_s):
                     return None
                 if self.store is None or not getattr(self.store, "connected", True):
                     return None
@@ -240,13 +244,29 @@ class StoreLink:
                         self.failed(e, "connect")
         return self.store if not self.backing_off else None
 
-    def warm(self, then=None, namespaces: Sequence = ()) -> None:
+    def warm(self, then=None, namespaces: Sequence = (), *, wait: bool = False) -> None:
         """Connect now, in a thread of its own, so that the first request finds the daemon's
         arena mapped and its pages faulted in (with `prefault`) instead of paying for it, the
         daemon knowing `namespaces` (a first request in a namespace registers it: a round trip)
         and the cost model exchanged; then, in that thread, `then(store)` where a store was
-        reached (page-locking its arena)."""
+        reached (page-locking its arena).
+
+        A link that connects in the background (`background_connect`) starts its connection
+        now (with `wait`, waiting for it at most one request timeout, as a first `get` would)
+        and registers `namespaces` once it is up, in the connecting thread after the connection's
+        waiters are let go; so on every connection it makes: a restarted daemon knows them again
+        before the next request asks. `then` is not run."""
         if self._background:
+            self._warm_namespaces = list(namespaces)
+            if self.store is None or not getattr(self.store, "connected", True):
+                if not self.backing_off:
+                    done, started = self._connect_in_background()
+                    if started:
+                        self._warming = done
+                    if wait:
+                        done.wait(self._timeout_s)
+            elif self._warm_namespaces and hasattr(self.store, "hold"):   # a daemon's client, connected
+                threads.start(self._register_warm, name=f"{self._name}-warm")
             return
 
         def work():
@@ -286,9 +306,28 @@ class StoreLink:
             finally:
                 self._connecting = False
                 done.set()
+            # after `done`: a caller waiting for the connection does not wait for this too (its
+            # own first call in a namespace waits for the daemon to know it, as it would anyway)
+            self._register_warm()
 
         threads.start(attempt, name=f"{self._name}-connect")
         return done, True
+
+    def _register_warm(self) -> None:
+        """A background link's warm-up: the daemon told the namespaces given to `warm`, and the
+        client's reporter of reads without a lease started (`Client.warm_up`)."""
+        store = self.store
+        if not self._warm_namespaces or store is None or not hasattr(store, "hold") \
+                or not getattr(store, "connected", True):
+            return
+        try:
+            store.warm_up(self._warm_namespaces)
+        except REQUEST_ERRORS as e:     # a namespace refused: counted and told, as a request's would be
+            self.failed(e, "warm-up")
+        except STORE_ERRORS as e:
+            # best effort, no back-off: a link with a short deadline (lookups) may time out here
+            # while its engine starts; its first request then registers, as without a warm-up
+            log.debug("tierd %s: warm-up did not finish (%s)", self._name, e)
 
     def failed(self, e: Exception, what: str) -> None:
         """A store call failed: back off — unless the failure concerns only that request (a

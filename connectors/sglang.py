@@ -217,7 +217,11 @@ class TierdStorage(HiCacheStorage):
         else:
             log.info("tierd storage backend: namespace %s (%s), %d bytes a page, %s",
                      self.ns.name, self.ns.layout or "layer_first", self.block_bytes, self.url)
-            self.lookup_link.get()   # start connecting now, so the first request can already hit
+            # connect now, each link, with the daemon knowing the namespace: the first request's
+            # lookup, load and save then pay for neither
+            self.lookup_link.warm(namespaces=[self.ns], wait=True)
+            for link in (self.load_link, self.save_link):
+                link.warm(namespaces=[self.ns])
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)

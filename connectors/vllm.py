@@ -227,7 +227,9 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
                                   name="tierd-vllm-lookup", use_index=self._lookup_index(ktc))
             self.save_link = self.link
             if not self.disabled:
-                self.link.get()       # start connecting now, so the first request can already hit
+                # connect now, and have the daemon know the namespaces of requests without a
+                # cache salt, so the first request can already hit within its lookup deadline
+                self.link.warm(namespaces=self.start_namespaces(range(self.key_ranks)), wait=True)
         else:
             # loads and saves on separate connections: a timeout on one never drops the other's slots
             # both copy through the daemon's arena: its pages are mapped ahead of the first copy
@@ -410,6 +412,19 @@ class TierdConnector(SchedulerHalf, WorkerHalf, KVConnectorBase_V1, SupportsHMA)
                            attention=self.groups.descriptor, **args)
             self._namespaces[(salt, rank)] = ns
         return ns
+
+    def start_namespaces(self, ranks) -> list[Namespace]:
+        """The namespaces of requests without a cache salt for key ranks `ranks` (their
+        recurrent-state namespaces too, for hybrid models): what a link registers at its warm-up.
+        Empty where they cannot be made yet (a request then registers its own, or declines)."""
+        try:
+            out = [self.namespace("", r) for r in ranks]
+            if self.groups.state_names:
+                out += [self.state_namespace("", r) for r in ranks]
+        except (TierdError, ValueError, KeyError) as e:
+            log.debug("tierd: no namespaces to warm up (%s)", e)
+            return []
+        return out
 
     def state_namespace(self, salt: str | None = "", rank: int | None = None) -> Namespace:
         """The recurrent-state namespace beside `namespace(salt, rank)` (models with Mamba or

@@ -168,9 +168,10 @@ class WorkerHalf:
         # pay for connecting, mapping the arena and faulting its pages in, nor (on a GPU) for
         # page-locking it
         pin = self._xfer.attach if self._xfer.pinning is not None else None
-        self.link.warm(pin)
+        own = self.start_namespaces([self._rank])    # registered then too, off this thread
+        self.link.warm(pin, namespaces=own)
         if self.save_link is not self.link:
-            self.save_link.warm(pin)
+            self.save_link.warm(pin, namespaces=own if self._writer else ())
 
     @staticmethod
     def _state_page(name: str, t, nbytes: int):

@@ -390,6 +390,36 @@ def test_a_worker_connects_when_it_registers_its_caches_and_a_down_daemon_costs_
 
 
 # -- a stalled daemon costs the scheduler at most the deadline -----------------------------------
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_daemon_knows_the_namespaces_before_the_first_request(daemon, tp):
+    """At start the scheduler's link registers the namespaces of requests without a cache salt,
+    every key rank's, and each worker's links its own: the first request's lookup (50 ms
+    deadline by default) pays for no registration round trip, which under a starting engine's
+    load could outlast it and miss the hit."""
+    import time
+
+    import tierd
+    sched = _tp(daemon.url) if tp == 2 else tv.TierdConnector(config(daemon.url), tv.KVConnectorRole.SCHEDULER, None)
+    want = {sched.namespace("", r).name for r in range(sched.key_ranks)}
+    assert len(want) == tp
+    with tierd.connect(daemon.url) as c:
+        deadline = time.monotonic() + 10
+        while set(c.stats()["namespaces"]) != want:
+            assert set(c.stats()["namespaces"]) <= want
+            assert time.monotonic() < deadline, "the scheduler's link never registered its namespaces"
+            time.sleep(0.02)
+        sched.shutdown()
+    if tp == 1:
+        worker = tv.TierdConnector(config(daemon.url), tv.KVConnectorRole.WORKER, None)
+        worker.register_kv_caches(drv.paged_caches("BHN2D"))
+        deadline = time.monotonic() + 10
+        while not all(link.store is not None and sched.namespace("").name in link.store._namespaces
+                      for link in (worker.link, worker.save_link)):
+            assert time.monotonic() < deadline, "the worker's links never registered its namespace"
+            time.sleep(0.02)
+        worker.shutdown()
+
+
 def test_lookups_keep_their_deadline_on_a_stalled_daemon_and_recover(daemon):
     import signal
     import time
