@@ -266,16 +266,16 @@ class StoreLink:
                     if wait:
                         done.wait(self._timeout_s)
             elif self._warm_namespaces and hasattr(self.store, "hold"):   # a daemon's client, connected
-                threads.start(self._register_warm, name=f"{self._name}-warm")
+                threads.start(self._register_warm, self._warm_namespaces, name=f"{self._name}-warm")
             return
 
         def work():
             store = self.get()
             if store is None:
                 return
+            self._register_warm(namespaces)
             try:
                 if hasattr(store, "hold"):            # a daemon's client
-                    store.warm_up(namespaces)
                     store.cost_model(via=self._probe_store())   # (its side connection, made now)
                     self._start_exchanges()
                 if then is not None:
@@ -308,20 +308,20 @@ class StoreLink:
                 done.set()
             # after `done`: a caller waiting for the connection does not wait for this too (its
             # own first call in a namespace waits for the daemon to know it, as it would anyway)
-            self._register_warm()
+            if self._warm_namespaces:
+                self._register_warm(self._warm_namespaces)
 
         threads.start(attempt, name=f"{self._name}-connect")
         return done, True
 
-    def _register_warm(self) -> None:
-        """A background link's warm-up: the daemon told the namespaces given to `warm`, and the
-        client's reporter of reads without a lease started (`Client.warm_up`)."""
+    def _register_warm(self, namespaces: Sequence) -> None:
+        """A warm-up's part with a daemon: `namespaces` registered and the client's reporter of
+        reads without a lease started (`Client.warm_up`); nothing for an embedded store."""
         store = self.store
-        if not self._warm_namespaces or store is None or not hasattr(store, "hold") \
-                or not getattr(store, "connected", True):
+        if store is None or not hasattr(store, "hold") or not getattr(store, "connected", True):
             return
         try:
-            store.warm_up(self._warm_namespaces)
+            store.warm_up(namespaces)
         except REQUEST_ERRORS as e:     # a namespace refused: counted and told, as a request's would be
             self.failed(e, "warm-up")
         except STORE_ERRORS as e:
