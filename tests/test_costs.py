@@ -3,6 +3,7 @@ decision loads exactly the prefix that wins, and a daemon's model is what its cl
 
 import math
 import random
+import time
 
 import pytest
 
@@ -149,6 +150,50 @@ def test_a_daemon_model_is_what_its_clients_measured(tmp_path):
                                      "ledger": {"disk": {"slow_hits": -5, "nope": 1}}})
             assert a.stats()["costs"]["ledger"]["disk"]["slow_hits"] == 1
     finally:
+        assert d.stop() == 0
+
+
+def test_what_a_replica_measures_during_an_exchange_counts_at_once_and_is_sent_with_the_next():
+    """The exchange takes the replica's report, and the daemon's state comes back a round trip
+    later: a slow load measured in between must not vanish from the replica until the next
+    exchange (a plan there would load from a tier its own engine just found slow)."""
+    node, m = CostModel(), CostModel(replica=True)
+    for _ in range(8):
+        m.observe_transfer("disk", "load", 1 << 20, 1e-3)
+    m.count("disk", loads=8)
+    report = m.take_outbox()                          # the exchange starts ...
+    m.observe_transfer("disk", "load", 1 << 20, 0.5)  # ... a load finds the disk slow ...
+    m.count("disk", loads=1, slow_hits=1)
+    node.merge_report(report)
+    m.adopt(node.state())                             # ... and the daemon's state arrives
+    assert m.transfers[("disk", "load")].predict(1 << 20) > 0.1
+    assert m.ledger["disk"]["loads"] == 9 and m.ledger["disk"]["slow_hits"] == 1
+    node.merge_report(m.take_outbox())                # the next exchange sends it, once
+    m.adopt(node.state())
+    assert node.ledger["disk"]["loads"] == 9 and m.ledger["disk"]["loads"] == 9
+    assert node.transfers[("disk", "load")].n == m.transfers[("disk", "load")].n == 9
+
+
+def test_a_link_in_use_sees_what_another_engine_measured_within_a_period_or_two(tmp_path):
+    """A scheduler's link decides from its replica without a round trip; while it is in use it
+    exchanges the replica every period on its own, so a tier another process found slow is
+    declined by its next plan, not only by the one after it kicked an exchange."""
+    from tierd.connectors.link import StoreLink
+    d = DaemonProc(tmp_path).start()
+    link = StoreLink(f"unix://{d.socket}")
+    try:
+        link.get()
+        fast = link.cost_model()                      # in use from now on (the first exchange kicked)
+        with Client(d.socket, name="worker") as w:
+            wm = w.cost_model()
+            wm.observe_transfer("disk", "load", 1 << 20, 0.5)
+            w.cost_model(now=True)                    # the worker's slow load reaches the daemon
+        deadline = time.monotonic() + 4 * C.SYNC_S + 2.0
+        while fast.transfers[("disk", "load")].n == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)                          # (no call of the link's: only its own period)
+        assert fast.transfers[("disk", "load")].predict(1 << 20) == pytest.approx(0.5, rel=0.05)
+    finally:
+        link.close()
         assert d.stop() == 0
 
 

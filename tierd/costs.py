@@ -488,7 +488,8 @@ class CostModel:
                     "ledger": {t: dict(row) for t, row in self.ledger.items()}}
 
     def adopt(self, state: dict) -> None:
-        """(A replica.) Take the daemon's model, which holds this replica's measurements too."""
+        """(A replica.) Take the daemon's model, which holds this replica's measurements too (but
+        those made since the report went, which count again on top of it)."""
         with self._lock:
             for key, st in (state.get("transfers") or {}).items():
                 t, _, d = key.partition("/")
@@ -500,6 +501,17 @@ class CostModel:
             for t, row in (state.get("ledger") or {}).items():
                 if t in self.ledger:
                     self.ledger[t].update({k: int(v) for k, v in row.items() if k in self.ledger[t]})
+            # what this replica measured while the exchange was under way is not in the
+            # daemon's state yet (it goes with the next report): measured here, it counts here
+            # from now on, not only a period later
+            pending = self._outbox or {}
+            for tier, direction, nbytes, seconds in pending.get("transfers", ()):
+                self.transfers[(tier, direction)].add(nbytes, seconds)
+            for engine, n, q, seconds in pending.get("forwards", ()):
+                self.recompute.setdefault(engine, RecomputeFit()).add(n, q, seconds)
+            for t, deltas in pending.get("ledger", {}).items():
+                for k, v in deltas.items():
+                    self.ledger[t][k] += v
             self.synced_at = time.monotonic()
 
     def describe(self) -> dict:
