@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import queue
 import threading
@@ -198,7 +197,6 @@ class StoreLink:
         self._side_lock = threading.Lock()
         self._exchanger: threading.Thread | None = None   # exchanges the cost model when due
         self._costs_due = threading.Event()
-        self._costs_used = -math.inf       # time.monotonic() of the cost model's latest use
         self._warm_namespaces: list = []   # a background link's: registered on each connection
         self._warming: threading.Event | None = None   # set when the warm-up's connection attempt ends
 
@@ -469,35 +467,24 @@ class StoreLink:
                 self._prober_store = tierd.connect(f"{base}?timeout_s={self.PROBE_TIMEOUT_S:g}&index=0&retries=0")
             return self._prober_store
 
-    COSTS_ACTIVE_S = 60.0   # after its cost model's latest use, a link exchanges it every SYNC_S this long
-
     def cost_model(self, *, exchange: bool = True):
         """The store's cost model (tierd/costs.py) without a request on the caller's thread: a
-        daemon client's replica is exchanged with the daemon's on a thread of its own, every
-        `costs.SYNC_S` while the link uses it (and for `COSTS_ACTIVE_S` after), so that a plan
-        decides on what every engine of the node measured up to a period ago: a tier that
-        another engine (or this engine's worker) found slow is declined by the next request
-        more than a period or two later, not only by the one after it. A call that finds the
-        exchange late (an idle link's first use) kicks it, unless `exchange=False` (a load that
-        calls this again once it is done, so that the thread's start and its Python work never
-        run beside the load's). None without a store."""
+        daemon client's replica is exchanged with the daemon's on a thread of its own when due
+        (not with `exchange=False`: a load that calls this again once it is done, so that the
+        thread's start and its Python work never run beside the load's). None without a store."""
         store = self.store
         if store is None or not hasattr(store, "cost_model"):
             return None
         model = store.cost_model(sync=False)
-        if hasattr(store, "hold"):
-            now = time.monotonic()
-            self._costs_used = now
-            if exchange and now - model.synced_at >= COSTS_SYNC_S:
-                self._start_exchanges()
-                self._costs_due.set()
+        if exchange and hasattr(store, "hold") and time.monotonic() - model.synced_at >= COSTS_SYNC_S:
+            self._start_exchanges()
+            self._costs_due.set()
         return model
 
     def _start_exchanges(self) -> None:
-        """The thread that exchanges the cost model (one per link; asleep between periods, and
-        until it is kicked once the link has not used its model for `COSTS_ACTIVE_S`): a kick
-        is an Event's set, where a thread started per exchange cost a load or a forward next to
-        it up to milliseconds of the GIL."""
+        """The thread that exchanges the cost model (one per link, asleep until one is due):
+        a kick is an Event's set, where a thread started per exchange cost a load or a forward
+        next to it up to milliseconds of the GIL."""
         with self._lock:
             if self._stop or (self._exchanger is not None and self._exchanger.is_alive()):
                 return
@@ -505,8 +492,7 @@ class StoreLink:
 
     def _exchange_costs(self) -> None:
         while True:
-            active = time.monotonic() - self._costs_used < self.COSTS_ACTIVE_S
-            self._costs_due.wait(COSTS_SYNC_S if active else None)
+            self._costs_due.wait()
             self._costs_due.clear()
             store = self.store
             if self._stop:
@@ -516,7 +502,7 @@ class StoreLink:
             try:
                 # through the link's side connection: the exchange's round trip never holds the
                 # connection a load uses (it measured 0.3-1 ms of a 512-token host hit's load
-                # part through a daemon when it did); a period's wake-up exchanges what is due
+                # part through a daemon when it did)
                 store.cost_model(via=self._probe_store())
             except Exception as e:  # noqa: BLE001 -- a measurement exchange: never an engine's error
                 log.debug("tierd: exchanging the cost model failed (%s)", e)

@@ -3,7 +3,6 @@ decision loads exactly the prefix that wins, and a daemon's model is what its cl
 
 import math
 import random
-import time
 
 import pytest
 
@@ -172,29 +171,6 @@ def test_what_a_replica_measures_during_an_exchange_counts_at_once_and_is_sent_w
     m.adopt(node.state())
     assert node.ledger["disk"]["loads"] == 9 and m.ledger["disk"]["loads"] == 9
     assert node.transfers[("disk", "load")].n == m.transfers[("disk", "load")].n == 9
-
-
-def test_a_link_in_use_sees_what_another_engine_measured_within_a_period_or_two(tmp_path):
-    """A scheduler's link decides from its replica without a round trip; while it is in use it
-    exchanges the replica every period on its own, so a tier another process found slow is
-    declined by its next plan, not only by the one after it kicked an exchange."""
-    from tierd.connectors.link import StoreLink
-    d = DaemonProc(tmp_path).start()
-    link = StoreLink(f"unix://{d.socket}")
-    try:
-        link.get()
-        fast = link.cost_model()                      # in use from now on (the first exchange kicked)
-        with Client(d.socket, name="worker") as w:
-            wm = w.cost_model()
-            wm.observe_transfer("disk", "load", 1 << 20, 0.5)
-            w.cost_model(now=True)                    # the worker's slow load reaches the daemon
-        deadline = time.monotonic() + 4 * C.SYNC_S + 2.0
-        while fast.transfers[("disk", "load")].n == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)                          # (no call of the link's: only its own period)
-        assert fast.transfers[("disk", "load")].predict(1 << 20) == pytest.approx(0.5, rel=0.05)
-    finally:
-        link.close()
-        assert d.stop() == 0
 
 
 def test_only_a_replica_keeps_what_it_measured_for_the_daemon():
