@@ -121,7 +121,6 @@ def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
     import numpy as np
     src = np.ones(nbytes, dtype=np.uint8)
     dst = np.zeros(nbytes, dtype=np.uint8)
-    flush_caches(1)
     best = float("inf")
     for _ in range(repeats):
         flush_caches()
@@ -134,15 +133,14 @@ def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
 _sweep = None
 
 
-def flush_caches(passes: int = 1) -> None:
+def flush_caches() -> None:
     """Push what the CPU caches hold out to memory: read and write back every byte of a buffer
     four times the last-level cache (kept between calls, its pages touched once)."""
     import numpy as np
     global _sweep
     if _sweep is None:
         _sweep = np.ones(4 * last_level_cache_bytes(), dtype=np.uint8)
-    for _ in range(passes):
-        np.add(_sweep, 1, out=_sweep)
+    np.add(_sweep, 1, out=_sweep)
 
 
 def best_of(fn, repeats: int = 3) -> float:

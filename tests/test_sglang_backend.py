@@ -304,9 +304,9 @@ def test_the_daemon_knows_the_namespace_once_the_pool_is_registered_before_any_r
 
 def test_a_stalled_daemon_costs_a_call_at_most_its_timeout(tmp_path, models):
     """A daemon that stops answering (SIGSTOP): a lookup is a miss after its deadline, a load
-    fails after its timeout (or is read, checked, out of the daemon's shared index), a store fails after it or succeeds at once (its link holds staged
-    slots: then the blocks are stored when the daemon resumes), nothing raises; once it answers
-    again, so do they."""
+    fails after its timeout (or is read, checked, out of the daemon's shared index), a store
+    fails after it or succeeds at once (its link holds staged slots: then the blocks are stored
+    when the daemon resumes), nothing raises; once it answers again, so do they."""
     import signal
     d = DaemonProc(tmp_path, host_bytes="32MiB").start()
     try:

@@ -143,6 +143,6 @@ def test_a_slowed_disk_is_declined_and_a_healed_one_loaded_again_with_identical_
     print("\nexternal hits, " + seen)
     assert slow[-2:] == [0, 0], seen                    # declined once the disk was measured slow
     assert healed[-1] == 2 * BLOCK_TOKENS, seen          # loaded again once it healed
-    ledger = run["stats"]["costs"]["ledger"]["disk"]
+    ledger = costs["ledger"]["disk"]
     assert ledger["declined_tokens"] >= 2 * 2 * BLOCK_TOKENS, ledger
     assert ledger["loaded_tokens"] >= 2 * BLOCK_TOKENS, ledger
